@@ -1,0 +1,28 @@
+# Two entry points: `make demo` and `make test`. Both build .venv from scratch when it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned here (the CPU wheel on this kind of machine); the package's own range stays open.
+TORCH_PIN ?= torch==2.13.0
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[test,demo]'
+	touch $@
+
+.PHONY: venv demo test bench clean
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/ckpt demo --out demo-out
+
+test: venv
+	$(BIN)/python -m pytest -q -m "not cuda"
+
+bench: venv
+	$(BIN)/python bench/save_load.py
+
+clean:
+	rm -rf $(VENV) demo-out

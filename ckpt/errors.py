@@ -1,0 +1,145 @@
+"""The exception hierarchy of the ``ckpt`` package.
+
+Every error a reader or writer raises on purpose derives from :class:`CkptError`.
+Each leaf also subclasses the builtin it naturally is, so ``except ValueError``
+keeps working for callers who do not know this package::
+
+    CkptError
+    ├── CheckpointNotFoundError      (FileNotFoundError)  no such checkpoint
+    ├── IncompleteCheckpointError    (CkptError)          uncommitted / temporary dir
+    ├── FormatError                  (ValueError)         bytes that do not parse
+    │   ├── UnsupportedVersionError                       unknown major version
+    │   ├── LimitExceededError                            a size above a documented limit
+    │   └── UnsafePathError                               ../, absolute path, symlink escape
+    ├── IntegrityError               (ValueError)         bytes parse but do not match
+    │   ├── ChecksumMismatchError                         a chunk or manifest digest differs
+    │   └── SizeMismatchError                             truncated / extended file, extra file
+    ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
+    ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
+    ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
+    └── BackgroundSaveError          (RuntimeError)       an async save failed earlier
+
+Every instance carries ``path`` (the file), and where known ``offset`` (a byte offset
+in that file) or ``key`` (a key path in the state tree); ``str(err)`` names them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "CkptError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "FormatError",
+    "UnsupportedVersionError",
+    "LimitExceededError",
+    "UnsafePathError",
+    "IntegrityError",
+    "ChecksumMismatchError",
+    "SizeMismatchError",
+    "StateMismatchError",
+    "EnvironmentMismatchError",
+    "UnsupportedValueError",
+    "BackgroundSaveError",
+]
+
+
+class CkptError(Exception):
+    """Base class of every error raised on purpose by ``ckpt``."""
+
+    #: exit code the CLI maps this class to (see ``cli.main``)
+    exit_code: int = 1
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        offset: int | None = None,
+        key: str | None = None,
+        **context: Any,
+    ) -> None:
+        self.message = message
+        self.path = path
+        self.offset = offset
+        self.key = key
+        self.context = context
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(f"file {self.path!s}")
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        if self.key is not None:
+            where.append(f"key {self.key!r}")
+        return f"{self.message} ({', '.join(where)})" if where else self.message
+
+    def __reduce__(self):  # keeps errors picklable for multiprocessing result queues
+        return (_rebuild, (type(self), self.message, self.path, self.offset, self.key, self.context))
+
+
+def _rebuild(cls, message, path, offset, key, context):  # pragma: no cover - trivial
+    return cls(message, path=path, offset=offset, key=key, **context)
+
+
+class CheckpointNotFoundError(CkptError, FileNotFoundError):
+    exit_code = 5
+
+
+class IncompleteCheckpointError(CkptError):
+    """The directory is not a committed checkpoint (no MANIFEST, or a temporary dir)."""
+
+    exit_code = 4
+
+
+class FormatError(CkptError, ValueError):
+    """The bytes do not follow the format (bad magic, malformed header, bad msgpack)."""
+
+    exit_code = 3
+
+
+class UnsupportedVersionError(FormatError):
+    pass
+
+
+class LimitExceededError(FormatError):
+    """A declared size is above a documented limit; nothing was allocated for it."""
+
+
+class UnsafePathError(FormatError):
+    """A name in the manifest escapes the checkpoint directory."""
+
+
+class IntegrityError(CkptError, ValueError):
+    """The bytes parse but are not the bytes that were written."""
+
+    exit_code = 3
+
+
+class ChecksumMismatchError(IntegrityError):
+    pass
+
+
+class SizeMismatchError(IntegrityError):
+    pass
+
+
+class StateMismatchError(CkptError, ValueError):
+    """The checkpoint does not fit the objects it is being loaded into."""
+
+
+class EnvironmentMismatchError(CkptError, RuntimeError):
+    """Under ``strict`` exactness, the environment differs from the one that saved."""
+
+    exit_code = 6
+
+
+class UnsupportedValueError(CkptError, TypeError):
+    """A value in the state cannot be represented without pickle."""
+
+
+class BackgroundSaveError(CkptError, RuntimeError):
+    """An asynchronous save failed; raised at the next call into the manager."""

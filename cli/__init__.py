@@ -1,0 +1,11 @@
+"""The ``ckpt`` command line. Importing this package must stay light: no torch."""
+
+from __future__ import annotations
+
+__all__ = ["main"]
+
+
+def main() -> None:  # thin shim so ``cli.main`` works as both module and function name
+    from cli.main import main as _main
+
+    _main()

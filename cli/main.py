@@ -1,0 +1,105 @@
+"""Root ``ckpt`` group: lazy subcommands and the one place errors become exit codes.
+
+Exit codes (documented in README and spec/checkpoint-format.md §CLI):
+
+====  ==========================================================
+0     success: valid, identical, no violation
+1     unexpected error
+2     usage error (click)
+3     corrupt: a format or integrity error (file, chunk, byte range named)
+4     incomplete: not a committed checkpoint
+5     not found
+6     different: ``diff`` found differences, ``replay`` diverged,
+      ``tape check`` found violations, strict environment gate refused
+====  ==========================================================
+
+Subcommands live in their own modules and are imported only when invoked, so that
+``ckpt --help`` and ``ckpt inspect`` never import torch (a test enforces this).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+__all__ = ["main", "cli", "EXIT_OK", "EXIT_CORRUPT", "EXIT_INCOMPLETE", "EXIT_NOT_FOUND", "EXIT_DIFFERENT"]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_CORRUPT = 3
+EXIT_INCOMPLETE = 4
+EXIT_NOT_FOUND = 5
+EXIT_DIFFERENT = 6
+
+# name -> (module:attr, one-line help). The help is duplicated here on purpose: listing
+# commands must not import their modules.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("cli.inspect_cmd:inspect_cmd", "Summarise a checkpoint: the seven fields, tensors, provenance."),
+    "verify": ("cli.verify_cmd:verify_cmd", "Re-hash every chunk of a checkpoint (or check structure with --quick)."),
+    "diff": ("cli.diff_cmd:diff_cmd", "Compare two checkpoints: tensors, config, commit, topology, RNG, env."),
+    "ls": ("cli.ls_cmd:ls_cmd", "List the checkpoints of a run directory with their status."),
+    "demo": ("cli.demo_cmd:demo_cmd", "Run the demo training job and report on it."),
+    "tape": ("cli.tape_cmd:tape", "Show, verify, check, diff and repair event tapes."),
+    "replay": ("cli.tape_cmd:replay_cmd", "Re-execute a recorded run and prove it bit-identical."),
+    "check-resume": ("cli.resume_cmd:check_resume_cmd", "Kill and resume a training entry point; compare bits."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        spec = _COMMANDS.get(name)
+        if spec is None:
+            return None
+        mod_name, attr = spec[0].split(":")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:  # a command whose module is not built yet
+            if e.name == mod_name:
+                return None
+            raise
+        return getattr(mod, attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, _COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ckpt-replay", prog_name="ckpt")
+def cli() -> None:
+    """ckpt: exact, verifiable checkpoints and replayable event tapes for PyTorch."""
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """Map an exception to the documented exit code (one place, as click does)."""
+    code = getattr(exc, "exit_code", None)
+    if isinstance(code, int):
+        return code
+    if isinstance(exc, FileNotFoundError):
+        return EXIT_NOT_FOUND
+    return EXIT_ERROR
+
+
+def main(argv: list[str] | None = None) -> Any:
+    try:
+        return cli.main(args=argv, prog_name="ckpt", standalone_mode=True)
+    except SystemExit:
+        raise
+
+
+def fail(exc: BaseException) -> "click.exceptions.Exit":
+    """Print ``exc`` as one clear line on stderr and return the Exit to raise."""
+    click.echo(f"error: {exc}", err=True)
+    return click.exceptions.Exit(exit_code_for(exc))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
