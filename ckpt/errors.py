@@ -13,7 +13,10 @@ keeps working for callers who do not know this package::
     │   └── UnsafePathError                               ../, absolute path, symlink escape
     ├── IntegrityError               (ValueError)         bytes parse but do not match
     │   ├── ChecksumMismatchError                         a chunk or manifest digest differs
-    │   └── SizeMismatchError                             truncated / extended file, extra file
+    │   ├── SizeMismatchError                             truncated or extended file
+    │   ├── MissingFileError                              a file the manifest names is absent
+    │   └── UnexpectedFileError                           a file the manifest does not name
+    ├── CheckpointExistsError        (FileExistsError)    refusing to replace a checkpoint
     ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
     ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
@@ -38,6 +41,9 @@ __all__ = [
     "IntegrityError",
     "ChecksumMismatchError",
     "SizeMismatchError",
+    "MissingFileError",
+    "UnexpectedFileError",
+    "CheckpointExistsError",
     "StateMismatchError",
     "EnvironmentMismatchError",
     "UnsupportedValueError",
@@ -124,6 +130,18 @@ class ChecksumMismatchError(IntegrityError):
 
 
 class SizeMismatchError(IntegrityError):
+    pass
+
+
+class MissingFileError(IntegrityError):
+    pass
+
+
+class UnexpectedFileError(IntegrityError):
+    pass
+
+
+class CheckpointExistsError(CkptError, FileExistsError):
     pass
 
 

@@ -1,0 +1,122 @@
+"""ckpt: exact, verifiable, pickle-free PyTorch checkpoints.
+
+One checkpoint holds all seven fields, written together and loaded together:
+weights, optimizer state, RNG state, data offsets, config hash, cluster topology and
+commit SHA (plus an environment fingerprint and lineage)::
+
+    import ckpt
+    ckpt.save("run/step-00000100", {"model": model, "optim": opt}, config=cfg, data=loader, step=100)
+    info = ckpt.load("run/step-00000100", {"model": model, "optim": opt}, data=loader)
+    r = ckpt.open("run/step-00000100")          # lazy: r.manifest, r.context(), r.tensor("model/fc.weight")
+
+Importing ``ckpt`` does not import torch; the torch-facing functions load it on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+from .errors import CkptError  # noqa: E402
+from .reader import CheckpointReader  # noqa: E402
+from .stateful import Stateful  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "open",
+    "begin",
+    "write_part",
+    "commit",
+    "abort",
+    "Stateful",
+    "CheckpointReader",
+    "CkptError",
+    "LoadResult",
+    "CheckpointManager",
+    "errors",
+    "data",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._torchio import LoadResult
+    from .manager import CheckpointManager
+    from .writer import abort, begin, commit, save, write_part
+
+
+def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001 - mirrors the builtin on purpose
+    """Open a committed checkpoint lazily (reads MANIFEST only)."""
+    return CheckpointReader(path, **kwargs)
+
+
+def load(
+    path: Any,
+    state: Any = None,
+    *,
+    part: str | None = None,
+    data: Any = None,
+    generators: Any = None,
+    map_location: Any = None,
+    restore_rng: bool = True,
+    verify: bool = True,
+    exactness: str = "warn",
+) -> "LoadResult":
+    """Load a checkpoint into ``state`` in place (the resume path).
+
+    Tensors whose dtype and shape match are filled in their existing storage;
+    others are created fresh (moved with ``map_location``). Every chunk read is
+    verified unless ``verify=False``. RNG streams are restored last. ``exactness``
+    compares the saving environment with this one: ``strict`` refuses, ``warn``
+    names every difference, ``off`` skips the check.
+    """
+    from ._torchio import load_into
+
+    reader = CheckpointReader(path)
+    if part is None and len(reader.parts) > 1:
+        part = _default_part(reader)
+    return load_into(
+        reader,
+        state,
+        part=part,
+        data=data,
+        generators=generators,
+        map_location=map_location,
+        restore_rng_state=restore_rng,
+        verify=verify,
+        exactness=exactness,
+    )
+
+
+def _default_part(reader: CheckpointReader) -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"rank-{rank:05d}"
+
+
+_LAZY = {
+    "save": ("writer", "save"),
+    "begin": ("writer", "begin"),
+    "write_part": ("writer", "write_part"),
+    "commit": ("writer", "commit"),
+    "abort": ("writer", "abort"),
+    "LoadResult": ("_torchio", "LoadResult"),
+    "CheckpointManager": ("manager", "CheckpointManager"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f".{mod}", __name__), attr)
+        globals()[name] = value
+        return value
+    if name in ("errors", "data"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")

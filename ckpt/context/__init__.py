@@ -1,0 +1,1 @@
+"""Capture and restore of everything beside the tensors: RNG, topology, commit, config, env."""

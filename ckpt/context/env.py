@@ -1,0 +1,92 @@
+"""Environment fingerprint and the exactness gate that compares two of them.
+
+A bit-exact claim holds only within one environment: torch/CUDA/cuDNN versions,
+determinism flags, thread counts and a few env variables all change the bits
+(shared/reference/exact-resume-and-replay.md §2.1, §6.I-J).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any, Mapping
+
+__all__ = ["capture_env", "env_differences", "EXACTNESS_KEYS"]
+
+_ENV_VARS = (
+    "CUBLAS_WORKSPACE_CONFIG",
+    "PYTHONHASHSEED",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "MKL_CBWR",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_NVLS_ENABLE",
+)
+
+#: keys whose difference refuses an exactness claim under ``strict``
+EXACTNESS_KEYS = (
+    "torch",
+    "cuda",
+    "cudnn",
+    "deterministic_algorithms",
+    "deterministic_warn_only",
+    "cudnn_deterministic",
+    "cudnn_benchmark",
+    "allow_tf32_matmul",
+    "allow_tf32_cudnn",
+    "float32_matmul_precision",
+    "num_threads",
+    "env",
+)
+
+
+def capture_env() -> dict[str, Any]:
+    import torch
+
+    try:
+        import numpy
+
+        np_version: str | None = numpy.__version__
+    except ImportError:
+        np_version = None
+    from .. import __version__
+
+    cudnn = torch.backends.cudnn
+    return {
+        "python": platform.python_version(),
+        "implementation": sys.implementation.name,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn.version() if cudnn.is_available() else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        "numpy": np_version,
+        "ckpt_replay": __version__,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_deterministic": bool(cudnn.deterministic),
+        "cudnn_benchmark": bool(cudnn.benchmark),
+        "allow_tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "allow_tf32_cudnn": bool(cudnn.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "num_threads": torch.get_num_threads(),
+        "num_interop_threads": torch.get_num_interop_threads(),
+        "env": {k: os.environ.get(k) for k in _ENV_VARS},
+    }
+
+
+def env_differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys=EXACTNESS_KEYS) -> list[str]:
+    """Human-readable differences, one per key, e.g. ``torch: 2.12.0 -> 2.13.0``."""
+    diffs = []
+    for k in keys:
+        a, b = saved.get(k), current.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for sub in sorted(set(a) | set(b)):
+                if a.get(sub) != b.get(sub):
+                    diffs.append(f"{k}.{sub}: {a.get(sub)!r} -> {b.get(sub)!r}")
+        elif a != b:
+            diffs.append(f"{k}: {a!r} -> {b!r}")
+    return diffs

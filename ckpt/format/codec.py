@@ -1,0 +1,81 @@
+"""Bounded msgpack and zstd helpers shared by every structure file.
+
+msgpack's own limits guard container sizes; ``max_nesting`` guards recursion in our
+extension hook (tuples nest through ext payloads, which msgpack cannot see).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgpack
+import zstandard
+
+from ..errors import FormatError, LimitExceededError
+from ..knobs import knobs
+
+__all__ = ["packb", "unpackb", "zstd_compress", "zstd_decompress"]
+
+
+def packb(obj: Any) -> bytes:
+    # strict_types: a tuple or a dict subclass must not silently become a list/dict;
+    # callers convert them explicitly (see format/tree.py).
+    return msgpack.packb(obj, use_bin_type=True, strict_types=False)
+
+
+def unpackb(
+    data: bytes | memoryview,
+    *,
+    path: str | None = None,
+    what: str = "msgpack",
+    ext_hook: Callable[[int, bytes], Any] | None = None,
+) -> Any:
+    k = knobs()
+    n = len(data)
+    kwargs: dict[str, Any] = dict(
+        raw=False,
+        strict_map_key=False,
+        use_list=True,
+        max_str_len=min(n, k.max_state_raw_bytes),
+        max_bin_len=min(n, k.max_state_raw_bytes),
+        max_array_len=min(n, k.max_container_len),
+        max_map_len=min(n // 2 + 1, k.max_container_len),
+        max_ext_len=min(n, k.max_state_raw_bytes),
+    )
+    if ext_hook is not None:
+        kwargs["ext_hook"] = ext_hook
+    try:
+        return msgpack.unpackb(data, **kwargs)
+    except (FormatError, RecursionError) as e:
+        if isinstance(e, RecursionError):
+            raise LimitExceededError(f"{what} nests too deeply", path=path) from None
+        raise
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise FormatError(f"malformed {what}: {e}", path=path) from None
+
+
+def zstd_compress(data: bytes, level: int | None = None) -> bytes:
+    lvl = knobs().zstd_level if level is None else level
+    # write_content_size lets a reader know the output size before decompressing.
+    return zstandard.ZstdCompressor(level=lvl, write_content_size=True, write_checksum=False).compress(data)
+
+
+def zstd_decompress(data: bytes, raw_size: int, *, path: str | None = None) -> bytes:
+    limit = knobs().max_state_raw_bytes
+    if raw_size < 0 or raw_size > limit:
+        raise LimitExceededError(f"declared raw size {raw_size} exceeds the limit {limit}", path=path)
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"malformed zstd frame: {e}", path=path, offset=0) from None
+    if params.content_size != raw_size:
+        raise FormatError(
+            f"zstd frame declares {params.content_size} bytes, manifest says {raw_size}", path=path, offset=0
+        )
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"malformed zstd data: {e}", path=path) from None
+    if len(out) != raw_size:
+        raise FormatError(f"zstd output is {len(out)} bytes, expected {raw_size}", path=path)
+    return out

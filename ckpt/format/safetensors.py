@@ -1,0 +1,116 @@
+"""The standard safetensors layout, written and checked by us (pure; no torch).
+
+We write the file ourselves rather than through ``safetensors.save_file`` so that
+bytes stream straight from tensor memory through the chunk hasher to the disk, with
+no second pass and no intermediate copy. The result is a stock safetensors file:
+``u64 header length | JSON header (space-padded to 8) | data``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..errors import FormatError, LimitExceededError
+from ..knobs import knobs
+from . import dtypes
+
+__all__ = ["TensorSlot", "build_header", "parse_header", "check_against_manifest"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSlot:
+    key: str
+    dtype: str  # our dtype name
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _st_shape(slot: TensorSlot) -> list[int]:
+    # Dtypes without a safetensors name travel as flat byte arrays.
+    return [slot.nbytes] if dtypes.is_raw(slot.dtype) else list(slot.shape)
+
+
+def build_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+    """Return (header bytes incl. the 8-byte length prefix, absolute data offsets)."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    pos = 0
+    rel = []
+    for s in slots:
+        header[s.key] = {"dtype": dtypes.safetensors_name(s.dtype), "shape": _st_shape(s), "data_offsets": [pos, pos + s.nbytes]}
+        rel.append(pos)
+        pos += s.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8 bytes
+    start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, [start + r for r in rel]
+
+
+def parse_header(prefix: bytes, file_size: int, *, path: str | None = None) -> tuple[int, dict[str, Any]]:
+    """Parse ``prefix`` = the first 8 bytes, then call again with the header bytes.
+
+    Returns (header_length, header dict). Raises before allocating for absurd sizes.
+    """
+    if len(prefix) < 8:
+        raise FormatError("safetensors file shorter than its 8-byte length prefix", path=path, offset=len(prefix))
+    (n,) = struct.unpack_from("<Q", prefix, 0)
+    limit = knobs().max_safetensors_header
+    if n > limit:
+        raise LimitExceededError(f"safetensors header claims {n} bytes, above the limit {limit}", path=path, offset=0)
+    if 8 + n > file_size:
+        raise FormatError(f"safetensors header claims {n} bytes but the file has {file_size}", path=path, offset=0)
+    if len(prefix) < 8 + n:
+        return n, {}
+    try:
+        header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"safetensors header is not valid JSON: {e}", path=path, offset=8) from None
+    if not isinstance(header, dict):
+        raise FormatError("safetensors header is not a JSON object", path=path, offset=8)
+    return n, header
+
+
+def check_against_manifest(
+    header: dict[str, Any], header_len: int, file_size: int, entries: Sequence[Any], *, path: str | None = None
+) -> None:
+    """The safetensors header and the manifest's tensor table must describe the same bytes.
+
+    Also enforces safetensors' own rule: data regions tile the buffer with no holes
+    and no overlaps.
+    """
+    start = 8 + header_len
+    names = [k for k in header if k != "__metadata__"]
+    if len(names) != len(entries):
+        raise FormatError(
+            f"safetensors header lists {len(names)} tensors, manifest {len(entries)}", path=path, offset=8
+        )
+    spans = []
+    for e in entries:
+        h = header.get(e.key)
+        if not isinstance(h, dict):
+            raise FormatError("tensor missing from safetensors header", path=path, key=e.key, offset=8)
+        want_shape = [e.nbytes] if dtypes.is_raw(e.dtype) else list(e.shape)
+        off = h.get("data_offsets")
+        if (
+            h.get("dtype") != dtypes.safetensors_name(e.dtype)
+            or h.get("shape") != want_shape
+            or not isinstance(off, list)
+            or len(off) != 2
+            or off != [e.offset - start, e.offset - start + e.nbytes]
+        ):
+            raise FormatError("safetensors header disagrees with the manifest", path=path, key=e.key, offset=8)
+        spans.append((off[0], off[1]))
+    spans.sort()
+    pos = 0
+    for b, end in spans:
+        if b != pos:
+            raise FormatError(f"hole or overlap in safetensors data at {start + pos}", path=path, offset=start + pos)
+        pos = end
+    if start + pos != file_size:
+        raise FormatError(
+            f"safetensors data ends at {start + pos} but the file has {file_size} bytes", path=path, offset=start + pos
+        )

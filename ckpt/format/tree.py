@@ -1,0 +1,172 @@
+"""msgpack encoding of state trees, with explicit extension types (no pickle).
+
+Plain values map to msgpack natively: nil, bool, int (64-bit), float (always
+float64, so every bit including NaN payloads survives), str, bin, array, map.
+Everything else has an explicit extension code, listed here and in the spec:
+
+====  =========  ==========================================================
+code  name       payload
+====  =========  ==========================================================
+1     TENSOR     utf-8 key into the part's tensor table
+2     TUPLE      a msgpack array (elements encoded recursively)
+3     DTYPE      utf-8 dtype name from format/dtypes.py
+4     BIGINT     ascii decimal of an int outside [-2^63, 2^64)
+5     REPLICA    utf-8 name of the part that holds this subtree
+6     DEVICE     utf-8 device string ("cpu", "cuda:0")
+====  =========  ==========================================================
+
+A value of any other type raises :class:`UnsupportedValueError` at save time naming
+its key path. The module is pure: the caller supplies a hook that recognises tensors
+and other library types, so this file never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+from ..errors import FormatError, LimitExceededError, UnsupportedValueError
+from ..knobs import knobs
+from .codec import unpackb
+
+__all__ = [
+    "EXT_TENSOR",
+    "EXT_TUPLE",
+    "EXT_DTYPE",
+    "EXT_BIGINT",
+    "EXT_REPLICA",
+    "EXT_DEVICE",
+    "TensorRef",
+    "DtypeRef",
+    "ReplicaRef",
+    "DeviceRef",
+    "to_wire",
+    "decode_tree",
+    "render_path",
+]
+
+EXT_TENSOR = 1
+EXT_TUPLE = 2
+EXT_DTYPE = 3
+EXT_BIGINT = 4
+EXT_REPLICA = 5
+EXT_DEVICE = 6
+
+_I64_MIN = -(1 << 63)
+_U64_MAX = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeRef:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRef:
+    part: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRef:
+    device: str
+
+
+def render_path(path: tuple[Any, ...]) -> str:
+    return "/".join(str(p) for p in path) if path else "<root>"
+
+
+# hook(value, path) -> msgpack.ExtType, or None when the value is not its kind
+Hook = Callable[[Any, tuple[Any, ...]], "msgpack.ExtType | None"]
+
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def to_wire(obj: Any, hook: Hook, path: tuple[Any, ...] = (), depth: int = 0) -> Any:
+    """Convert a state tree into msgpack-native values and ExtTypes."""
+    if depth > knobs().max_nesting:
+        raise UnsupportedValueError("state nests too deeply", key=render_path(path))
+    t = type(obj)
+    if obj is None or t is bool or t is str or t is bytes:
+        return obj
+    if t is int:
+        return obj if _I64_MIN <= obj <= _U64_MAX else msgpack.ExtType(EXT_BIGINT, str(obj).encode("ascii"))
+    if t is float:
+        return obj
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            wk = to_wire(k, hook, path + (k,), depth + 1)
+            if isinstance(wk, (dict, list)):
+                raise UnsupportedValueError("unhashable map key", key=render_path(path + (k,)))
+            out[wk] = to_wire(v, hook, path + (k,), depth + 1)
+        return out
+    if t is list:
+        return [to_wire(v, hook, path + (i,), depth + 1) for i, v in enumerate(obj)]
+    ext = hook(obj, path)
+    if ext is not None:
+        return ext
+    if isinstance(obj, tuple):  # includes torch.Size and namedtuples (restored as tuple)
+        items = [to_wire(v, hook, path + (i,), depth + 1) for i, v in enumerate(obj)]
+        return msgpack.ExtType(EXT_TUPLE, _packb(items))
+    if isinstance(obj, bool):
+        return bool(obj)
+    if isinstance(obj, int):  # int subclasses, e.g. IntEnum
+        return to_wire(int(obj), hook, path, depth)
+    if isinstance(obj, float):
+        return float(obj)
+    if isinstance(obj, str):
+        return str(obj)
+    if isinstance(obj, (bytearray, memoryview)):
+        return bytes(obj)
+    if isinstance(obj, list):
+        return [to_wire(v, hook, path + (i,), depth + 1) for i, v in enumerate(obj)]
+    raise UnsupportedValueError(
+        f"cannot store a value of type {t.__module__}.{t.__qualname__} without pickle", key=render_path(path)
+    )
+
+
+def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
+    """Decode a structure file body; extension values become *Ref placeholders."""
+    depth = [0]
+    limit = knobs().max_nesting
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code == EXT_TUPLE:
+            depth[0] += 1
+            if depth[0] > limit:
+                raise LimitExceededError("tuples nest too deeply", path=path)
+            try:
+                inner = unpackb(payload, path=path, what="tuple", ext_hook=ext_hook)
+            finally:
+                depth[0] -= 1
+            if not isinstance(inner, list):
+                raise FormatError("tuple payload is not an array", path=path)
+            return tuple(inner)
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError(f"extension {code} payload is not utf-8", path=path) from None
+        if code == EXT_TENSOR:
+            return TensorRef(text)
+        if code == EXT_DTYPE:
+            return DtypeRef(text)
+        if code == EXT_BIGINT:
+            if not text or len(text) > 4096 or not text.lstrip("-").isdigit():
+                raise FormatError("malformed big integer", path=path)
+            return int(text)
+        if code == EXT_REPLICA:
+            return ReplicaRef(text)
+        if code == EXT_DEVICE:
+            return DeviceRef(text)
+        raise FormatError(f"unknown extension type {code}", path=path)
+
+    return unpackb(data, path=path, what="state tree", ext_hook=ext_hook)

@@ -1,0 +1,63 @@
+"""Internal tunables, in one place, with environment overrides and a test override.
+
+Limits here are *reader* limits as well: a reader refuses any declared size above
+them before allocating (see spec/checkpoint-format.md §Limits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["Knobs", "knobs", "override"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw else default
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    #: bytes per digest chunk; 4 MiB keeps Python per-call overhead invisible and
+    #: matches efficient I/O request sizes (shared/reference/performance-limits.md §3).
+    chunk_size: int = _env_int("CKPT_CHUNK_SIZE", 4 * MiB)
+    #: zstd level for msgpack structure files; level 3 is cheap on small metadata.
+    zstd_level: int = _env_int("CKPT_ZSTD_LEVEL", 3)
+    #: request size for reads straight into tensor memory.
+    read_request: int = _env_int("CKPT_READ_REQUEST", 16 * MiB)
+    # --- reader limits (also enforced by writers, so we never write what we refuse) ---
+    max_manifest_bytes: int = 64 * MiB
+    max_safetensors_header: int = 64 * MiB
+    max_state_raw_bytes: int = 1 * GiB
+    max_file_bytes: int = 1 << 50
+    max_tensor_rank: int = 64
+    max_container_len: int = 1 << 24
+    max_nesting: int = 256
+    min_chunk_size: int = 4096
+    max_chunk_size: int = 1 * GiB
+
+
+_current = Knobs()
+
+
+def knobs() -> Knobs:
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes: int) -> Iterator[Knobs]:
+    """Temporarily change knobs (tests use small chunk sizes to exercise boundaries)."""
+    global _current
+    old = _current
+    _current = dataclasses.replace(old, **changes)
+    try:
+        yield _current
+    finally:
+        _current = old
