@@ -181,7 +181,7 @@ def write_part(
     config: Any = None,
     data: Any = None,
     generators: Mapping[str, Any] | None = None,
-    rng: bool = True,
+    rng: bool | Mapping[str, Any] = True,
     extra: Any = None,
     lineage: Mapping[str, Any] | None = None,
     code_dir: str | None = None,
@@ -210,7 +210,9 @@ def write_part(
             raise UnsupportedValueError("data must have state_dict()", key="@data")
         data_state = to_wire(data.state_dict(), collector, ("@data",))
     cfg_bytes = canonical_config(config) if config is not None else None
-    rng_state = capture_rng(generators) if rng else None
+    # A Mapping is a state captured earlier by capture_rng: an async save snapshots the
+    # RNG at the step boundary and writes it later, while the loop draws on.
+    rng_state = dict(rng) if isinstance(rng, Mapping) else (capture_rng(generators) if rng else None)
     topo = capture_topology()
     commit_info = capture_commit(code_dir)
     env = capture_env()
