@@ -73,7 +73,7 @@ def _int(d: Mapping[str, Any], key: str, where: str, lo: int, hi: int = M64) -> 
 
 def _exact_keys(d: Any, keys: tuple[str, ...], where: str) -> None:
     if not isinstance(d, Mapping):
-        raise FormatError(f"data state: expected a dict, got {type(d).__name__}", key=where or "<root>")
+        raise FormatError(f"data state: expected a dict, got {type(d).__name__}", key=where.rstrip(".") or "<root>")
     missing = [k for k in keys if k not in d]
     if missing:
         raise FormatError(f"data state: missing key {missing[0]!r}", key=f"{where}{missing[0]}")
