@@ -1,0 +1,1 @@
+"""Small real models and data used by the demo, the tests and the benchmarks."""

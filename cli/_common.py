@@ -1,0 +1,75 @@
+"""Helpers shared by the checkpoint commands (no torch)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from typing import Any, Callable, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def when(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def dump_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=_json_default))
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, bytes):
+        return o.hex()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return repr(o)
+
+
+def handle_errors(fn: F) -> F:
+    """Turn our documented exceptions into one stderr line and the mapped exit code."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from ckpt.errors import CkptError
+
+        try:
+            return fn(*args, **kwargs)
+        except (CkptError, OSError) as e:
+            from cli.main import fail
+
+            raise fail(e) from None
+        except Exception as e:  # replay errors share the exit_code attribute
+            if hasattr(e, "exit_code"):
+                from cli.main import fail
+
+                raise fail(e) from None
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def classify(entry_type: str) -> str:
+    """Which of the seven fields a top-level state entry belongs to, by its type."""
+    t = entry_type.lower()
+    if "lr_scheduler" in t or "scheduler" in t:
+        return "scheduler"
+    if "gradscaler" in t:
+        return "scaler"
+    if ".optim" in t or "optimizer" in t:
+        return "optimizer"
+    return "weights"

@@ -1,0 +1,129 @@
+"""``ckpt inspect``: the seven fields in summary, a tensor table and the provenance.
+
+Reads MANIFEST only (plus a directory listing), so its time does not depend on the
+checkpoint's size, and it never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from cli._common import classify, dump_json, handle_errors, human_bytes, when
+
+
+def manifest_summary(r: Any) -> dict[str, Any]:
+    m = r.manifest
+    parts = []
+    for p in m.parts:
+        s = p.summary
+        parts.append(
+            {
+                "name": p.name,
+                "files": [{"name": f.name, "role": f.role, "bytes": f.size, "chunks": len(f.digests) // 16} for f in p.files],
+                "entries": {
+                    k: {**v, "field": classify(v.get("type", ""))} for k, v in (s.get("entries") or {}).items()
+                },
+                "tensors": [{"name": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for t in p.tensors],
+                "rng": s.get("rng"),
+                "data": s.get("data"),
+                "config_hash": s.get("config_hash"),
+                "topology": s.get("topology"),
+                "commit": s.get("commit"),
+                "env": s.get("env"),
+                "lineage": s.get("lineage"),
+                "step": s.get("step"),
+            }
+        )
+    return {
+        "path": r.path,
+        "id": m.id,
+        "kind": m.kind,
+        "format_version": f"{m.version[0]}.{m.version[1]}",
+        "package_version": m.package_version,
+        "step": m.step,
+        "created_at": m.created_at,
+        "bytes": m.total_bytes,
+        "meta": m.meta,
+        "parts": parts,
+    }
+
+
+def _commit_line(c: dict[str, Any] | None) -> str:
+    if not c:
+        return "-"
+    if not c.get("available"):
+        return f"unavailable ({c.get('reason')})"
+    dirty = f", dirty (diff sha256 {str(c.get('diff_sha256'))[:12]})" if c.get("dirty") else ", clean"
+    return f"{c.get('sha')}{dirty}"
+
+
+def _topo_line(t: dict[str, Any] | None) -> str:
+    if not t:
+        return "-"
+    dev = t.get("device_kind", "?")
+    if t.get("device_count"):
+        dev += f" x{t['device_count']} ({', '.join(t.get('device_names') or [])})"
+    back = f", backend {t['backend']}" if t.get("backend") else ""
+    return f"world {t.get('world_size')}, rank {t.get('rank')}, host {t.get('hostname')}, {dev}{back}"
+
+
+def render(s: dict[str, Any], *, tensors: bool = True, max_tensors: int = 50) -> str:
+    out = []
+    out.append(f"checkpoint  {s['path']}")
+    out.append(
+        f"  committed, {s['kind']}, format {s['format_version']}, written by ckpt-replay {s['package_version']}"
+    )
+    out.append(f"  id {s['id']}   step {s['step']}   {when(s['created_at'])}   {human_bytes(s['bytes'])} in {len(s['parts'])} part(s)")
+    multi = len(s["parts"]) > 1
+    for p in s["parts"]:
+        if multi:
+            out.append(f"part {p['name']}")
+        out.append("  seven fields:")
+        by_field: dict[str, list[str]] = {}
+        for name, e in p["entries"].items():
+            by_field.setdefault(e["field"], []).append(
+                f"{name}: {e.get('tensors', 0)} tensors, {human_bytes(e.get('bytes'))} ({e.get('type')})"
+            )
+        out.append(f"    weights    {'; '.join(by_field.get('weights', [])) or '-'}")
+        opt = by_field.get("optimizer", []) + by_field.get("scheduler", []) + by_field.get("scaler", [])
+        out.append(f"    optimizer  {'; '.join(opt) or '-'}")
+        out.append(f"    rng        {', '.join(p['rng'] or []) or 'not captured'}")
+        d = p.get("data")
+        out.append(f"    data       {('-' if not d else str(d.get('type')) + ' ' + str(d.get('state') or {}))}")
+        out.append(f"    config     {p.get('config_hash') or '-'}")
+        out.append(f"    topology   {_topo_line(p.get('topology'))}")
+        out.append(f"    commit     {_commit_line(p.get('commit'))}")
+        env = p.get("env") or {}
+        out.append("  environment  " + ", ".join(f"{k} {v}" for k, v in env.items()))
+        lin = p.get("lineage") or {}
+        out.append(f"  lineage      run {lin.get('run_id') or '-'}, resumed from {lin.get('resumed_from') or '-'}")
+        if tensors and p["tensors"]:
+            out.append("  tensors:")
+            w = max(len(t["name"]) for t in p["tensors"][:max_tensors])
+            out.append(f"    {'name':<{w}}  {'dtype':<16} {'shape':<20} bytes")
+            for t in p["tensors"][:max_tensors]:
+                shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+                out.append(f"    {t['name']:<{w}}  {t['dtype']:<16} {shape:<20} {t['bytes']}")
+            if len(p["tensors"]) > max_tensors:
+                out.append(f"    ... {len(p['tensors']) - max_tensors} more (use --all or --json)")
+    if s["meta"]:
+        out.append("  meta: " + ", ".join(sorted(map(str, s["meta"]))))
+    return "\n".join(out)
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(file_okay=False, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--all", "show_all", is_flag=True, help="List every tensor.")
+@handle_errors
+def inspect_cmd(path: str, as_json: bool, show_all: bool) -> None:
+    """Summarise a checkpoint without loading it (and without importing torch)."""
+    from ckpt.reader import CheckpointReader
+
+    s = manifest_summary(CheckpointReader(path))
+    if as_json:
+        dump_json(s)
+    else:
+        click.echo(render(s, max_tensors=10**9 if show_all else 50))
