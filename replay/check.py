@@ -1,0 +1,188 @@
+"""Invariants over a recorded history, in the style of Jepsen's Elle: nothing is
+re-executed; the tape is checked for histories that cannot have happened, and every
+violation names the events that witness it.
+
+Rules (spec/tape-format.md §8):
+
+=========================  ==============================================================
+clock-monotonic            each actor's clocks strictly increase, its own entry included
+duplicate-send             a (channel, chan_seq) is sent twice
+recv-without-send          a receive has no earlier send of the same (channel, chan_seq)
+recv-not-after-send        the send's clock is not before the receive's clock
+recv-payload-mismatch      the receive's digest or peer disagrees with the send's
+duplicate-recv             a message is delivered twice
+merge-unknown-contribution a merged contribution names no earlier send
+merge-not-after-send       a contribution did not happen-before its merge
+merge-applied-twice        a contribution is merged twice (same or another merge)
+quorum-below-minimum       fewer distinct members than the quorum's minimum
+quorum-duplicate-member    a member listed twice
+recovery-before-target     a recovery observed a clock not >= its target clock
+snapshot-duplicate         one actor recorded the same snapshot twice
+snapshot-inconsistent      some actor's cut has seen more of actor i than i's own cut
+snapshot-orphan            a message received before its receiver's cut, sent after its sender's
+snapshot-inflight-missing  a message crossing the cut is not in the recorded channel state
+snapshot-inflight-spurious recorded channel state lists a message that did not cross the cut
+=========================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from replay.clock import Order
+from replay.events import Event
+from replay.tape.reader import TapeReader
+
+__all__ = ["Violation", "check_events", "check_tape", "RULES"]
+
+RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-after-send", "recv-payload-mismatch",
+         "duplicate-recv", "merge-unknown-contribution", "merge-not-after-send", "merge-applied-twice",
+         "quorum-below-minimum", "quorum-duplicate-member", "recovery-before-target", "snapshot-duplicate",
+         "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious")
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    rule: str
+    message: str
+    events: tuple[Event, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "message": self.message,
+                "events": [{"seq": e.seq, "actor": e.actor, "step": e.step, "kind": e.kind.name,
+                            "clock": e.clock.as_dict()} for e in self.events]}
+
+    def format(self) -> str:
+        refs = "; ".join(f"seq {e.seq} {e.actor} step {e.step} {e.kind.name} {e.clock!r}" for e in self.events)
+        return f"[{self.rule}] {self.message}\n    events: {refs}"
+
+
+def check_events(events: Iterable[Event]) -> list[Violation]:
+    out: list[Violation] = []
+    last: dict[str, Event] = {}
+    sends: dict[tuple[str, int], Event] = {}
+    recvs: dict[tuple[str, int], Event] = {}
+    merged: dict[tuple[str, int], Event] = {}
+    snaps: dict[str, dict[str, Event]] = {}
+
+    def v(rule: str, msg: str, *evs: Event) -> None:
+        out.append(Violation(rule, msg, tuple(evs)))
+
+    for ev in events:
+        k = ev.kind.name
+        if k == "actor":
+            continue
+        prev = last.get(ev.actor)
+        if prev is not None and (prev.clock.compare(ev.clock) is not Order.BEFORE
+                                 or ev.clock[ev.actor] <= prev.clock[ev.actor]):
+            v("clock-monotonic", f"{ev.actor}'s clock {ev.clock!r} does not follow its previous {prev.clock!r}",
+              prev, ev)
+        last[ev.actor] = ev
+        if k == "send":
+            p = ev.payload
+            key = (p["channel"], p["chan_seq"])
+            if key in sends:
+                v("duplicate-send", f"message {key[0]}#{key[1]} sent twice", sends[key], ev)
+            else:
+                sends[key] = ev
+        elif k == "recv":
+            p = ev.payload
+            key = (p["channel"], p["chan_seq"])
+            snd = sends.get(key)
+            if snd is None:
+                v("recv-without-send", f"receive of {key[0]}#{key[1]} has no earlier send", ev)
+            else:
+                if snd.clock.compare(ev.clock) is not Order.BEFORE:
+                    v("recv-not-after-send", f"send of {key[0]}#{key[1]} did not happen-before its receive", snd, ev)
+                sp = snd.payload
+                if sp["digest"] != p["digest"] or p["peer"] != snd.actor:
+                    v("recv-payload-mismatch", f"receive of {key[0]}#{key[1]} disagrees with the send "
+                      f"(digest or sender)", snd, ev)
+            if key in recvs:
+                v("duplicate-recv", f"message {key[0]}#{key[1]} delivered twice", recvs[key], ev)
+            else:
+                recvs[key] = ev
+        elif k == "merge":
+            seen_here: set[tuple[str, int]] = set()
+            for ch, s in ev.payload["contributions"]:
+                key = (ch, s)
+                snd = sends.get(key)
+                if snd is None:
+                    v("merge-unknown-contribution", f"merge {ev.payload['key']!r} applies {ch}#{s}, never sent", ev)
+                elif snd.clock.compare(ev.clock) is not Order.BEFORE:
+                    v("merge-not-after-send", f"contribution {ch}#{s} did not happen-before merge "
+                      f"{ev.payload['key']!r}", snd, ev)
+                if key in seen_here:
+                    v("merge-applied-twice", f"contribution {ch}#{s} listed twice in merge {ev.payload['key']!r}", ev)
+                elif key in merged:
+                    v("merge-applied-twice", f"contribution {ch}#{s} already applied by merge "
+                      f"{merged[key].payload['key']!r}", merged[key], ev)
+                else:
+                    merged[key] = ev
+                seen_here.add(key)
+        elif k == "quorum":
+            p = ev.payload
+            members = p["members"]
+            if len(set(members)) != len(members):
+                v("quorum-duplicate-member", f"quorum {p['key']!r} lists a member twice: {members}", ev)
+            if len(set(members)) < p["minimum"]:
+                v("quorum-below-minimum", f"quorum {p['key']!r} has {len(set(members))} members, minimum "
+                  f"{p['minimum']}", ev)
+        elif k == "fault_recovered":
+            p = ev.payload
+            if p["observed"].compare(p["target_clock"]) not in (Order.AFTER, Order.EQUAL):
+                v("recovery-before-target", f"{p['target']} recovered from {p['fault']!r} observing "
+                  f"{p['observed']!r}, not >= target {p['target_clock']!r}", ev)
+        elif k == "snapshot":
+            sid = ev.payload["snapshot_id"]
+            cut = snaps.setdefault(sid, {})
+            if ev.actor in cut:
+                v("snapshot-duplicate", f"{ev.actor} recorded snapshot {sid!r} twice", cut[ev.actor], ev)
+            else:
+                cut[ev.actor] = ev
+    for sid, cut in snaps.items():
+        _check_cut(sid, cut, sends, recvs, v)
+    return out
+
+
+def _check_cut(sid: str, cut: dict[str, Event], sends: dict[tuple[str, int], Event],
+               recvs: dict[tuple[str, int], Event], v: Any) -> None:
+    # A cut is consistent iff no actor's cut has seen more of actor i than i's own cut
+    # (Mattern): C_j[i] <= C_i[i] for all i, j in the cut. The witnesses are the orphan
+    # messages: received before the receiver's cut but sent after the sender's.
+    for j, ej in cut.items():
+        for i, ei in cut.items():
+            if i != j and ej.clock[i] > ei.clock[i]:
+                v("snapshot-inconsistent", f"snapshot {sid!r}: {j}'s cut has seen {i}:{ej.clock[i]}, beyond {i}'s "
+                  f"own cut {i}:{ei.clock[i]}", ei, ej)
+    recorded = {tuple(r) for e in cut.values() for r in e.payload["inflight"]}
+    for key, snd in sends.items():
+        si = cut.get(snd.actor)
+        receiver = snd.payload["peer"]
+        rj = cut.get(receiver)
+        if si is None or rj is None:
+            continue
+        sent_before = snd.clock[snd.actor] <= si.clock[snd.actor]
+        rcv = recvs.get(key)
+        recv_before = rcv is not None and rcv.clock[receiver] <= rj.clock[receiver]
+        if recv_before and not sent_before:
+            v("snapshot-orphan", f"snapshot {sid!r}: {key[0]}#{key[1]} received before {receiver}'s cut but sent "
+              f"after {snd.actor}'s", si, snd, rcv, rj)
+        crossing = sent_before and not recv_before
+        if crossing and key not in recorded:
+            v("snapshot-inflight-missing", f"snapshot {sid!r}: {key[0]}#{key[1]} crosses the cut but is not in the "
+              f"recorded channel state", si, snd, rj)
+        elif key in recorded and not crossing:
+            v("snapshot-inflight-spurious", f"snapshot {sid!r}: channel state lists {key[0]}#{key[1]}, which does "
+              f"not cross the cut", si, snd, rj)
+    for key in recorded:
+        if key not in sends:
+            v("snapshot-inflight-spurious", f"snapshot {sid!r}: channel state lists {key[0]}#{key[1]}, never sent",
+              *cut.values())
+
+
+def check_tape(path: str | os.PathLike[str]) -> list[Violation]:
+    """Check every invariant over the tape at ``path`` (which must read cleanly)."""
+    return check_events(TapeReader(path).events())

@@ -1,0 +1,360 @@
+"""The one event-kind table: code, name, payload schema and meaning of every tape event.
+
+``spec/tape-format.md`` §6 reproduces this table; ``tests/replay/test_tape_spec.py``
+checks that the two agree, so edit both or neither.
+
+A payload is a fixed sequence of typed fields, little-endian, with no padding and no
+field names on the wire (the schema is the kind). Floats are IEEE-754 binary64 bit
+patterns, so a loss recorded here is the exact value and "bit-identical loss
+sequence" is a byte comparison. Codes are stable forever: a retired kind keeps its
+code reserved, and a reader that meets an unknown code fails (it cannot skip a
+payload whose schema it does not know without risking a silent misread).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import msgpack
+
+from replay.clock import VectorClock
+from replay.errors import TapeFormatError
+
+__all__ = ["Kind", "KINDS", "KIND_BY_NAME", "KIND_BY_CODE", "Event", "FIELD_TYPES", "kind"]
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
+
+# Bounds a decoder enforces before allocating (a hostile count must not become a list).
+MAX_LIST = 1 << 20
+MAX_MSGPACK = 1 << 20
+
+# field type -> one-line wire description (spec §6.1 renders this table).
+FIELD_TYPES: dict[str, str] = {
+    "u32": "u32 LE",
+    "u64": "u64 LE",
+    "i64": "i64 LE (two's complement)",
+    "f64": "IEEE-754 binary64 LE, exact bits",
+    "d128": "16 raw bytes (xxh3-128 digest, big-endian as xxhash prints it)",
+    "str": "u16 LE byte length, then UTF-8",
+    "strs": "u16 LE count, then count x str",
+    "u64s": "u32 LE count, then count x u64 LE",
+    "digests": "u32 LE count, then count x (str name, d128 digest)",
+    "refs": "u32 LE count, then count x (str channel, u64 LE channel seq)",
+    "clock": "a canonical VectorClock encoding (clock.py): u16 count, count x (u8 len, UTF-8 actor, u64 counter)",
+    "msgpack": "u32 LE byte length, then one msgpack object (no ext types)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """One row of the event table."""
+
+    code: int
+    name: str
+    fields: tuple[tuple[str, str], ...]
+    doc: str
+    # True for events whose *value* is a timing-dependent decision: in force mode the
+    # replayer returns the taped value instead of recomputing it.
+    decision: bool = False
+    _names: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for _, t in self.fields:
+            if t not in FIELD_TYPES:
+                raise ValueError(f"unknown field type {t!r} in kind {self.name}")
+        object.__setattr__(self, "_names", tuple(n for n, _ in self.fields))
+
+    # -- encoding --------------------------------------------------------------------
+    def pack(self, *values: Any) -> bytes:
+        """Encode positional field values (in table order) into payload bytes."""
+        if len(values) != len(self.fields):
+            raise TypeError(f"{self.name} takes {len(self.fields)} fields {self._names}, got {len(values)}")
+        if not values:
+            return b""
+        out = bytearray()
+        for (fname, ftype), v in zip(self.fields, values):
+            _ENCODERS[ftype](out, v, fname)
+        return bytes(out)
+
+    def pack_map(self, values: Mapping[str, Any]) -> bytes:
+        return self.pack(*(values[n] for n in self._names))
+
+    def unpack(self, data: bytes | memoryview) -> dict[str, Any]:
+        """Decode payload bytes; strict (no trailing bytes, bounded counts)."""
+        mv = memoryview(data)
+        pos = 0
+        out: dict[str, Any] = {}
+        try:
+            for fname, ftype in self.fields:
+                out[fname], pos = _DECODERS[ftype](mv, pos)
+        except (struct.error, UnicodeDecodeError, ValueError, IndexError) as e:
+            raise TapeFormatError(f"malformed {self.name} payload: {e}", field=fname) from None
+        if pos != len(mv):
+            raise TapeFormatError(f"{len(mv) - pos} trailing bytes after {self.name} payload")
+        return out
+
+
+# -- field codecs -----------------------------------------------------------------------
+def _enc_str(out: bytearray, v: str, name: str) -> None:
+    raw = v.encode("utf-8")
+    if len(raw) > 0xFFFF:
+        raise ValueError(f"field {name}: string longer than 65535 bytes")
+    out += _U16.pack(len(raw))
+    out += raw
+
+
+def _enc_d128(out: bytearray, v: bytes, name: str) -> None:
+    if len(v) != 16:
+        raise ValueError(f"field {name}: digest must be 16 bytes, got {len(v)}")
+    out += v
+
+
+def _enc_u64s(out: bytearray, v: Sequence[int], name: str) -> None:
+    n = len(v)
+    out += _U32.pack(n)
+    out += struct.pack(f"<{n}Q", *v)
+
+
+def _enc_strs(out: bytearray, v: Sequence[str], name: str) -> None:
+    out += _U16.pack(len(v))
+    for s in v:
+        _enc_str(out, s, name)
+
+
+def _enc_digests(out: bytearray, v: Sequence[tuple[str, bytes]], name: str) -> None:
+    out += _U32.pack(len(v))
+    for n, d in v:
+        _enc_str(out, n, name)
+        _enc_d128(out, d, name)
+
+
+def _enc_refs(out: bytearray, v: Sequence[tuple[str, int]], name: str) -> None:
+    out += _U32.pack(len(v))
+    for ch, s in v:
+        _enc_str(out, ch, name)
+        out += _U64.pack(s)
+
+
+def _ext_refused(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not allowed on a tape")
+
+
+def _enc_msgpack(out: bytearray, v: Any, name: str) -> None:
+    raw = msgpack.packb(v, use_bin_type=True, use_single_float=False, strict_types=False)
+    if len(raw) > MAX_MSGPACK:
+        raise ValueError(f"field {name}: msgpack value larger than {MAX_MSGPACK} bytes")
+    out += _U32.pack(len(raw))
+    out += raw
+
+
+def _fixed(s: struct.Struct) -> tuple[Callable[..., None], Callable[..., tuple[Any, int]]]:
+    def enc(out: bytearray, v: Any, name: str) -> None:
+        out += s.pack(v)
+
+    def dec(mv: memoryview, pos: int) -> tuple[Any, int]:
+        return s.unpack_from(mv, pos)[0], pos + s.size
+
+    return enc, dec
+
+
+def _need(mv: memoryview, pos: int, n: int) -> None:
+    if pos + n > len(mv):
+        raise ValueError(f"payload truncated: need {n} bytes at {pos}, have {len(mv) - pos}")
+
+
+def _dec_str(mv: memoryview, pos: int) -> tuple[str, int]:
+    _need(mv, pos, 2)
+    (n,) = _U16.unpack_from(mv, pos)
+    pos += 2
+    _need(mv, pos, n)
+    return bytes(mv[pos : pos + n]).decode("utf-8"), pos + n
+
+
+def _dec_d128(mv: memoryview, pos: int) -> tuple[bytes, int]:
+    _need(mv, pos, 16)
+    return bytes(mv[pos : pos + 16]), pos + 16
+
+
+def _count(mv: memoryview, pos: int, s: struct.Struct, each_min: int) -> tuple[int, int]:
+    _need(mv, pos, s.size)
+    (n,) = s.unpack_from(mv, pos)
+    pos += s.size
+    # Refuse a count the remaining bytes cannot possibly hold before building a list.
+    if n > MAX_LIST or n * each_min > len(mv) - pos:
+        raise ValueError(f"count {n} exceeds what the payload can hold")
+    return n, pos
+
+
+def _dec_u64s(mv: memoryview, pos: int) -> tuple[list[int], int]:
+    n, pos = _count(mv, pos, _U32, 8)
+    return list(struct.unpack_from(f"<{n}Q", mv, pos)), pos + 8 * n
+
+
+def _dec_strs(mv: memoryview, pos: int) -> tuple[list[str], int]:
+    n, pos = _count(mv, pos, _U16, 2)
+    out = []
+    for _ in range(n):
+        s, pos = _dec_str(mv, pos)
+        out.append(s)
+    return out, pos
+
+
+def _dec_digests(mv: memoryview, pos: int) -> tuple[list[tuple[str, bytes]], int]:
+    n, pos = _count(mv, pos, _U32, 18)
+    out = []
+    for _ in range(n):
+        s, pos = _dec_str(mv, pos)
+        d, pos = _dec_d128(mv, pos)
+        out.append((s, d))
+    return out, pos
+
+
+def _dec_refs(mv: memoryview, pos: int) -> tuple[list[tuple[str, int]], int]:
+    n, pos = _count(mv, pos, _U32, 10)
+    out = []
+    for _ in range(n):
+        s, pos = _dec_str(mv, pos)
+        _need(mv, pos, 8)
+        out.append((s, _U64.unpack_from(mv, pos)[0]))
+        pos += 8
+    return out, pos
+
+
+def _enc_clock(out: bytearray, v: VectorClock, name: str) -> None:
+    out += v.encode()
+
+
+def _dec_clock(mv: memoryview, pos: int) -> tuple[VectorClock, int]:
+    return VectorClock.decode_from(mv, pos)
+
+
+def _dec_msgpack(mv: memoryview, pos: int) -> tuple[Any, int]:
+    _need(mv, pos, 4)
+    (n,) = _U32.unpack_from(mv, pos)
+    pos += 4
+    if n > MAX_MSGPACK:
+        raise ValueError(f"msgpack length {n} above limit {MAX_MSGPACK}")
+    _need(mv, pos, n)
+    try:
+        v = msgpack.unpackb(bytes(mv[pos : pos + n]), raw=False, strict_map_key=False, ext_hook=_ext_refused)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ValueError(f"bad msgpack: {e}") from None
+    return v, pos + n
+
+
+_ENCODERS: dict[str, Callable[[bytearray, Any, str], None]] = {
+    "str": _enc_str, "d128": _enc_d128, "u64s": _enc_u64s, "strs": _enc_strs,
+    "digests": _enc_digests, "refs": _enc_refs, "clock": _enc_clock, "msgpack": _enc_msgpack,
+}
+_DECODERS: dict[str, Callable[[memoryview, int], tuple[Any, int]]] = {
+    "str": _dec_str, "d128": _dec_d128, "u64s": _dec_u64s, "strs": _dec_strs,
+    "digests": _dec_digests, "refs": _dec_refs, "clock": _dec_clock, "msgpack": _dec_msgpack,
+}
+for _t, _s in (("u32", _U32), ("u64", _U64), ("i64", _I64), ("f64", _F64)):
+    _ENCODERS[_t], _DECODERS[_t] = _fixed(_s)
+
+
+# -- THE table ----------------------------------------------------------------------------
+# Codes 0 and 0xFF00-0xFFFF are reserved (0xFFFF frames a zstd block, see tape/format.py).
+KINDS: tuple[Kind, ...] = (
+    Kind(1, "actor", (("name", "str"),),
+         "Declares the next actor id (= this event's actor field) for the name. Precedes any use."),
+    Kind(2, "step_begin", (), "An optimizer step starts; the step field is the global step."),
+    Kind(3, "step_end", (), "The step finished: after optimizer.step() and scheduler.step()."),
+    Kind(4, "batch", (("sample_ids", "u64s"),), "The sample ids the step consumed, in order."),
+    Kind(5, "rng", (("source", "str"), ("digest", "d128")),
+         "xxh3-128 of one RNG state (torch, torch.cuda:N, python, numpy, or a named generator)."),
+    Kind(6, "loss", (("value", "f64"),), "The step's loss, exact float64 bits."),
+    Kind(7, "metric", (("name", "str"), ("value", "f64")), "A named scalar, exact float64 bits."),
+    Kind(8, "params", (("digest", "d128"), ("tensors", "digests")),
+         "Digest of all parameters and buffers, plus one xxh3-128 per named tensor."),
+    Kind(9, "send", (("channel", "str"), ("chan_seq", "u64"), ("peer", "str"), ("digest", "d128")),
+         "A message left on a channel; chan_seq counts per channel from 1; peer is the destination."),
+    Kind(10, "recv", (("channel", "str"), ("chan_seq", "u64"), ("peer", "str"), ("digest", "d128")),
+         "A message was delivered; peer is the source. Must match an earlier send."),
+    Kind(11, "decision", (("what", "str"), ("key", "str"), ("value", "msgpack")),
+         "A timing-dependent choice (delivery order, merge weights, grace outcome, fault schedule, ...).",
+         decision=True),
+    Kind(12, "quorum", (("key", "str"), ("minimum", "u32"), ("members", "strs")),
+         "Quorum membership decided for key; invariant: len(members) >= minimum.", decision=True),
+    Kind(13, "merge", (("key", "str"), ("contributions", "refs"), ("weights", "msgpack")),
+         "A merge applied these contributions (channel, chan_seq of their sends) with these weights.",
+         decision=True),
+    Kind(14, "fault_injected", (("fault", "str"), ("target", "str"), ("detail", "msgpack")),
+         "A fault was injected into target (decided once, forced on replay).", decision=True),
+    Kind(15, "fault_detected", (("fault", "str"), ("target", "str"), ("detail", "msgpack")),
+         "A fault in target was noticed by this actor."),
+    Kind(16, "fault_recovered", (("fault", "str"), ("target", "str"), ("target_clock", "clock"),
+                                 ("observed", "clock")),
+         "target recovered after observing clock `observed`; invariant: observed >= target_clock."),
+    Kind(17, "checkpoint", (("ckpt_id", "str"), ("path", "str")),
+         "A checkpoint of this actor's state was committed (the writer fsyncs the tape here)."),
+    Kind(18, "snapshot", (("snapshot_id", "str"), ("inflight", "refs")),
+         "This actor's local state of a distributed snapshot; the event clock is its cut; inflight "
+         "lists the recorded channel state (messages sent before the sender's cut, received after ours)."),
+    Kind(19, "note", (("text", "str"),), "Free text; compared like any other event."),
+)
+
+KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
+KIND_BY_CODE: dict[int, Kind] = {k.code: k for k in KINDS}
+assert len(KIND_BY_NAME) == len(KINDS) == len(KIND_BY_CODE)
+
+
+def kind(name_or_code: str | int) -> Kind:
+    """Look up a kind by name or code; raises KeyError naming the valid choices."""
+    table: Mapping[Any, Kind] = KIND_BY_CODE if isinstance(name_or_code, int) else KIND_BY_NAME
+    try:
+        return table[name_or_code]
+    except KeyError:
+        raise KeyError(f"unknown event kind {name_or_code!r}; known: {', '.join(KIND_BY_NAME)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One decoded tape event. ``raw`` is the payload exactly as taped."""
+
+    seq: int
+    actor: str
+    clock: VectorClock
+    step: int
+    kind: Kind
+    raw: bytes
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return self.kind.unpack(self.raw)
+
+    def same(self, other: "Event") -> bool:
+        """Equal in everything replay promises to reproduce (the tape seq is not)."""
+        return (self.kind.code == other.kind.code and self.step == other.step and self.actor == other.actor
+                and self.clock == other.clock and self.raw == other.raw)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "actor": self.actor, "step": self.step, "kind": self.kind.name,
+                "clock": self.clock.as_dict(), "payload": jsonable(self.payload)}
+
+
+def jsonable(v: Any) -> Any:
+    """Payload values as JSON: digests as hex, clocks as dicts, floats kept (repr is exact)."""
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, VectorClock):
+        return v.as_dict()
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    return v
+
+
+def describe(kinds: Iterable[Kind] = KINDS) -> list[dict[str, Any]]:
+    """The table as plain data (for `ckpt tape show --kinds` and the spec check)."""
+    return [{"code": k.code, "name": k.name, "fields": [list(f) for f in k.fields], "decision": k.decision,
+             "doc": k.doc} for k in kinds]

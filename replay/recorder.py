@@ -1,0 +1,437 @@
+"""Recording a training run onto a tape, and the same API when a run is being replayed.
+
+Add to a plain PyTorch loop::
+
+    with Recorder.open("run.tape", entry_point="train:main", config=cfg) as rec:
+        rec.watch(model)                        # parameter digests every 10 steps
+        for step, (ids, x, y) in enumerate(loader):
+            with rec.step(step):                # step begin/end + RNG digests
+                rec.batch(ids)
+                loss = loss_fn(model(x), y)
+                loss.backward(); opt.step(); opt.zero_grad()
+                rec.loss(loss)                  # exact float64 bits
+
+The same object is handed to an entry point ``main(rec)`` by the replayer, in one of
+three modes: ``record`` (write the tape), ``verify`` (every event is compared with the
+tape as it is produced; the first difference raises :class:`DivergenceError`) and
+``force`` (as verify, and the timing-dependent *decisions* — :meth:`Actor.decide`,
+:meth:`Actor.quorum`, :meth:`Actor.merge`, :meth:`Actor.maybe_inject` — return the
+taped value without calling ``compute``).
+
+Each event ticks its actor's vector clock. Several actors (a syncer and learners
+simulated in one process, threads) share one tape via :meth:`Recorder.actor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+
+import msgpack
+
+from replay import digest as dg
+from replay.clock import VectorClock
+from replay.events import KIND_BY_NAME, Event
+from replay.tape.reader import EVENT_HEAD
+from replay.tape.writer import TapeWriter
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from replay.replayer import Oracle
+
+__all__ = ["Recorder", "Actor", "Stamp", "ReplayStop", "MODES", "event_from_body"]
+
+MODES = ("record", "verify", "force")
+
+_K = KIND_BY_NAME
+_ACTOR, _BEGIN, _END, _BATCH, _RNG, _LOSS, _METRIC, _PARAMS = (
+    _K[n] for n in ("actor", "step_begin", "step_end", "batch", "rng", "loss", "metric", "params"))
+_SEND, _RECV, _DECISION, _QUORUM, _MERGE = (_K[n] for n in ("send", "recv", "decision", "quorum", "merge"))
+_FINJ, _FDET, _FREC, _CKPT, _SNAP, _NOTE = (
+    _K[n] for n in ("fault_injected", "fault_detected", "fault_recovered", "checkpoint", "snapshot", "note"))
+_ONE = struct.Struct("<qHHHQ")  # event head with a one-entry clock: the common case, packed in one call
+_F64 = struct.Struct("<d")
+
+
+class ReplayStop(BaseException):
+    """Raised inside the entry point to end a replay early (``--until`` reached, or after a
+    divergence). A BaseException so that a training loop's ``except Exception`` cannot eat it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """What a message carries: its channel, per-channel seq, payload digest and sender clock."""
+
+    channel: str
+    chan_seq: int
+    digest: bytes
+    clock: VectorClock
+    sender: str
+
+
+def _roundtrip(value: Any) -> Any:
+    # Record mode returns what force mode would: the msgpack image of the value
+    # (tuples become lists), so code behaves the same in both.
+    return msgpack.unpackb(msgpack.packb(value, use_bin_type=True, use_single_float=False), raw=False)
+
+
+class _Core:
+    """State shared by all actors of one recorder."""
+
+    def __init__(self, writer: TapeWriter | None, oracle: "Oracle | None", mode: str, *, param_digest_every: int,
+                 rng_every: int, flush_every_step: bool, rng_sources: tuple[str, ...]) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if (writer is None) == (oracle is None):
+            raise ValueError("a recorder needs exactly one of a tape writer (record) or an oracle (verify/force)")
+        self.writer = writer
+        self.oracle = oracle
+        self.mode = mode
+        self.lock = threading.RLock()
+        self.ids: dict[str, int] = {}
+        self.names: list[str] = []
+        self.top_step: int | None = None
+        self.param_digest_every = param_digest_every
+        self.rng_every = rng_every
+        self.rng_sources = rng_sources
+        self.flush_every_step = flush_every_step
+        self.watched: list[tuple[str, Any]] = []
+        self.actors: dict[str, Actor] = {}
+
+    def id_of(self, name: str) -> int:
+        aid = self.ids.get(name)
+        if aid is not None:
+            return aid
+        if self.oracle is not None:
+            aid = self.oracle.actor_id(name)  # the tape's numbering, so bodies compare byte for byte
+        else:
+            aid = len(self.names)
+            assert self.writer is not None
+            raw = name.encode("utf-8")
+            body = EVENT_HEAD.pack(self.top_step or 0, aid, 0) + struct.pack("<H", len(raw)) + raw
+            self.writer.actors.append(name)
+            self.writer.append(_ACTOR.code, body)
+        self.ids[name] = aid
+        while len(self.names) <= aid:
+            self.names.append("")
+        self.names[aid] = name
+        return aid
+
+
+class Actor:
+    """One actor's view of the recorder: its own vector clock, step and channel counters."""
+
+    def __init__(self, core: _Core, name: str) -> None:
+        self._core = core
+        self.name = name
+        self._id = core.id_of(name)
+        self._counter = 0
+        self._others: dict[int, int] = {}  # other actors' clock entries, by id
+        self._chan_seq: dict[str, int] = {}
+        self.current_step = 0
+
+    # -- the clock -----------------------------------------------------------------------
+    @property
+    def clock(self) -> VectorClock:
+        names = self._core.names
+        entries = [(names[i], c) for i, c in self._others.items()]
+        if self._counter:
+            entries.append((self.name, self._counter))
+        return VectorClock(tuple(entries))
+
+    def _set_clock(self, clock: VectorClock) -> None:
+        self._counter = clock[self.name]
+        self._others = {self._core.id_of(a): c for a, c in clock.entries if a != self.name}
+
+    def _merge(self, clock: VectorClock) -> None:
+        for a, c in clock.entries:
+            if a == self.name:
+                if c > self._counter:
+                    self._counter = c
+                continue
+            i = self._core.id_of(a)
+            if c > self._others.get(i, 0):
+                self._others[i] = c
+
+    # -- the one emit path ------------------------------------------------------------------
+    def _emit(self, code: int, payload: bytes) -> None:
+        core = self._core
+        with core.lock:
+            oracle = core.oracle
+            if oracle is not None:
+                oracle.before(self, code)
+            self._counter += 1
+            if self._others:
+                ent = sorted(self._others.items())
+                ent.append((self._id, self._counter))
+                ent.sort()
+                flat = [x for e in ent for x in e]
+                body = (EVENT_HEAD.pack(self.current_step, self._id, len(ent)) + struct.pack("<" + "HQ" * len(ent), *flat)
+                        + payload)
+            else:
+                body = _ONE.pack(self.current_step, self._id, 1, self._id, self._counter) + payload
+            if oracle is not None:
+                oracle.check(self, code, body)
+                return
+            w = core.writer
+            assert w is not None
+            if core.top_step is None or self.current_step > core.top_step:
+                core.top_step = self.current_step
+                w.note_step(self.current_step)
+            w.append(code, body)
+
+    def _taped(self, code: int) -> dict[str, Any] | None:
+        """Force mode: the payload of the decision the tape holds next for this actor."""
+        core = self._core
+        if core.mode != "force":
+            return None
+        assert core.oracle is not None
+        with core.lock:
+            return core.oracle.peek_decision(self, code)
+
+    # -- steps ------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self.current_step = step
+        self._emit(_BEGIN.code, b"")
+        if self._core.rng_every and step % self._core.rng_every == 0:
+            self.rng()
+
+    def end_step(self) -> None:
+        core = self._core
+        if core.watched and core.param_digest_every and self.current_step % core.param_digest_every == 0:
+            self.params()
+        self._emit(_END.code, b"")
+        if core.writer is not None and core.flush_every_step:
+            core.writer.flush()
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator["Actor"]:
+        """``with rec.step(n):`` brackets one optimizer step (no step_end if the body raises)."""
+        self.begin_step(step)
+        yield self
+        self.end_step()
+
+    # -- observations -------------------------------------------------------------------------
+    def batch(self, sample_ids: Sequence[int] | "torch.Tensor") -> None:
+        ids = sample_ids.tolist() if hasattr(sample_ids, "tolist") else list(sample_ids)
+        self._emit(_BATCH.code, struct.pack(f"<I{len(ids)}Q", len(ids), *ids))
+
+    def loss(self, value: float | "torch.Tensor") -> None:
+        v = value.item() if hasattr(value, "item") else value
+        self._emit(_LOSS.code, _F64.pack(float(v)))
+
+    def metric(self, name: str, value: float | "torch.Tensor") -> None:
+        v = value.item() if hasattr(value, "item") else value
+        self._emit(_METRIC.code, _METRIC.pack(name, float(v)))
+
+    def rng(self) -> None:
+        for source, d in dg.rng_digests(self._core.rng_sources):
+            self._emit(_RNG.code, _RNG.pack(source, d))
+
+    def params(self, modules: Sequence[tuple[str, Any]] | None = None) -> None:
+        """Record parameter digests of the watched modules (or the given (prefix, module) pairs)."""
+        mods = modules if modules is not None else self._core.watched
+        named: list[tuple[str, Any]] = []
+        for prefix, m in mods:
+            named.extend((prefix + k, v) for k, v in m.state_dict(keep_vars=True).items())
+        total, per = dg.named_digests(named)
+        self._emit(_PARAMS.code, _PARAMS.pack(total, per))
+
+    def note(self, text: str) -> None:
+        self._emit(_NOTE.code, _NOTE.pack(text))
+
+    # -- messages ---------------------------------------------------------------------------------
+    def send(self, channel: str, payload: Any = None, *, peer: str, digest: bytes | None = None,
+             chan_seq: int | None = None) -> Stamp:
+        """Record a send; returns the :class:`Stamp` the message must carry to the receiver.
+
+        The payload is digested (bytes, tensors, mappings of them, msgpack-able data)
+        unless a 16-byte ``digest`` is given. ``chan_seq`` defaults to this actor's
+        counter for ``channel`` + 1 (channels are numbered from 1, per sender).
+        """
+        with self._core.lock:
+            seq = chan_seq if chan_seq is not None else self._chan_seq.get(channel, 0) + 1
+            self._chan_seq[channel] = seq
+            d = digest if digest is not None else dg.payload_digest(payload)
+            self._emit(_SEND.code, _SEND.pack(channel, seq, peer, d))
+            return Stamp(channel, seq, d, self.clock, self.name)
+
+    def recv(self, stamp: Stamp) -> None:
+        """Record the delivery of a message: merge its clock, then tick."""
+        with self._core.lock:
+            self._merge(stamp.clock)
+            self._emit(_RECV.code, _RECV.pack(stamp.channel, stamp.chan_seq, stamp.sender, stamp.digest))
+
+    # -- decisions (taped in record mode, taken from the tape in force mode) ---------------------
+    def decide(self, what: str, key: str, compute: Callable[[], Any]) -> Any:
+        """A timing-dependent choice: computed and taped, or (force mode) read from the tape."""
+        taped = self._taped(_DECISION.code)
+        if taped is not None:
+            if taped["what"] != what or taped["key"] != key:
+                self._core.oracle.diverge_decision(self, _DECISION.code, what, key, taped)  # type: ignore[union-attr]
+            value = taped["value"]
+        else:
+            value = _roundtrip(compute())
+        self._emit(_DECISION.code, _DECISION.pack(what, key, value))
+        return value
+
+    def quorum(self, key: str, minimum: int, compute: Callable[[], Sequence[str]]) -> list[str]:
+        taped = self._taped(_QUORUM.code)
+        if taped is not None:
+            if taped["key"] != key:
+                self._core.oracle.diverge_decision(self, _QUORUM.code, "quorum", key, taped)  # type: ignore[union-attr]
+            members = list(taped["members"])
+        else:
+            members = [str(m) for m in compute()]
+        self._emit(_QUORUM.code, _QUORUM.pack(key, minimum, members))
+        return members
+
+    def merge(self, key: str, compute: Callable[[], tuple[Sequence[Stamp | tuple[str, int]], Any]]
+              ) -> tuple[list[tuple[str, int]], Any]:
+        """A merge: ``compute`` returns (contributions, weights); contributions are send stamps."""
+        taped = self._taped(_MERGE.code)
+        if taped is not None:
+            if taped["key"] != key:
+                self._core.oracle.diverge_decision(self, _MERGE.code, "merge", key, taped)  # type: ignore[union-attr]
+            contribs, weights = [tuple(c) for c in taped["contributions"]], taped["weights"]
+        else:
+            raw, w = compute()
+            contribs = [(c.channel, c.chan_seq) if isinstance(c, Stamp) else (str(c[0]), int(c[1])) for c in raw]
+            weights = _roundtrip(w)
+        self._emit(_MERGE.code, _MERGE.pack(key, contribs, weights))
+        return contribs, weights  # type: ignore[return-value]
+
+    def maybe_inject(self, fault: str, target: str, compute: Callable[[], Any]) -> Any:
+        """Decide whether to inject ``fault`` into ``target`` (a falsy value means no); taped
+        as a decision so force mode replays the same schedule, then a fault_injected event."""
+        detail = self.decide("fault:" + fault, target, compute)
+        if detail:
+            self._emit(_FINJ.code, _FINJ.pack(fault, target, detail))
+        return detail
+
+    # -- faults, checkpoints, snapshots ----------------------------------------------------------
+    def fault_detected(self, fault: str, target: str, detail: Any = None) -> None:
+        self._emit(_FDET.code, _FDET.pack(fault, target, _roundtrip(detail)))
+
+    def recovered(self, fault: str, target: str, *, target_clock: VectorClock, observed: VectorClock) -> None:
+        """``target`` recovered from ``fault`` having observed clock ``observed`` (e.g. the
+        peer checkpoint it loaded), which must be >= ``target_clock`` (`tape check` verifies)."""
+        with self._core.lock:
+            self._merge(observed)
+            self._emit(_FREC.code, _FREC.pack(fault, target, target_clock, observed))
+
+    def checkpoint(self, ckpt_id: str, path: str = "") -> None:
+        """Mark a committed checkpoint; the tape is fsynced here (always, whatever the knobs)."""
+        self._emit(_CKPT.code, _CKPT.pack(ckpt_id, str(path)))
+        if self._core.writer is not None:
+            self._core.writer.sync()
+
+    def snapshot(self, snapshot_id: str, inflight: Sequence[Stamp | tuple[str, int]] = ()) -> VectorClock:
+        """This actor's part of a distributed snapshot; returns the cut clock."""
+        refs = [(s.channel, s.chan_seq) if isinstance(s, Stamp) else (str(s[0]), int(s[1])) for s in inflight]
+        with self._core.lock:
+            self._emit(_SNAP.code, _SNAP.pack(snapshot_id, refs))
+            return self.clock
+
+
+class Recorder(Actor):
+    """The recorder; it is also the default actor (``actor=``, "main" unless told)."""
+
+    def __init__(self, writer: TapeWriter | None = None, *, oracle: "Oracle | None" = None, mode: str = "record",
+                 actor: str = "main", config: Mapping[str, Any] | None = None, resume_from: str | None = None,
+                 until: int | None = None, param_digest_every: int = 10, rng_every: int = 1,
+                 rng_sources: Sequence[str] = dg.RNG_SOURCES, flush_every_step: bool = True) -> None:
+        core = _Core(writer, oracle, mode, param_digest_every=param_digest_every, rng_every=rng_every,
+                     flush_every_step=flush_every_step, rng_sources=tuple(rng_sources))
+        self.mode = mode
+        self.config: dict[str, Any] = dict(config or {})
+        self.resume_from = resume_from
+        self.until = until
+        self.writer = writer
+        super().__init__(core, actor)
+        core.actors[actor] = self
+
+    @classmethod
+    def open(cls, path: str, *, entry_point: str | None = None, config: Mapping[str, Any] | None = None,
+             actor: str = "main", param_digest_every: int = 10, rng_every: int = 1,
+             rng_sources: Sequence[str] = dg.RNG_SOURCES, initial_checkpoint: str | None = None, commit: str | None = None,
+             lineage: Mapping[str, Any] | None = None, resume_from: str | None = None,
+             extra_meta: Mapping[str, Any] | None = None, **writer_opts: Any) -> "Recorder":
+        """Create a new tape at ``path`` and a recorder writing to it.
+
+        ``writer_opts`` go to :class:`TapeWriter`: ``segment_bytes``, ``chain``, ``zstd``,
+        ``fsync_every``, ``fsync_interval``, ``buffer_bytes``.
+        """
+        cfg = dict(config or {})
+        meta: dict[str, Any] = {
+            "entry_point": entry_point,
+            "config": cfg,
+            "config_hash": dg.config_hash(cfg),
+            "commit": commit if commit is not None else _git_commit(),
+            "env": dg.env_fingerprint(),
+            "initial_checkpoint": initial_checkpoint,
+            "lineage": dict(lineage) if lineage else None,
+            "param_digest_every": param_digest_every,
+            "rng_every": rng_every,
+            "rng_sources": list(rng_sources),
+            "default_actor": actor,
+            "package_version": _package_version(),
+        }
+        meta.update(extra_meta or {})
+        writer = TapeWriter(path, meta, **writer_opts)
+        return cls(writer, mode="record", actor=actor, config=cfg, resume_from=resume_from,
+                   param_digest_every=param_digest_every, rng_every=rng_every, rng_sources=rng_sources)
+
+    def actor(self, name: str) -> Actor:
+        """The actor called ``name`` (created on first use; same object afterwards)."""
+        with self._core.lock:
+            a = self._core.actors.get(name)
+            if a is None:
+                a = self._core.actors[name] = Actor(self._core, name)
+            return a
+
+    def watch(self, module: Any, prefix: str = "") -> None:
+        """Digest this module's state_dict every ``param_digest_every`` steps (at step end)."""
+        self._core.watched.append((prefix, module))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("ckpt-replay")
+    except Exception:  # not installed (run from a checkout): the version is informative only
+        return "0+unknown"
+
+
+def event_from_body(seq: int, code: int, body: bytes, names: Sequence[str]) -> Event:
+    """Decode a body produced by :meth:`Actor._emit` (for divergence reports)."""
+    from replay.tape.format import Frame
+    from replay.tape.reader import decode_event
+
+    return decode_event(Frame(-1, seq, code, memoryview(body), 0), list(names) if code != _ACTOR.code else [])
+
