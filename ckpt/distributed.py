@@ -1,0 +1,220 @@
+"""The one ``torch.distributed`` adapter for checkpoints.
+
+Save protocol (every rank calls :meth:`DistributedCheckpointer.save` for the same path,
+in the same order):
+
+1. Rank 0 creates the temporary directory (``writer.begin``) and broadcasts its path.
+2. Every rank writes its own part ``rank-NNNNN``: its RNG streams and data-loader state
+   always, and its state entries. Entries named in ``replicated`` (weights and optimizer
+   state that DDP keeps identical on every rank) are written once, by rank 0; the other
+   ranks store a ``writer.Replicated("rank-00000")`` reference in their place.
+3. Each rank sends rank 0 its ``PartEntry.to_dict()`` (or the error that stopped it).
+4. Rank 0 commits only when every rank has written; otherwise it aborts, removing the
+   temporary directory. It broadcasts the outcome, so every rank returns or raises
+   together, then all ranks meet at a barrier.
+
+Nothing here pickles: records travel as msgpack bytes inside uint8 tensors (we do not
+use ``gather_object``/``broadcast_object_list``, which pickle).
+
+Load: each rank reads its own part; ``Replicated`` entries resolve to rank 0's bytes.
+A world size other than the saving one is named as an exactness difference by
+``load_into`` (reduction order changes, so numerics cannot be bit-identical).
+
+Collectives run on groups the checkpointer creates for itself (gloo, which handles CPU
+tensors on any backend's job), so a save running in a background thread never
+interleaves with the training loop's own collectives on the default group.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from .errors import CkptError
+from .format.manifest import Manifest, PartEntry
+from .storage import Storage, local
+from .writer import PendingCheckpoint, Replicated, abort, begin, commit, part_name_for_rank, write_part
+
+__all__ = ["DistributedCheckpointer", "DistributedSaveError", "is_distributed"]
+
+
+class DistributedSaveError(CkptError, RuntimeError):
+    """A rank failed to write its part; nothing was committed."""
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(b: bytes) -> Any:
+    return msgpack.unpackb(b, raw=False, strict_map_key=False)
+
+
+class DistributedCheckpointer:
+    """Per-rank parts, replicated entries written once, commit by rank 0 after all ranks.
+
+    Create it on every rank at the same point of the program (it creates process
+    groups, a collective call).
+    """
+
+    def __init__(self, *, io_group: Any = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DistributedCheckpointer needs an initialised torch.distributed process group")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.group = io_group if io_group is not None else dist.new_group(backend="gloo")
+
+    # -- byte collectives (pickle-free) ---------------------------------------------------
+    def broadcast_bytes(self, payload: bytes | None, src: int = 0) -> bytes:
+        n = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(n, src=src, group=self.group)
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        if self.rank == src and payload:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        if buf.numel():
+            dist.broadcast(buf, src=src, group=self.group)
+        return bytes(buf.numpy().tobytes()) if buf.numel() else b""
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        n = torch.tensor([len(payload)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, n, group=self.group)
+        width = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(max(width, 1), dtype=torch.uint8)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        bufs = [torch.zeros(max(width, 1), dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(bufs, mine, group=self.group)
+        return [bytes(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes)]
+
+    def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    # -- save -----------------------------------------------------------------------------
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: Mapping[str, Any],
+        *,
+        replicated: Sequence[str] = (),
+        step: int | None = None,
+        config: Any = None,
+        data: Any = None,
+        generators: Mapping[str, Any] | None = None,
+        rng: bool | Mapping[str, Any] = True,
+        extra: Any = None,
+        lineage: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        code_dir: str | None = None,
+        storage: Storage = local,
+    ) -> Manifest | None:
+        """Collective save. Returns the manifest on rank 0 and ``None`` elsewhere."""
+        final = os.path.abspath(os.fspath(path))
+        # 1. rank 0 creates the temporary directory
+        if self.rank == 0:
+            try:
+                pending = begin(final, overwrite=overwrite, storage=storage)
+                msg = _pack({"tmp": pending.tmp_dir})
+            except Exception as e:  # noqa: BLE001 - every rank must hear about it
+                msg = _pack({"error": f"{type(e).__name__}: {e}"})
+        else:
+            msg = None
+        got = _unpack(self.broadcast_bytes(msg))
+        if "error" in got:
+            raise DistributedSaveError(f"rank 0 could not start the save: {got['error']}", path=final)
+        pending = PendingCheckpoint(final=final, tmp_dir=got["tmp"])
+
+        # 2. every rank writes its part
+        missing = [k for k in replicated if k not in state]
+        my_state: dict[str, Any] = {}
+        for key, obj in state.items():
+            # The reference names rank 0's part: its bytes are the ones written.
+            my_state[key] = Replicated(part_name_for_rank(0)) if (key in replicated and self.rank != 0) else obj
+        try:
+            if missing:
+                raise CkptError(f"replicated entries {missing} are not in the state", path=final)
+            part = write_part(
+                pending,
+                part_name_for_rank(self.rank),
+                my_state,
+                step=step,
+                config=config,
+                data=data,
+                generators=generators,
+                rng=rng,
+                extra=extra,
+                lineage=lineage,
+                code_dir=code_dir,
+                storage=storage,
+            )
+            report = _pack({"part": part.to_dict()})
+        except Exception as e:  # noqa: BLE001
+            report = _pack({"error": f"{type(e).__name__}: {e}"})
+
+        # 3. gather the part records, 4. rank 0 commits only if all ranks wrote
+        reports = [_unpack(b) for b in self.all_gather_bytes(report)]
+        manifest: Manifest | None = None
+        if self.rank == 0:
+            errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
+            if errors:
+                abort(pending, storage=storage)
+                outcome = _pack({"error": "; ".join(errors)})
+            else:
+                try:
+                    parts = [PartEntry.from_dict(rep["part"]) for rep in reports]
+                    manifest = commit(pending, parts, step=step, meta=meta, storage=storage)
+                    outcome = _pack({"ok": manifest.id})
+                except Exception as e:  # noqa: BLE001
+                    abort(pending, storage=storage)
+                    outcome = _pack({"error": f"rank 0 commit: {type(e).__name__}: {e}"})
+        else:
+            outcome = None
+        result = _unpack(self.broadcast_bytes(outcome))
+        self.barrier()
+        if "error" in result:
+            raise DistributedSaveError(f"distributed save failed, nothing committed: {result['error']}", path=final)
+        return manifest
+
+    # -- load -----------------------------------------------------------------------------
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        state: Mapping[str, Any] | None,
+        *,
+        data: Any = None,
+        generators: Mapping[str, Any] | None = None,
+        restore_rng: bool = True,
+        verify: bool = True,
+        exactness: str = "warn",
+        map_location: Any = None,
+    ) -> Any:
+        """Load this rank's part (``Replicated`` entries resolve to rank 0's bytes)."""
+        from ._torchio import load_into
+        from .reader import CheckpointReader
+
+        reader = CheckpointReader(path)
+        return load_into(
+            reader,
+            state,
+            part=part_name_for_rank(self.rank),
+            data=data,
+            generators=generators,
+            map_location=map_location,
+            restore_rng_state=restore_rng,
+            verify=verify,
+            exactness=exactness,
+        )

@@ -1,0 +1,716 @@
+"""``CheckpointManager``: a run directory of ``step-NNNNNNNN/`` checkpoints that resume exactly.
+
+Usage (the loop calls ``after_step`` at every optimizer-step boundary)::
+
+    mgr = CheckpointManager("runs/a", {"model": model, "optim": opt, "sched": sched,
+                                       "counters": counters}, data=loader,
+                            every_steps=100, async_save=True)
+    mgr.resume()                                  # newest checkpoint that verifies, or nothing
+    for step in range(mgr.start_step + 1, total + 1):
+        ...                                       # forward/backward over the micro-batches
+        opt.step(); sched.step()
+        mgr.after_step(step, metrics={"loss": loss})
+        if mgr.should_stop:                       # SIGTERM/SIGUSR1: saved, now leave
+            break
+    mgr.close()
+
+What it guarantees
+==================
+**Saves at step boundaries only.** ``after_step(step)`` saves when ``step`` is a multiple
+of ``every_steps``, when ``every_seconds`` have passed since the last save, or when
+SIGTERM/SIGUSR1 arrived since the last call. A signal only sets a flag (the handler does
+no I/O); the save happens at the next boundary, synchronously, then ``should_stop``
+turns true so the loop exits cleanly. Call ``after_step`` after ``optimizer.step()`` and
+``scheduler.step()`` and never inside gradient accumulation: a boundary is where the
+checklist (reference §6) says state is complete.
+
+**Async save.** With ``async_save=True`` the loop blocks only while the state's tensors
+are copied into one pre-allocated, reused staging buffer (``ckpt.staging``; pinned host
+memory for CUDA sources) and the RNG and data cursors are captured. Writing and hashing
+run in one background thread (``os.write`` and xxhash release the GIL). At most one save
+is in flight: the next save waits for the previous one. A failure in the background is
+raised as ``BackgroundSaveError`` by the next call into the manager (``after_step``,
+``save``, ``wait``, ``resume`` or ``close``), never swallowed.
+
+**Latest valid.** ``resume()`` lists committed ``step-*`` directories (``.tmp-*`` are
+never candidates), newest first, verifies each in full and loads the first that
+verifies. Each one skipped is named in a ``ResumeFallbackWarning`` with the error that
+disqualified it (file, chunk, offset).
+
+**Retention.** ``RetentionPolicy``: keep the last K, keep every step divisible by N, keep
+the best M by a metric passed to ``after_step(metrics=...)`` (stored in the manifest's
+``meta``). The sets are computed separately and united; anything else is deleted, but
+only after a new checkpoint has committed, and never the newest committed checkpoint
+(the one a crash would resume from). Deletion renames into a ``.tmp-`` name first, so a
+crash mid-delete leaves a directory no reader accepts rather than a torn checkpoint.
+Orphaned ``.tmp-*`` directories of crashed saves are removed when the manager starts.
+One manager (one job) writes a run directory at a time.
+
+**Lineage.** Every checkpoint records ``run_id`` (kept across resumes: a resumed run is
+the same run) and ``resumed_from`` (the content id and name of the checkpoint this
+process resumed from), in each part's context and in the manifest ``meta``.
+
+**Distributed.** When torch.distributed is initialised with more than one rank, saves go
+through ``ckpt.distributed``: per-rank parts for RNG and data state, entries listed in
+``replicated`` written once by rank 0, commit by rank 0 after every rank wrote. The
+per-step decision (due by time, signal seen on any rank) is agreed with one small
+all-reduce on the manager's own process group, so all ranks save the same steps.
+
+Exact-resume checklist (shared/reference/exact-resume-and-replay.md §6)
+========================================================================
+Handled, with where:
+
+* A. Model ``state_dict`` with buffers, tied weights kept tied (writer de-duplication),
+  master-weight dtype (dtypes are stored exactly). Frozen flags and EMA copies: pass them
+  as entries (an EMA module is just another Stateful).
+* B. Optimizer ``state_dict`` in full (``exp_avg``, ``exp_avg_sq``, ``step`` tensors,
+  ``param_groups`` including ``foreach``/``fused``/``capturable`` flags, which live in
+  ``param_groups``).
+* C. Scheduler ``state_dict`` (``last_epoch``, ``_step_count``, ``_last_lr``, ``base_lrs``).
+  Capture point: after ``optimizer.step`` and ``scheduler.step`` (``after_step``
+  contract). Lambdas are not serialised: pass the run config as ``config=`` and its hash
+  is recorded.
+* D. ``GradScaler.state_dict`` when given as an entry (create it *before* ``resume()``).
+  Autocast dtype: put it in ``config``.
+* E. Counters: a plain dict entry (``{"tokens": 0, ...}``) is restored in place. Step:
+  the checkpoint step. Micro-step: saves happen only at optimizer-step boundaries.
+* F. RNG per process: Python, numpy global, torch CPU, every CUDA device, every
+  registered ``torch.Generator`` (``generators=``), restored last. Order relative to
+  ``iter(dataloader)``: ``ckpt.data.ResumableLoader`` gives its DataLoader a private
+  generator, so creating an iterator draws nothing from the global RNG; for a plain
+  ``DataLoader`` use ``resume(defer_rng=True)``, create the iterator, then
+  ``restore_rng()`` (tested both ways).
+* G. Data: ``ckpt.data.ResumableLoader`` state (epoch, samples consumed by the loop,
+  seed, shard assignment, quarantine); per-sample RNG seeding makes worker RNG a
+  function of (seed, epoch, position), so ``num_workers`` and prefetching do not matter.
+* H. World size and topology are recorded; a different world size is named as an
+  exactness difference on load.
+* I/J. Determinism flags, thread counts, ``CUBLAS_WORKSPACE_CONFIG``, NCCL env,
+  versions: recorded in every part and compared on load (``exactness="strict"`` refuses,
+  ``"warn"`` names every difference). Commit SHA and config hash are recorded.
+
+Out of scope (documented, not handled): sharded FSDP/DTensor placements (we save full
+per-rank state dicts); Megatron/DTensor RNG trackers; mps/xpu RNG; shuffle buffers and
+token-packing remainders in the data layer; DDP bucket sizes, NCCL algorithm pinning and
+collective order (recorded only where they are env variables); ``torch.compile`` caches
+and the SDPA backend choice; section K (DiLoCo learner/syncer state) belongs to
+``replay``. A plain ``DataLoader`` with a ``shuffle=True`` sampler or worker RNG is not
+resumable mid-epoch; use ``ckpt.data``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+from .errors import (
+    BackgroundSaveError,
+    CheckpointNotFoundError,
+    CkptError,
+    FormatError,
+    IncompleteCheckpointError,
+    IntegrityError,
+)
+from .format.manifest import MANIFEST_NAME, decode_manifest
+from .reader import CheckpointReader
+from .storage import Storage, local
+from .writer import TMP_PREFIX
+
+__all__ = [
+    "CheckpointManager",
+    "RetentionPolicy",
+    "CheckpointRecord",
+    "SaveReport",
+    "ResumeFallbackWarning",
+    "list_checkpoints",
+    "plan_retention",
+    "checkpoint_name",
+]
+
+_NAME_RE = re.compile(r"^step-(\d{8,})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+class ResumeFallbackWarning(RuntimeWarning):
+    """The newest checkpoint did not verify; an older one was used (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """Which committed checkpoints survive. The three sets are separate and united."""
+
+    keep_last: int = 2
+    keep_every: int | None = None
+    keep_best: int = 0
+    best_metric: str | None = None
+    best_mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (the resume point is always kept), got {self.keep_last}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1 or None, got {self.keep_every}")
+        if self.keep_best < 0:
+            raise ValueError(f"keep_best must be >= 0, got {self.keep_best}")
+        if self.keep_best and not self.best_metric:
+            raise ValueError("keep_best needs best_metric")
+        if self.best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    name: str
+    path: str
+    step: int
+    committed: bool
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SaveReport:
+    """Timings of one save. ``stall_s``: time the loop was blocked; ``background_s``:
+    time spent writing, hashing and committing (in the background when async)."""
+
+    step: int
+    path: str
+    asynchronous: bool
+    stall_s: float
+    background_s: float
+    nbytes: int
+    deleted: tuple[str, ...] = ()
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str], *, with_metrics: bool = False) -> list[CheckpointRecord]:
+    """``step-*`` directories of a run, oldest first. Temporary dirs are never listed."""
+    root = os.fspath(run_dir)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        m = _NAME_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(root, name)
+        committed = os.path.isfile(os.path.join(path, MANIFEST_NAME))
+        metrics = None
+        if with_metrics and committed:
+            try:
+                with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+                    man = decode_manifest(f.read(), path=path)
+                got = man.meta.get("metrics")
+                metrics = dict(got) if isinstance(got, dict) else None
+            except (OSError, CkptError):
+                metrics = None  # unreadable: protected by step rules only
+        out.append(CheckpointRecord(name, path, int(m.group(1)), committed, metrics))
+    out.sort(key=lambda r: r.step)
+    return out
+
+
+def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy) -> dict[str, tuple[str, ...]]:
+    """Which committed checkpoints to keep, and why (``name -> reasons``).
+
+    Committed checkpoints not in the result are to be deleted. The newest committed one
+    is always kept (``"resume-point"``).
+    """
+    committed = [r for r in records if r.committed]
+    keep: dict[str, list[str]] = {}
+    if not committed:
+        return {}
+    keep.setdefault(committed[-1].name, []).append("resume-point")
+    for r in committed[-policy.keep_last :]:
+        keep.setdefault(r.name, []).append("last")
+    if policy.keep_every:
+        for r in committed:
+            if r.step % policy.keep_every == 0:
+                keep.setdefault(r.name, []).append("every")
+    if policy.keep_best and policy.best_metric:
+        scored = []
+        for r in committed:
+            v = (r.metrics or {}).get(policy.best_metric)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:  # NaN never "best"
+                scored.append((float(v), r.step, r.name))
+        sign = 1.0 if policy.best_mode == "min" else -1.0
+        # Ties go to the older step: a later equal score does not evict a kept best.
+        scored.sort(key=lambda s: (sign * s[0], s[1]))
+        for _, _, name in scored[: policy.keep_best]:
+            keep.setdefault(name, []).append("best")
+    return {k: tuple(v) for k, v in keep.items()}
+
+
+# Errors that mean "this checkpoint is not usable": fall back to an older one. Other
+# errors (the state does not fit, strict environment gate) are the caller's to see.
+_UNUSABLE = (IntegrityError, FormatError, IncompleteCheckpointError, CheckpointNotFoundError)
+
+
+@dataclass(slots=True)
+class _Job:
+    step: int
+    path: str
+    state: dict[str, Any]
+    data: Any
+    rng: dict[str, Any]
+    extra: Any
+    meta: dict[str, Any]
+    lineage: dict[str, Any]
+    stall_s: float
+    nbytes: int
+    asynchronous: bool
+    report: SaveReport | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class CheckpointManager:
+    """Checkpoints of one run, saved at step boundaries and resumed exactly.
+
+    ``state`` maps names to Statefuls (modules, optimizers, schedulers, scalers) or plain
+    trees (counters), as for ``ckpt.save``. Options are keyword-only.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        state: Mapping[str, Any],
+        *,
+        data: Any = None,
+        generators: Mapping[str, Any] | None = None,
+        config: Any = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        retention: RetentionPolicy | None = None,
+        async_save: bool = False,
+        signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
+        run_id: str | None = None,
+        replicated: Sequence[str] = (),
+        exactness: Literal["strict", "warn", "off"] = "warn",
+        pin_memory: bool | None = None,
+        code_dir: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        storage: Storage = local,
+    ) -> None:
+        if every_steps is not None and every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1 or None, got {every_steps}")
+        if every_seconds is not None and every_seconds <= 0:
+            raise ValueError(f"every_seconds must be > 0 or None, got {every_seconds}")
+        if exactness not in ("strict", "warn", "off"):
+            raise ValueError(f"exactness must be 'strict', 'warn' or 'off', not {exactness!r}")
+        self.run_dir = os.path.abspath(os.fspath(run_dir))
+        self.state = dict(state)
+        self.data = data
+        self.generators = dict(generators or {})
+        self.config = config
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.retention = retention or RetentionPolicy()
+        self.async_save = async_save
+        self.replicated = tuple(replicated)
+        self.exactness = exactness
+        self.code_dir = code_dir
+        self._clock = clock
+        self._storage = storage
+        self.run_id = run_id or uuid.uuid4().hex[:16]
+        self.resumed_from: dict[str, Any] | None = None
+        self._start_step = 0
+        self._last_save_step: int | None = None
+        self._last_save_time = clock()
+        self._signal: int | None = None
+        self._stop = False
+        self._inflight: _Job | None = None
+        self._thread: threading.Thread | None = None
+        self._failed: _Job | None = None
+        self._deferred_rng: dict[str, Any] | None = None
+        self._closed = False
+        #: reports of completed saves, oldest first
+        self.reports: list[SaveReport] = []
+
+        from .staging import Staging
+
+        self._staging = Staging(pin_memory=pin_memory) if async_save else None
+
+        from .distributed import DistributedCheckpointer, is_distributed
+
+        if is_distributed():
+            import torch.distributed as dist
+
+            # Two groups: one for the loop's per-step agreement (main thread), one for
+            # save traffic (background thread); never two threads on one group.
+            self._ctl = DistributedCheckpointer(io_group=dist.new_group(backend="gloo"))
+            self._dist: Any = DistributedCheckpointer(io_group=dist.new_group(backend="gloo"))
+            self.rank = self._dist.rank
+            self.world_size = self._dist.world_size
+        else:
+            self._ctl = None
+            self._dist = None
+            self.rank = 0
+            self.world_size = 1
+        if missing := [k for k in self.replicated if k not in self.state]:
+            raise ValueError(f"replicated entries {missing} are not in the state")
+
+        if self.rank == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.removed_orphans = self._remove_orphans()
+        else:
+            self.removed_orphans = ()
+        if self._ctl is not None:
+            self._ctl.barrier()
+
+        self._old_handlers: dict[int, Any] = {}
+        if signals and threading.current_thread() is threading.main_thread():
+            for sig in signals:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        elif signals:
+            warnings.warn("CheckpointManager created off the main thread: no signal handlers installed", RuntimeWarning, stacklevel=2)
+
+    # -- properties --------------------------------------------------------------------
+    @property
+    def start_step(self) -> int:
+        """The step the loaded checkpoint was taken at (0 when nothing was resumed)."""
+        return self._start_step
+
+    @property
+    def should_stop(self) -> bool:
+        """True once a preemption signal was handled: the state is saved; leave the loop."""
+        return self._stop
+
+    @property
+    def staging_allocations(self) -> int:
+        return 0 if self._staging is None else self._staging.allocations
+
+    @property
+    def staging_nbytes(self) -> int:
+        return 0 if self._staging is None else self._staging.nbytes
+
+    def checkpoints(self) -> list[CheckpointRecord]:
+        return list_checkpoints(self.run_dir, with_metrics=True)
+
+    # -- signals -----------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only a flag: the save happens at the next step boundary, in the loop's thread.
+        self._signal = signum
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """What the signal handler does; for tests and for cooperative preemption."""
+        self._signal = signum
+
+    # -- the loop's calls --------------------------------------------------------------
+    def after_step(self, step: int, *, metrics: Mapping[str, Any] | None = None, extra: Any = None) -> bool:
+        """Call once per optimizer step, after it. Saves if due; returns True if it did."""
+        self._check_open()
+        self._raise_failure()
+        due = bool(self.every_steps and step % self.every_steps == 0)
+        if self.every_seconds is not None and self._clock() - self._last_save_time >= self.every_seconds:
+            due = True
+        sig = self._signal is not None
+        if self._ctl is not None:
+            due_i, sig_i = self._ctl.all_reduce_max([int(due), int(sig)])
+            due, sig = bool(due_i), bool(sig_i)
+        if step == self._last_save_step:
+            due = False  # already saved (or resumed from) this very state
+        if sig:
+            # Preemption: save synchronously (unless this state is saved already), then stop.
+            saved = step != self._last_save_step
+            if saved:
+                self._save(step, metrics, extra, block=True)
+            else:
+                self.wait()
+            self._stop = True
+            return saved
+        if due:
+            self._save(step, metrics, extra, block=not self.async_save)
+            return True
+        return False
+
+    def save(self, step: int, *, metrics: Mapping[str, Any] | None = None, extra: Any = None, block: bool | None = None) -> None:
+        """Save now (at a step boundary). ``block`` defaults to ``not async_save``."""
+        self._check_open()
+        self._raise_failure()
+        self._save(step, metrics, extra, block=(not self.async_save) if block is None else block)
+
+    def wait(self) -> SaveReport | None:
+        """Wait for the save in flight; raise ``BackgroundSaveError`` if it failed."""
+        self._join()
+        self._raise_failure()
+        return self.reports[-1] if self.reports else None
+
+    def close(self) -> None:
+        """Wait for the save in flight, restore signal handlers, release staging."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            for sig, old in self._old_handlers.items():
+                try:
+                    signal.signal(sig, old)
+                except (ValueError, TypeError):  # pragma: no cover - not main thread
+                    pass
+            self._old_handlers = {}
+            if self._staging is not None:
+                self._staging.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- resume ------------------------------------------------------------------------
+    def resume(self, *, defer_rng: bool = False, exactness: str | None = None) -> Any:
+        """Load the newest committed checkpoint that verifies; ``None`` if there is none.
+
+        Returns the ``LoadResult``. With ``defer_rng``, RNG streams are not restored now:
+        call :meth:`restore_rng` right after creating the DataLoader iterator (a plain
+        DataLoader draws its base seed from the global RNG at ``iter()``).
+        """
+        self._check_open()
+        self._raise_failure()
+        from ._torchio import load_into
+
+        choice = ""
+        if self.rank == 0:
+            for rec in reversed(list_checkpoints(self.run_dir)):
+                if not rec.committed:
+                    warnings.warn(f"skipping {rec.path}: no MANIFEST, the save never committed", ResumeFallbackWarning, stacklevel=2)
+                    continue
+                try:
+                    CheckpointReader(rec.path, storage=self._storage).verify()
+                except _UNUSABLE as e:
+                    warnings.warn(f"skipping {rec.path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=2)
+                    continue
+                choice = rec.name
+                break
+        if self._ctl is not None:
+            choice = self._ctl.broadcast_bytes(choice.encode() if self.rank == 0 else None).decode()
+        if not choice:
+            return None
+        path = os.path.join(self.run_dir, choice)
+        reader = CheckpointReader(path, storage=self._storage)
+        part = None
+        if len(reader.parts) > 1 or self._dist is not None:
+            from .writer import part_name_for_rank
+
+            part = part_name_for_rank(self.rank)
+        result = load_into(
+            reader,
+            self.state,
+            part=part,
+            data=self.data,
+            generators=self.generators or None,
+            restore_rng_state=not defer_rng,
+            verify=self.rank != 0,  # rank 0 has just verified every byte
+            exactness=exactness or self.exactness,
+        )
+        if defer_rng:
+            self._deferred_rng = result.context.get("rng")
+        lineage = result.context.get("lineage") or {}
+        if isinstance(lineage.get("run_id"), str) and lineage["run_id"]:
+            self.run_id = lineage["run_id"]
+        self.resumed_from = {"id": result.id, "name": choice, "step": result.step}
+        self._start_step = int(result.step or 0)
+        self._last_save_step = self._start_step
+        self._last_save_time = self._clock()
+        return result
+
+    def restore_rng(self) -> list[str]:
+        """Restore the RNG streams held back by ``resume(defer_rng=True)``."""
+        from .context.rng import restore_rng
+
+        if self._deferred_rng is None:
+            raise CkptError("no deferred RNG state: call resume(defer_rng=True) first", key="rng")
+        state, self._deferred_rng = self._deferred_rng, None
+        return restore_rng(state, self.generators or None, path=self.run_dir)
+
+    # -- saving ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CkptError("the CheckpointManager is closed", path=self.run_dir)
+
+    def _raise_failure(self) -> None:
+        job = self._inflight
+        if job is not None and job.done.is_set():
+            self._join()
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            err = failed.error
+            raise BackgroundSaveError(
+                f"async save of step {failed.step} failed, nothing was committed: {type(err).__name__}: {err}",
+                path=failed.path,
+                step=failed.step,
+            ) from err
+
+    def _join(self) -> None:
+        job = self._inflight
+        if job is None:
+            return
+        job.done.wait()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._inflight = None
+        if job.error is not None:
+            self._failed = job
+
+    def _save(self, step: int, metrics: Mapping[str, Any] | None, extra: Any, *, block: bool) -> None:
+        from .context.rng import capture_rng
+        from .staging import frozen_stateful
+
+        t0 = time.perf_counter()
+        # At most one save in flight, and the staging buffer is still being read by it.
+        self._join()
+        self._raise_failure()
+        stateful = {k: callable(getattr(v, "state_dict", None)) for k, v in self.state.items()}
+        if self._dist is not None and self.rank != 0:
+            # Replicated entries are written by rank 0 only; no need to snapshot them here.
+            entries = {k: v for k, v in self.state.items() if k not in self.replicated}
+        else:
+            entries = dict(self.state)
+        trees = {k: (v.state_dict() if stateful[k] else v) for k, v in entries.items()}
+        data_sd = self.data.state_dict() if self.data is not None else None
+        rng = capture_rng(self.generators or None)
+        nbytes = 0
+        if self._staging is not None and not block:
+            frozen, stats = self._staging.snapshot({"state": trees, "data": data_sd, "extra": extra})
+            trees, data_sd, extra = frozen["state"], frozen["data"], frozen["extra"]
+            nbytes = stats.nbytes
+        # A blocking save writes from the live tensors: the loop waits for it anyway.
+        state = {k: (frozen_stateful(self.state[k], trees[k]) if stateful[k] else trees[k]) for k in trees}
+        if self._dist is not None and self.rank != 0:
+            from .writer import Replicated
+
+            for k in self.replicated:
+                state[k] = Replicated("rank-00000")
+        data_obj = frozen_stateful(self.data, data_sd) if self.data is not None else None
+        meta = {"run_id": self.run_id, "metrics": dict(metrics or {}), "resumed_from": self.resumed_from}
+        lineage = {
+            "run_id": self.run_id,
+            "resumed_from": self.resumed_from["id"] if self.resumed_from else None,
+            "resumed_from_name": self.resumed_from["name"] if self.resumed_from else None,
+        }
+        job = _Job(
+            step=step,
+            path=os.path.join(self.run_dir, checkpoint_name(step)),
+            state=state,
+            data=data_obj,
+            rng=rng,
+            extra=extra,
+            meta=meta,
+            lineage=lineage,
+            stall_s=0.0,
+            nbytes=nbytes,
+            asynchronous=not block,
+        )
+        self._last_save_step = step
+        self._last_save_time = self._clock()
+        if block:
+            self._run(job)
+            job.stall_s = time.perf_counter() - t0
+            if job.report is not None:
+                self.reports[-1] = _with_stall(job.report, job.stall_s)
+            if job.error is not None:
+                self._failed = job
+                self._raise_failure()
+            return
+        job.stall_s = time.perf_counter() - t0
+        self._inflight = job
+        self._thread = threading.Thread(target=self._run, args=(job,), name=f"ckpt-save-{step}", daemon=False)
+        self._thread.start()
+
+    def _run(self, job: _Job) -> None:
+        from .writer import abort, begin, commit, write_part
+
+        t0 = time.perf_counter()
+        try:
+            if self._dist is not None:
+                self._dist.save(
+                    job.path,
+                    job.state,
+                    step=job.step,
+                    config=self.config,
+                    data=job.data,
+                    rng=job.rng,
+                    extra=job.extra,
+                    lineage=job.lineage,
+                    meta=job.meta,
+                    overwrite=True,
+                    code_dir=self.code_dir,
+                    storage=self._storage,
+                )
+            else:
+                # overwrite: a step re-run after falling back past a corrupt checkpoint
+                # replaces it (commit moves the old one aside first).
+                pending = begin(job.path, overwrite=True, storage=self._storage)
+                try:
+                    part = write_part(
+                        pending,
+                        "rank-00000",
+                        job.state,
+                        step=job.step,
+                        config=self.config,
+                        data=job.data,
+                        rng=job.rng,
+                        extra=job.extra,
+                        lineage=job.lineage,
+                        code_dir=self.code_dir,
+                        storage=self._storage,
+                    )
+                    commit(pending, [part], step=job.step, meta=job.meta, storage=self._storage)
+                except BaseException:
+                    abort(pending, storage=self._storage)
+                    raise
+            deleted = self._apply_retention() if self.rank == 0 else ()
+            job.report = SaveReport(job.step, job.path, job.asynchronous, job.stall_s, time.perf_counter() - t0, job.nbytes, deleted)
+            self.reports.append(job.report)
+        except BaseException as e:  # noqa: BLE001 - surfaced at the next call
+            job.error = e
+        finally:
+            # Drop references to staged tensors and frozen trees as soon as possible.
+            job.state = {}
+            job.data = None
+            job.done.set()
+
+    # -- housekeeping ------------------------------------------------------------------
+    def _remove_orphans(self) -> tuple[str, ...]:
+        removed = []
+        for name in sorted(os.listdir(self.run_dir)):
+            if name.startswith(TMP_PREFIX):
+                self._storage.remove_tree(os.path.join(self.run_dir, name))
+                removed.append(name)
+        return tuple(removed)
+
+    def _apply_retention(self) -> tuple[str, ...]:
+        records = list_checkpoints(self.run_dir, with_metrics=bool(self.retention.keep_best))
+        keep = plan_retention(records, self.retention)
+        deleted = []
+        for r in records:
+            if not r.committed or r.name in keep:
+                continue
+            # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
+            trash = os.path.join(self.run_dir, f"{TMP_PREFIX}del-{r.name}-{secrets.token_hex(4)}")
+            try:
+                self._storage.rename_dir(r.path, trash)
+            except FileNotFoundError:
+                continue
+            self._storage.remove_tree(trash)
+            deleted.append(r.name)
+        if deleted:
+            self._storage.fsync_dir(self.run_dir)
+        return tuple(deleted)
+
+
+def _with_stall(report: SaveReport, stall: float) -> SaveReport:
+    return SaveReport(report.step, report.path, report.asynchronous, stall, report.background_s, report.nbytes, report.deleted)
