@@ -284,6 +284,10 @@ def scan_segment(buf: bytes | memoryview, hdr: SegmentHeader, *, final: bool, sc
             return
         # From here the record's bytes are exactly what the writer wrote (checksum ok);
         # anything wrong now is a writer bug or tampering, never a torn write.
+        if salvage and (flags != 0 or seq != st.next_seq or (hdr.chain and kind != BLOCK_KIND
+                                                             and prev != st.last_checksum)):
+            st.torn_reason = f"record at offset {pos} out of sequence or off the hash chain"
+            return
         if flags != 0:
             raise TapeFormatError(f"reserved record flags {flags:#x} set{where}", offset=pos, seq=seq)
         if seq != st.next_seq:
