@@ -57,36 +57,54 @@ def _rank_slice(lo: int, hi: int, rank: int, world_size: int) -> range:
     return range(lo + rank * n // world_size, lo + (rank + 1) * n // world_size)
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One pass: global steps ``[start, stop)`` of ``order.epoch``, as seen by ``rank``."""
+
+    order: EpochOrder
+    start: int
+    stop: int
+    global_batch_size: int
+    world_size: int
+    rank: int
+    skip_samples: frozenset[int]
+    skip_shards: frozenset[int]
+
+    def slice(self, step: int) -> range:
+        lo = step * self.global_batch_size
+        hi = min(lo + self.global_batch_size, self.order.num_samples)
+        return _rank_slice(lo, hi, self.rank, self.world_size)
+
+
 class _RankBatchSampler:
-    """Yields this rank's ``BatchRequest`` for global steps ``[start, stop)`` of one epoch.
+    """Yields this rank's ``BatchRequest`` for each global step of the current plan.
 
     It lives in the main process (DataLoader calls ``iter`` on it at each ``iter`` of the
     loader, persistent workers included), so the loader re-plans it before each pass.
+    It holds no reference to the loader on purpose: a cycle loader -> DataLoader ->
+    iterator -> sampler -> loader would leave the worker shutdown to the cyclic GC,
+    which may finalise the index queues first and then wait 5 s per worker.
     """
 
-    def __init__(self, loader: ResumableLoader) -> None:
-        self._loader = loader
-        self.plan: tuple[EpochOrder, int, int, frozenset[int], frozenset[int]] | None = None
+    def __init__(self) -> None:
+        self.plan: _Plan | None = None
 
     def __len__(self) -> int:
-        if self.plan is None:
-            return 0
-        return self.plan[2] - self.plan[1]
+        return 0 if self.plan is None else self.plan.stop - self.plan.start
 
     def __iter__(self) -> Iterator[BatchRequest]:
-        assert self.plan is not None, "ResumableLoader plans the sampler before iter()"
-        order, start, stop, skip_samples, skip_shards = self.plan
-        loader = self._loader
-        per_chunk = max(1, _SAMPLER_CHUNK_POSITIONS // loader.global_batch_size)
-        for first in range(start, stop, per_chunk):
-            steps = range(first, min(first + per_chunk, stop))
-            slices = [loader._slice(step) for step in steps]
-            flat = [p for s in slices for p in s]
-            indices = order.indices(flat)
+        plan = self.plan
+        assert plan is not None, "ResumableLoader plans the sampler before iter()"
+        per_chunk = max(1, _SAMPLER_CHUNK_POSITIONS // plan.global_batch_size)
+        for first in range(plan.start, plan.stop, per_chunk):
+            steps = range(first, min(first + per_chunk, plan.stop))
+            slices = [plan.slice(step) for step in steps]
+            indices = plan.order.indices([p for s in slices for p in s])
             at = 0
             for step, s in zip(steps, slices):
                 yield BatchRequest(
-                    order.epoch, step, tuple(s), tuple(indices[at : at + len(s)]), skip_samples, skip_shards
+                    plan.order.epoch, step, tuple(s), tuple(indices[at : at + len(s)]),
+                    plan.skip_samples, plan.skip_shards,
                 )
                 at += len(s)
 
@@ -206,7 +224,7 @@ class ResumableLoader:
             collate_fn=collate_fn if collate_fn is not None else default_collate,
             seed_rngs=seed_sample_rngs,
         )
-        self._sampler = _RankBatchSampler(self)
+        self._sampler = _RankBatchSampler()
         # A private generator: without one, every iter() of the DataLoader draws its
         # worker base seed from the *global* torch RNG and shifts the training loop's
         # random stream (checklist 6.F). The base seed itself is irrelevant here, since
@@ -287,7 +305,10 @@ class ResumableLoader:
         self._generation += 1
         epoch, start, stop = self._epoch, self.step, self.steps_per_epoch
         skip_samples, skip_shards = effective_sets(tuple(self._records), epoch)
-        self._sampler.plan = (self._order(epoch), start, stop, skip_samples, skip_shards)
+        self._sampler.plan = _Plan(
+            self._order(epoch), start, stop, self.global_batch_size, self.world_size, self.rank,
+            skip_samples, skip_shards,
+        )
         return _LoaderIterator(self, self._generation, iter(self._dataloader), start, stop)
 
     def _consume(self, fetched: Fetched, step: int) -> None:
