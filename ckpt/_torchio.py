@@ -197,7 +197,9 @@ class _Plan:
         if isinstance(cur, torch.Tensor) and cur.dtype == want and tuple(cur.shape) == e.shape and cur.layout == torch.strided:
             self.in_place += 1
             self.final[key] = cur
-            if cur.device.type == "cpu" and cur.is_contiguous():
+            # Raw bytes may land only in plain memory: a conj/neg view would read them
+            # back transformed, so those go through copy_ like non-contiguous targets.
+            if cur.device.type == "cpu" and cur.is_contiguous() and not cur.is_conj() and not cur.is_neg():
                 self.cpu_dest[key] = cur.detach()
             else:
                 tmp = torch.empty(e.shape, dtype=want)
