@@ -142,3 +142,21 @@ def test_bad_configuration_raises(kw: dict[str, Any], message: str) -> None:
 def test_source_must_be_a_dataset_or_shard_source() -> None:
     with pytest.raises(TypeError, match="must be a map-style dataset .* or a ShardSource, got int"):
         ResumableLoader(5, seed=0, global_batch_size=1)
+
+
+def test_each_sample_draws_from_rngs_seeded_by_its_counters() -> None:
+    """The documented contract: sample at position p of epoch e sees torch's CPU RNG,
+    Python's ``random`` and numpy's global RNG seeded from ``sample_seed(seed, e, p, 0)``."""
+    from ckpt.data import sample_seed
+
+    loader = _loader()
+    take(loader, 12)  # into epoch 1
+    batch = next(iter(loader))
+    info = loader.last_batch
+    assert info is not None and (info.epoch, info.step) == (1, 1)
+    for j, p in enumerate(info.positions):
+        s = sample_seed(7, 1, p, 0)
+        assert torch.equal(batch["t"][j], torch.rand(3, generator=torch.Generator().manual_seed(s)))
+        assert batch["py"][j].item() == random.Random(s).random()
+        assert batch["np"][j].item() == np.random.RandomState(s & 0xFFFF_FFFF).rand()
+        assert batch["i"][j].item() == info.indices[j] == EpochOrder(N, 7, 1).index(p)

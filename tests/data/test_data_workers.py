@@ -68,3 +68,18 @@ def test_persistent_workers_break_then_continue_and_leave_global_rng_alone(
     got += take(loader, STEPS - 2)  # persistent workers are reset, not restarted
     assert_streams_equal(got, reference[0])
     assert torch.equal(torch.get_rng_state(), torch_before) and random.getstate() == py_before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_batches_and_cuda_rng_untouched(
+    reference: tuple[list[dict[str, torch.Tensor]], dict[str, Any]],
+) -> None:
+    torch.cuda.init()
+    cuda_before = torch.cuda.get_rng_state_all()
+    in_process = take(_make(pin_memory=True), STEPS)  # reseeds only the CPU generator
+    pinned = take(_make(num_workers=2, pin_memory=True), STEPS)
+    assert all(b["t"].is_pinned() for b in pinned)
+    assert_streams_equal(in_process, reference[0])
+    assert_streams_equal(pinned, reference[0])
+    assert all(torch.equal(a, b) for a, b in zip(cuda_before, torch.cuda.get_rng_state_all()))
