@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from ..errors import IntegrityError
-from ._mix import M64, TAG_COLLATE, mix64, resample_index, sample_seed
+from ._mix import TAG_COLLATE, TAG_SAMPLE, mix64, mix64_continue, resample_index
 from ._quarantine import QuarantinePolicy, check_fields
 from ._source import FlatSource
 
@@ -34,7 +34,7 @@ try:  # numpy is optional; when present its global RNG is seeded too
 except ImportError:  # pragma: no cover - numpy is installed in the test env
     _np = None
 
-__all__ = ["BatchRequest", "Fetched", "SeededFetcher", "unwrap_fetched"]
+__all__ = ["BatchRequest", "Fetched", "SeededFetcher", "unwrap_fetched", "default_collate"]
 
 _M32 = 0xFFFF_FFFF
 
@@ -72,7 +72,9 @@ def _seed_globals(seed: int) -> None:
     # device, clobbering the training loop's CUDA RNG when num_workers=0.
     torch.random.default_generator.manual_seed(seed)
     if _np is not None:
-        _np.random.seed([seed & _M32, seed >> 32])
+        # The legacy seeder takes 32 bits; seeding from a list (all 64) costs 8x more
+        # (init_by_array), and a 32-bit slice of a hash is as good a seed.
+        _np.random.seed(seed & _M32)
 
 
 def _save_globals() -> tuple[Any, torch.Tensor, Any]:
@@ -124,8 +126,11 @@ class SeededFetcher(torch.utils.data.Dataset):
             events: list[tuple[int, int | None, str]] = []
             samples: list[Any] = []
             served: list[int] = []
+            # sample_seed(seed, epoch, p, a) == mix64_continue(prefix, p, a): hash the
+            # shared prefix once per batch (the per-sample cost matters for cheap samples).
+            prefix = mix64(TAG_SAMPLE, self.seed, request.epoch)
             for position, index in zip(request.positions, request.indices):
-                sample, chosen = self._serve(request, position, index, events)
+                sample, chosen = self._serve(request, prefix, position, index, events)
                 samples.append(sample)
                 served.append(chosen)
             if self.seed_rngs:
@@ -139,6 +144,7 @@ class SeededFetcher(torch.utils.data.Dataset):
     def _serve(
         self,
         request: BatchRequest,
+        prefix: int,
         position: int,
         index: int,
         events: list[tuple[int, int | None, str]],
@@ -160,7 +166,7 @@ class SeededFetcher(torch.utils.data.Dataset):
             if candidate in request.skip_samples or (shard is not None and shard in request.skip_shards):
                 continue
             if self.seed_rngs:
-                _seed_globals(sample_seed(self.seed, request.epoch, position, attempt) & M64)
+                _seed_globals(mix64_continue(prefix, position, attempt))
             if policy is None:
                 return source.read(shard, offset), candidate
             try:

@@ -21,8 +21,9 @@ __all__ = ["ResumableLoader", "ResumeInfo", "BatchInfo", "merge_rank_states", "O
 #: ``on_quarantine(sample_index, shard, reason)``; ``shard`` is None for a map-style dataset.
 OnQuarantine = Callable[[int, "int | None", str], None]
 
-# Steps whose indices the sampler computes in one vectorised call: large enough to
-# amortise the tensor ops, small enough that a resume answers in about a millisecond.
+# The sampler computes indices in vectorised chunks that start at one step and double
+# up to this many positions: the first batch after a resume is cheap (O(1), about a
+# millisecond), later ones amortise the tensor ops.
 _SAMPLER_CHUNK_POSITIONS = 4096
 
 
@@ -95,9 +96,11 @@ class _RankBatchSampler:
     def __iter__(self) -> Iterator[BatchRequest]:
         plan = self.plan
         assert plan is not None, "ResumableLoader plans the sampler before iter()"
-        per_chunk = max(1, _SAMPLER_CHUNK_POSITIONS // plan.global_batch_size)
-        for first in range(plan.start, plan.stop, per_chunk):
-            steps = range(first, min(first + per_chunk, plan.stop))
+        max_chunk = max(1, _SAMPLER_CHUNK_POSITIONS // plan.global_batch_size)
+        chunk, first = 1, plan.start
+        while first < plan.stop:
+            steps = range(first, min(first + chunk, plan.stop))
+            first, chunk = steps.stop, min(2 * chunk, max_chunk)
             slices = [plan.slice(step) for step in steps]
             indices = plan.order.indices([p for s in slices for p in s])
             at = 0
@@ -147,10 +150,27 @@ class ResumableLoader:
     when a batch is handed to the caller, so ``state_dict()`` taken between steps is
     exactly what the training loop consumed, whatever the workers prefetched.
 
-    ``world_size``/``rank`` default to ``torch.distributed``'s when it is initialised,
-    else 1/0. All options are keyword-only; DataLoader options not listed here are not
-    supported because they would break determinism (``sampler``, ``shuffle``,
-    ``in_order=False``) or are set by the loader itself (``generator``).
+    Options (keyword-only):
+
+    - ``seed``: the order's seed; ``global_batch_size``: samples per optimizer step
+      summed over ranks (must stay the same across resumes, elastic ones included).
+    - ``world_size``/``rank``: default to ``torch.distributed``'s when it is initialised,
+      else 1/0. Rank ``r`` gets a contiguous slice of each global batch.
+    - ``drop_last``: drop the final partial global batch (default). Without it the
+      final batch is split over the ranks and must hold at least one sample per rank.
+    - ``collate_fn``, ``num_workers``, ``persistent_workers``, ``prefetch_factor``,
+      ``pin_memory``, ``timeout``, ``worker_init_fn``, ``multiprocessing_context``: as
+      for DataLoader. Options not listed are not offered because they would break
+      determinism (``sampler``, ``shuffle``, ``in_order=False``) or are the loader's own
+      (``generator``).
+    - ``quarantine``: a ``QuarantinePolicy``, or None to let every read error propagate.
+    - ``on_quarantine(sample_index, shard, reason)``: called in the main process, as the
+      batch that found it is yielded, once per new record (per sample, or per shard
+      under ``scope="shard"``).
+    - ``seed_sample_rngs``: reseed the global RNGs per sample (about 20 us per sample).
+      Turn off only for datasets that draw no random numbers.
+
+    ``len(loader)`` is the number of batches per epoch (the same on every rank).
     """
 
     def __init__(

@@ -22,6 +22,7 @@ __all__ = [
     "TAG_LOADER",
     "splitmix64",
     "mix64",
+    "mix64_continue",
     "sample_seed",
     "resample_index",
 ]
@@ -49,7 +50,11 @@ def splitmix64(x: int) -> int:
 
 def mix64(*words: int) -> int:
     """Hash a sequence of non-negative integers below 2**64 to one 64-bit integer."""
-    h = 0
+    return mix64_continue(0, *words)
+
+
+def mix64_continue(h: int, *words: int) -> int:
+    """``mix64(*a, *b) == mix64_continue(mix64(*a), *b)``: hash a shared prefix once."""
     for w in words:
         if w < 0 or w > M64:
             raise ValueError(f"mix64 word must be in [0, 2^64), got {w}")

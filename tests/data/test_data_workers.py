@@ -20,10 +20,11 @@ STEPS = 12  # two epochs: persistent workers serve the second one without restar
 pytestmark = pytest.mark.timeout(120)
 
 
-def _make(**kw: Any) -> ResumableLoader:
+def _make(*, on_bad: str = "quarantine", **kw: Any) -> ResumableLoader:
+    policy = QuarantinePolicy(fields=("x",), on_bad=on_bad)  # type: ignore[arg-type]
     return ResumableLoader(
         AugDataset(N, nan_at=frozenset({5, 20})), seed=17, global_batch_size=B, world_size=1,
-        quarantine=QuarantinePolicy(fields=("x",)), timeout=60 if kw.get("num_workers") else 0, **kw,
+        quarantine=policy, timeout=60 if kw.get("num_workers") else 0, **kw,
     )
 
 
@@ -83,3 +84,12 @@ def test_pinned_batches_and_cuda_rng_untouched(
     assert_streams_equal(in_process, reference[0])
     assert_streams_equal(pinned, reference[0])
     assert all(torch.equal(a, b) for a, b in zip(cuda_before, torch.cuda.get_rng_state_all()))
+
+
+def test_errors_raised_in_a_worker_keep_their_type() -> None:
+    from ckpt.errors import IntegrityError
+
+    loader = _make(num_workers=1, on_bad="raise")
+    with pytest.raises(IntegrityError, match="field 'x' has NaN/Inf"):
+        take(loader, STEPS)
+    assert loader.position % B == 0 and loader.epoch == 0  # the failed batch was not consumed
