@@ -386,6 +386,11 @@ class Recorder(Actor):
         return cls(writer, mode="record", actor=actor, config=cfg, resume_from=resume_from,
                    param_digest_every=param_digest_every, rng_every=rng_every, rng_sources=rng_sources)
 
+    @property
+    def replaying(self) -> bool:
+        """True in verify and force mode: skip side effects (saving checkpoints), keep the events."""
+        return self.mode != "record"
+
     def actor(self, name: str) -> Actor:
         """The actor called ``name`` (created on first use; same object afterwards)."""
         with self._core.lock:

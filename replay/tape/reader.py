@@ -242,7 +242,8 @@ class TapeReader:
         top: int | None = None
         for i, fr in self.frames():
             ev = decode_event(fr, names)
-            if top is None or ev.step > top:
+            # Actor declarations are bookkeeping (the writer's index skips them too).
+            if fr.kind != _ACTOR_KIND and (top is None or ev.step > top):
                 top = ev.step
                 entries.append(IndexEntry(ev.step, ev.seq, i, fr.offset))
         write_index(self.index_path, self.run_id, entries)
