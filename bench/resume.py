@@ -77,11 +77,23 @@ def _time(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
+def _time_interleaved(fns: dict[int, Callable[[], object]], repeat: int) -> dict[int, float]:
+    """Median per key, rounds interleaved (alternating direction) so drift hits all keys alike."""
+    times: dict[int, list[float]] = {k: [] for k in fns}
+    keys = list(fns)
+    for r in range(repeat):
+        for k in keys if r % 2 == 0 else keys[::-1]:
+            t = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=2 * 10**6)
     ap.add_argument("--batch", type=int, default=10)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=21)
     ap.add_argument("--baseline-cap", type=float, default=60.0, help="seconds one baseline run may take")
     args = ap.parse_args()
     n, b = args.samples, args.batch
@@ -95,8 +107,8 @@ def main() -> None:
     for k in points:
         assert resume_ours(n, b, k, 0).tolist() == order.indices(range(k, k + b)), k
 
-    ours = {k: _time(lambda k=k: resume_ours(n, b, k, 0), args.repeat) for k in points}
-    ours_w = {k: _time(lambda k=k: resume_ours(n, b, k, 2), max(1, args.repeat // 2)) for k in points}
+    ours = _time_interleaved({k: (lambda k=k: resume_ours(n, b, k, 0)) for k in points}, args.repeat)
+    ours_w = _time_interleaved({k: (lambda k=k: resume_ours(n, b, k, 2)) for k in points}, max(2, args.repeat // 4))
     base: dict[int, tuple[float, str]] = {}
     last_measured: tuple[int, float] | None = None
     for k in [10, 10**4, 10**5, 10**6]:
@@ -110,7 +122,7 @@ def main() -> None:
             last_measured = (k, t)
 
     print(f"resume mid-epoch, {n:,} samples, global batch {b}, torch {torch.__version__}, "
-          f"median of {args.repeat} (ckpt.data) / 1-3 (baseline)")
+          f"median of {args.repeat} interleaved (ckpt.data, workers: {max(2, args.repeat // 4)}) / 1-3 (baseline)")
     print(f"{'resume at k':>12} | {'ckpt.data w=0':>14} {'ratio':>6} | {'ckpt.data w=2':>14} {'ratio':>6} | "
           f"{'skip-batches':>13} {'ratio':>8}  baseline")
     for k in points:

@@ -20,6 +20,7 @@ def test_golden_vectors_pin_the_order_and_the_seeds() -> None:
     # Changing any of these changes every run's order or augmentations: bump the state
     # version and say so in the changelog if that is ever intended.
     assert EpochOrder(10, 0, 0).indices(range(10)) == [8, 6, 2, 3, 7, 4, 5, 1, 0, 9]
+    assert EpochOrder(10, 0, 0).indices(torch.arange(10)) == [8, 6, 2, 3, 7, 4, 5, 1, 0, 9]  # tensor path
     assert EpochOrder(10, 0, 1).indices(range(10)) == [7, 9, 3, 8, 5, 1, 0, 6, 4, 2]
     assert EpochOrder(10**6, 12345, 7).indices(range(8)) == [
         914908, 313950, 706188, 678541, 342191, 397695, 265332, 985778,
@@ -39,8 +40,8 @@ def test_order_is_a_permutation(n: int) -> None:
 def test_vectorised_path_equals_the_scalar_reference() -> None:
     for n in (1, 5, 1000, 2**20 + 3):
         order = EpochOrder(n, 99, 2)
-        positions = torch.randint(0, n, (500,), generator=torch.Generator().manual_seed(n)).tolist()
-        assert order.indices(positions) == [order.index(p) for p in positions]
+        positions = torch.randint(0, n, (500,), generator=torch.Generator().manual_seed(n))
+        assert order.indices(positions) == [order.index(p) for p in positions.tolist()]
 
 
 @settings(max_examples=50, deadline=None)
@@ -50,7 +51,7 @@ def test_index_stays_in_range_and_agrees(n: int, seed: int, epoch: int, data: st
     positions = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=20))
     scalar = [order.index(p) for p in positions]
     assert all(0 <= i < n for i in scalar)
-    assert order.indices(positions) == scalar
+    assert order.indices(torch.tensor(positions)) == scalar
 
 
 def test_epochs_and_seeds_give_different_orders() -> None:
@@ -67,6 +68,8 @@ def test_bad_arguments_raise() -> None:
         EpochOrder(5, -1, 0)
     with pytest.raises(IndexError, match=r"position 5 outside \[0, 5\)"):
         EpochOrder(5, 0, 0).index(5)
-    with pytest.raises(IndexError, match=r"positions outside \[0, 5\)"):
+    with pytest.raises(IndexError, match=r"position -1 outside \[0, 5\)"):
         EpochOrder(5, 0, 0).indices([0, -1])
+    with pytest.raises(IndexError, match=r"positions outside \[0, 5\)"):
+        EpochOrder(5, 0, 0).indices(torch.tensor([0, 5]))
     assert EpochOrder(5, 0, 0).indices([]) == []
