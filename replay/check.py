@@ -108,20 +108,21 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
             seen_here: set[tuple[str, int]] = set()
             for ch, s in ev.payload["contributions"]:
                 key = (ch, s)
+                if key in seen_here:
+                    v("merge-applied-twice", f"contribution {ch}#{s} listed twice in merge {ev.payload['key']!r}", ev)
+                    continue
+                seen_here.add(key)
                 snd = sends.get(key)
                 if snd is None:
                     v("merge-unknown-contribution", f"merge {ev.payload['key']!r} applies {ch}#{s}, never sent", ev)
                 elif snd.clock.compare(ev.clock) is not Order.BEFORE:
                     v("merge-not-after-send", f"contribution {ch}#{s} did not happen-before merge "
                       f"{ev.payload['key']!r}", snd, ev)
-                if key in seen_here:
-                    v("merge-applied-twice", f"contribution {ch}#{s} listed twice in merge {ev.payload['key']!r}", ev)
-                elif key in merged:
+                if key in merged:
                     v("merge-applied-twice", f"contribution {ch}#{s} already applied by merge "
                       f"{merged[key].payload['key']!r}", merged[key], ev)
                 else:
                     merged[key] = ev
-                seen_here.add(key)
         elif k == "quorum":
             p = ev.payload
             members = p["members"]
