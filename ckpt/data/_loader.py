@@ -121,21 +121,26 @@ class _LoaderIterator:
         self._inner = inner
         self._step = start
         self._stop = stop
+        self._drained = False
 
     def __iter__(self) -> _LoaderIterator:
         return self
 
     def __next__(self) -> Any:
         loader = self._loader
-        if loader._generation != self._generation:
+        current = loader._generation == self._generation
+        if self._step >= self._stop:
+            if current and not self._drained:
+                # Drain the DataLoader iterator so non-persistent workers shut down now.
+                # Never once superseded: persistent workers share it with the new pass.
+                self._drained = True
+                next(self._inner, None)
+            raise StopIteration
+        if not current:
             raise RuntimeError(
                 "this ResumableLoader iterator was superseded by a newer iter() or load_state_dict(); "
                 "the loader is a single cursor"
             )
-        if self._step >= self._stop:
-            # Drain the DataLoader iterator so non-persistent workers shut down now.
-            next(self._inner, None)
-            raise StopIteration
         fetched = next(self._inner)
         loader._consume(fetched, self._step)
         self._step += 1

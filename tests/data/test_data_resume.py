@@ -160,3 +160,13 @@ def test_each_sample_draws_from_rngs_seeded_by_its_counters() -> None:
         assert batch["py"][j].item() == random.Random(s).random()
         assert batch["np"][j].item() == np.random.RandomState(s & 0xFFFF_FFFF).rand()
         assert batch["i"][j].item() == info.indices[j] == EpochOrder(N, 7, 1).index(p)
+
+
+def test_an_exhausted_iterator_keeps_raising_stop_iteration() -> None:
+    loader = _loader()
+    it = iter(loader)
+    assert len(list(it)) == 11
+    following = iter(loader)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert next(following)["i"].shape == (B,)
