@@ -29,7 +29,10 @@ def unpackb(
     path: str | None = None,
     what: str = "msgpack",
     ext_hook: Callable[[int, bytes], Any] | None = None,
+    offset: int = 0,
 ) -> Any:
+    """``offset``: where the document starts in its file, named by errors. Inside a
+    compressed file positions do not map to file bytes, so errors name the frame (0)."""
     k = knobs()
     n = len(data)
     kwargs: dict[str, Any] = dict(
@@ -48,10 +51,10 @@ def unpackb(
         return msgpack.unpackb(data, **kwargs)
     except (FormatError, RecursionError) as e:
         if isinstance(e, RecursionError):
-            raise LimitExceededError(f"{what} nests too deeply", path=path) from None
+            raise LimitExceededError(f"{what} nests too deeply", path=path, offset=offset) from None
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise FormatError(f"malformed {what}: {e}", path=path) from None
+        raise FormatError(f"malformed {what}: {e}", path=path, offset=offset) from None
 
 
 def zstd_compress(data: bytes, level: int | None = None) -> bytes:
@@ -63,7 +66,7 @@ def zstd_compress(data: bytes, level: int | None = None) -> bytes:
 def zstd_decompress(data: bytes, raw_size: int, *, path: str | None = None) -> bytes:
     limit = knobs().max_state_raw_bytes
     if raw_size < 0 or raw_size > limit:
-        raise LimitExceededError(f"declared raw size {raw_size} exceeds the limit {limit}", path=path)
+        raise LimitExceededError(f"declared raw size {raw_size} exceeds the limit {limit}", path=path, offset=0)
     try:
         params = zstandard.get_frame_parameters(data)
     except zstandard.ZstdError as e:
@@ -72,10 +75,19 @@ def zstd_decompress(data: bytes, raw_size: int, *, path: str | None = None) -> b
         raise FormatError(
             f"zstd frame declares {params.content_size} bytes, manifest says {raw_size}", path=path, offset=0
         )
+    # Grow the output only as bytes actually come out of the frame: a one-shot
+    # decompress() allocates the declared content size up front, so an 18-byte frame
+    # claiming 1 GiB would cost 1 GiB before failing.
+    out = bytearray()
     try:
-        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_size)
+        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+            while len(out) <= raw_size:
+                chunk = reader.read(min(1 << 20, raw_size + 1 - len(out)))
+                if not chunk:
+                    break
+                out += chunk
     except zstandard.ZstdError as e:
-        raise FormatError(f"malformed zstd data: {e}", path=path) from None
+        raise FormatError(f"malformed zstd data: {e}", path=path, offset=0) from None
     if len(out) != raw_size:
-        raise FormatError(f"zstd output is {len(out)} bytes, expected {raw_size}", path=path)
-    return out
+        raise FormatError(f"zstd output is {len(out)} bytes, expected {raw_size}", path=path, offset=0)
+    return bytes(out)

@@ -134,39 +134,72 @@ def to_wire(obj: Any, hook: Hook, path: tuple[Any, ...] = (), depth: int = 0) ->
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _TuplePayload:
+    """A tuple not decoded yet (hashable, so it may stand as a map key meanwhile)."""
+
+    data: bytes
+
+
 def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
-    """Decode a structure file body; extension values become *Ref placeholders."""
-    depth = [0]
-    limit = knobs().max_nesting
+    """Decode a structure file body; extension values become *Ref placeholders.
+
+    Tuple payloads are decoded after the enclosing document, never from inside
+    msgpack's ext hook: each nested C unpacker call holds tens of KiB of C stack, so
+    ~200 nested tuples would overflow it and crash the interpreter. Nesting of every
+    container is bounded by ``max_nesting`` (plus the two wrapper maps of the file).
+    """
+    limit = knobs().max_nesting + 2
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == EXT_TUPLE:
-            depth[0] += 1
-            if depth[0] > limit:
-                raise LimitExceededError("tuples nest too deeply", path=path)
-            try:
-                inner = unpackb(payload, path=path, what="tuple", ext_hook=ext_hook)
-            finally:
-                depth[0] -= 1
-            if not isinstance(inner, list):
-                raise FormatError("tuple payload is not an array", path=path)
-            return tuple(inner)
+            return _TuplePayload(bytes(payload))
         try:
             text = payload.decode("utf-8")
         except UnicodeDecodeError:
-            raise FormatError(f"extension {code} payload is not utf-8", path=path) from None
+            raise FormatError(f"extension {code} payload is not utf-8", path=path, offset=0) from None
         if code == EXT_TENSOR:
             return TensorRef(text)
         if code == EXT_DTYPE:
             return DtypeRef(text)
         if code == EXT_BIGINT:
             if not text or len(text) > 4096 or not text.lstrip("-").isdigit():
-                raise FormatError("malformed big integer", path=path)
+                raise FormatError("malformed big integer", path=path, offset=0)
             return int(text)
         if code == EXT_REPLICA:
             return ReplicaRef(text)
         if code == EXT_DEVICE:
             return DeviceRef(text)
-        raise FormatError(f"unknown extension type {code}", path=path)
+        raise FormatError(f"unknown extension type {code}", path=path, offset=0)
 
-    return unpackb(data, path=path, what="state tree", ext_hook=ext_hook)
+    def expand(obj: Any, depth: int) -> Any:
+        # One Python frame per level (no comprehensions) and a hard depth bound.
+        if depth > limit:
+            raise LimitExceededError("containers nest too deeply", path=path, offset=0)
+        t = type(obj)
+        if t is _TuplePayload:
+            inner = unpackb(obj.data, path=path, what="tuple", ext_hook=ext_hook)
+            if not isinstance(inner, list):
+                raise FormatError("tuple payload is not an array", path=path, offset=0)
+            return tuple(expand(inner, depth))
+        if t is list:
+            for i, v in enumerate(obj):
+                tv = type(v)
+                if tv is list or tv is dict or tv is _TuplePayload:
+                    obj[i] = expand(v, depth + 1)
+            return obj
+        if t is dict:
+            if any(type(k) is _TuplePayload for k in obj):
+                rebuilt = {}
+                for k, v in obj.items():
+                    rebuilt[expand(k, depth + 1) if type(k) is _TuplePayload else k] = v
+                obj = rebuilt
+            for k, v in obj.items():
+                tv = type(v)
+                if tv is list or tv is dict or tv is _TuplePayload:
+                    obj[k] = expand(v, depth + 1)
+            return obj
+        return obj
+
+    tree = unpackb(data, path=path, what="state tree", ext_hook=ext_hook)
+    return expand(tree, 0)
