@@ -180,7 +180,7 @@ class CheckpointReader:
                 raw = zstd_decompress(raw, f.raw_size or 0, path=self._fp(f))
             tree = decode_tree(raw, path=self._fp(f))
             if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
-                raise FormatError("structure file lacks its state/context maps", path=self._fp(f))
+                raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
             self._trees[pe.name] = tree
         return self._trees[pe.name]
 

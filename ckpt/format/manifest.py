@@ -221,7 +221,7 @@ def decode_manifest(data: bytes, *, path: str | None = None) -> Manifest:
         from ..errors import ChecksumMismatchError
 
         raise ChecksumMismatchError("manifest digest does not match its bytes", path=path, offset=end)
-    body = unpackb(memoryview(data)[HEADER_SIZE:end], path=path, what="manifest body")
+    body = unpackb(memoryview(data)[HEADER_SIZE:end], path=path, what="manifest body", offset=HEADER_SIZE)
     return _validate(body, (major, minor), path)
 
 
