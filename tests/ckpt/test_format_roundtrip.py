@@ -745,3 +745,20 @@ def test_import_ckpt_and_cli_and_read_without_torch(tmp_path: Path) -> None:
         "print(r.step, ctx['step'])\n"
     )
     assert out.split() == ["5", "5"]
+
+
+# --- nesting: what the writer accepts, the reader reads (and neither crashes) ------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict"])
+def test_deepest_nesting_the_writer_accepts_reads_back(tmp_path: Path, kind: str) -> None:
+    wrap = {"tuple": lambda x: (x,), "list": lambda x: [x], "dict": lambda x: {"k": x}}[kind]
+    deepest: Any = 7
+    for _ in range(256):  # knobs.max_nesting
+        deepest = wrap(deepest)
+    p = tmp_path / "c"
+    save(p, {"t": {"x": torch.ones(1)}, "deep": deepest}, extra=deepest)
+    r = ckpt.open(p)
+    assert r.state()["deep"] == deepest and ckpt.load(p, {}).extra == deepest
+    with pytest.raises(UnsupportedValueError, match="nests too deeply"):
+        save(tmp_path / "d", {"deep": wrap(deepest)})
