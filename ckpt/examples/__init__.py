@@ -1,1 +1,1 @@
-"""Small real models and data used by the demo, the tests and the benchmarks."""
+"""Small, runnable training entry points (used by the package's own resume tests)."""
