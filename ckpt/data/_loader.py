@@ -173,7 +173,9 @@ class ResumableLoader:
       batch that found it is yielded, once per new record (per sample, or per shard
       under ``scope="shard"``).
     - ``seed_sample_rngs``: reseed the global RNGs per sample (about 20 us per sample).
-      Turn off only for datasets that draw no random numbers.
+      Turn off only for datasets that draw no random numbers. With ``num_workers=0`` the
+      reseeding (and the save/restore around it) touches the process-global RNGs, so it
+      is not safe for two loaders iterated from different threads of one process.
 
     ``len(loader)`` is the number of batches per epoch (the same on every rank).
     """
