@@ -1,0 +1,165 @@
+"""Orchestration of a Decoupled-DiLoCo run, and the tape entry point ``main(rec)``.
+
+``record(tape, cfg)`` runs the syncer and the learners and records the tape; with
+``cfg.transport == "threads"`` every actor is a thread of this process over the
+in-process transport, with ``"gloo"`` every learner incarnation is a process (see
+``procs.py``). ``ckpt replay TAPE --mode force`` calls :func:`main`, which always
+runs the actors as threads: the taped decisions make the outcome independent of the
+transport and of timing, so the parameters and losses come out bit-identical.
+
+Set ``CKPT_DILOCO_REPLAY_DELAY_S`` to slow every learner step down during a replay (the
+"slower replay machine" check).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from replay.channel import Endpoint, InProcessNetwork
+from replay.diloco.chaos import Schedule, learner_names, make_schedule
+from replay.diloco.config import DiLoCoConfig
+from replay.diloco.learner import LearnerCtx, LearnerOutcome, run_learner
+from replay.diloco.link import Link
+from replay.diloco.model import initial_state, val_corpus
+from replay.diloco.syncer import SyncerCtx, SyncerOutcome, run_syncer
+from replay.diloco.tapeio import TapeHub, endpoint_name
+from replay.recorder import Recorder
+
+__all__ = ["RunResult", "record", "main", "run_actors", "ENTRY_POINT", "DELAY_ENV"]
+
+ENTRY_POINT = "replay.diloco.run:main"
+DELAY_ENV = "CKPT_DILOCO_REPLAY_DELAY_S"
+
+
+@dataclass
+class RunResult:
+    cfg: DiLoCoConfig
+    schedule: Schedule
+    syncer: SyncerOutcome
+    learners: list[LearnerOutcome]
+    wall_s: float
+    tape: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def final_learner_states(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """The last incarnation's final state of every learner that finished."""
+        out: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for o in self.learners:
+            if o.state:
+                out[o.actor] = o.state
+        return out
+
+
+def decide_schedule(hub: TapeHub, cfg: DiLoCoConfig) -> Schedule:
+    chaos = hub.local("chaos")
+    return Schedule.from_json(chaos.decide("schedule", "all", lambda: make_schedule(cfg).to_json()))
+
+
+def spares_of(cfg: DiLoCoConfig, schedule: Schedule) -> dict[str, list[str]]:
+    return {a: [endpoint_name(a, k) for k in range(1, schedule.deaths(a) + 1)] for a in learner_names(cfg)}
+
+
+def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
+               on_step: Callable[[int, dict[str, Any]], None] | None = None,
+               after_step: Callable[[int, Any], None] | None = None) -> RunResult:
+    """Every actor as a thread of this process over the in-process transport."""
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    schedule = decide_schedule(hub, cfg)
+    theta0 = initial_state(cfg)
+    names = learner_names(cfg)
+    spares = spares_of(cfg, schedule)
+    endpoints = ["syncer"] + [e for a in names for e in [a, *spares[a]]]
+    net = InProcessNetwork.complete(endpoints)
+    errors: list[BaseException] = []
+    outcomes: list[LearnerOutcome] = []
+    done: dict[str, threading.Event] = {e: threading.Event() for e in endpoints}
+    lock = threading.Lock()
+
+    def learner_thread(actor: str, inc: int) -> None:
+        ep_name = endpoint_name(actor, inc)
+        try:
+            link = Link(Endpoint(net.transport(ep_name)), hub.local(actor), timeout_s=cfg.io_timeout_s)
+            prev = endpoint_name(actor, inc - 1) if inc else None
+            ctx = LearnerCtx(cfg, actor, inc, link, theta0, schedule.for_learner(actor),
+                             die=lambda: net.kill(ep_name),
+                             predecessor_done=(lambda: _wait(done[prev], cfg.io_timeout_s, prev)) if prev else
+                             (lambda: None),
+                             step_delay_s=step_delay_s)
+            o = run_learner(ctx)
+            with lock:
+                outcomes.append(o)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            net.kill(ep_name, f"crashed: {e!r}")
+        finally:
+            done[ep_name].set()
+
+    threads = [threading.Thread(target=learner_thread, args=(a, k), name=endpoint_name(a, k), daemon=True)
+               for a in names for k in range(len(spares[a]) + 1)]
+    for t in threads:
+        t.start()
+    link = Link(Endpoint(net.transport("syncer")), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
+    try:
+        sy = run_syncer(SyncerCtx(cfg, link, theta0, schedule, spares, val_corpus(cfg), on_step=on_step,
+                                  after_step=after_step))
+    except BaseException:
+        for e in endpoints:
+            net.kill(e, "syncer failed")
+        raise
+    for t in threads:
+        t.join(cfg.io_timeout_s)
+    if errors:
+        raise errors[0]
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        raise TimeoutError(f"learner threads did not finish: {stuck}")
+    outcomes.sort(key=lambda o: (int(o.actor.rsplit("-", 1)[1]), o.incarnation))
+    return RunResult(cfg, schedule, sy, outcomes, time.monotonic() - t0)
+
+
+def _wait(ev: threading.Event, timeout: float, what: str | None) -> None:
+    if not ev.wait(timeout):
+        raise TimeoutError(f"predecessor incarnation {what} did not finish within {timeout} s")
+
+
+def open_recorder(tape: str | os.PathLike[str], cfg: DiLoCoConfig, **opts: Any) -> Recorder:
+    return Recorder.open(str(tape), entry_point=ENTRY_POINT, config={"diloco": cfg.to_dict()}, actor="syncer",
+                         rng_every=0, param_digest_every=0, rng_sources=(), **opts)
+
+
+def record(tape: str | os.PathLike[str], cfg: DiLoCoConfig, **kw: Any) -> RunResult:
+    """Run and record. ``kw`` goes to :func:`run_actors` (or the process launcher)."""
+    Path(tape).parent.mkdir(parents=True, exist_ok=True)
+    with open_recorder(tape, cfg) as rec:
+        hub = TapeHub(rec, wait_s=cfg.io_timeout_s)
+        if cfg.transport == "gloo":
+            from replay.diloco.procs import run_processes
+
+            res = run_processes(hub, cfg, **kw)
+        else:
+            res = run_actors(hub, cfg, **kw)
+    res.tape = str(tape)
+    return res
+
+
+LAST_RESULT: dict[str, RunResult] = {}
+
+
+def main(rec: Recorder) -> None:
+    """The tape entry point: re-run the recorded run as threads (verify/force/fork)."""
+    cfg = DiLoCoConfig.from_dict(dict(rec.config["diloco"]))
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    hub = TapeHub(rec, wait_s=cfg.io_timeout_s)
+    LAST_RESULT["replay"] = run_actors(hub, cfg, step_delay_s=delay)
+
+
+def config_of(d: Mapping[str, Any]) -> DiLoCoConfig:
+    return DiLoCoConfig.from_dict(d)

@@ -1,0 +1,318 @@
+"""The syncer: quorum, adaptive grace, token-weighted merge, Nesterov outer SGD.
+
+Syncer step ``s`` merges fragment ``p = s % P``. In record mode it waits until at
+least K learners have an unmerged contribution for ``p`` (the quorum), then for the
+stragglers it expects, up to the adaptive grace window ("Eq. 3")::
+
+    grace = clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, cap)
+
+with EMAs (alpha = ``ema_alpha``) of the learners' inner-step time (``xi_step``), the
+time from a fragment's first arrival to its quorum (``xi_quorum``) and the merge time
+(``xi_sync``). All of that is wall-clock, so the outcome is one taped decision per
+step (``sync``: contributions, members, stragglers, weights, detected deaths,
+activations, receivers); quorum and merge events follow it. In force mode the plan is
+read from the tape and the syncer waits for exactly the contributions it names.
+
+The merge (float64, participants in learner order)::
+
+    w_m   = c_tokens * (c_tokens / c_steps)        token weighting, "quantity x quality"
+    avg   = sum_m (w_m / sum w) * theta_m
+    delta = Theta_p - avg                          outer gradient, anchored at Theta_p
+    v     = mu * v + delta
+    Theta_p <- Theta_p - lr * (delta + mu * v)     Nesterov
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from replay.channel import Message
+from replay.diloco.chaos import Schedule
+from replay.diloco.config import DiLoCoConfig
+from replay.diloco.fragments import pack_fragments
+from replay.diloco.link import Link, ref_of
+from replay.diloco.model import build_model, eval_loss
+from replay.diloco.tapeio import LocalTape, LogApplier, MsgRef, actor_of
+
+__all__ = ["SyncerCore", "SyncerCtx", "SyncerOutcome", "run_syncer", "grace_window"]
+
+
+class SyncerCore:
+    """Global fragments Theta_p and their outer momentum."""
+
+    def __init__(self, cfg: DiLoCoConfig, theta0: Mapping[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.model = build_model(cfg)
+        self.model.load_state_dict(dict(theta0))
+        self.model.eval()
+        self.frags = pack_fragments(self.model.named_parameters(), cfg.fragments)
+        params = dict(self.model.named_parameters())
+        self.theta = [[params[n].detach().clone() for n in f.names] for f in self.frags]
+        self.mom = [[torch.zeros_like(t) for t in ts] for ts in self.theta]
+
+    def merge(self, p: int, contribs: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+        total = math.fsum(weights)
+        if not contribs or total <= 0.0:
+            return [t.clone() for t in self.theta[p]]
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        new = []
+        for j, cur in enumerate(self.theta[p]):
+            acc = torch.zeros(cur.shape, dtype=torch.float64)
+            for w, c in zip(weights, contribs):
+                acc += (w / total) * c[j].to(torch.float64)
+            delta = cur.to(torch.float64) - acc
+            v = mu * self.mom[p][j].to(torch.float64) + delta
+            self.mom[p][j] = v.to(torch.float32)
+            upd = cur.to(torch.float64) - lr * (delta + mu * v)
+            self.theta[p][j] = upd.to(torch.float32)
+            new.append(self.theta[p][j].clone())
+        return new
+
+    def val_loss(self, corpus: torch.Tensor) -> float:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for f, ts in zip(self.frags, self.theta):
+                for n, t in zip(f.names, ts):
+                    params[n].copy_(t)
+        return eval_loss(self.model, corpus)
+
+    def named_state(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for f, ts, ms in zip(self.frags, self.theta, self.mom):
+            out += [(f"theta.{n}", t) for n, t in zip(f.names, ts)]
+            out += [(f"momentum.{n}", m) for n, m in zip(f.names, ms)]
+        return out
+
+
+def grace_window(cfg: DiLoCoConfig, xi_step: float, xi_quorum: float, xi_sync: float) -> float:
+    g = cfg.grace_gamma * (cfg.overlap_tau * xi_step - xi_quorum - xi_sync)
+    return min(max(g, 0.0), cfg.grace_cap_s)
+
+
+class _Ema:
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+    def get(self) -> float:
+        return self.value or 0.0
+
+
+@dataclass
+class SyncerCtx:
+    cfg: DiLoCoConfig
+    link: Link
+    theta0: Mapping[str, torch.Tensor]
+    schedule: Schedule
+    spares: Mapping[str, Sequence[str]]  # actor -> replacement endpoints, in order
+    val: torch.Tensor
+    applier: LogApplier | None = None  # learners in other processes ship their tape logs
+    on_step: Callable[[int, dict[str, Any]], None] | None = None
+    # called at the end of every syncer step with the core (snapshots, tests)
+    after_step: Callable[[int, "SyncerCore"], None] | None = None
+
+
+@dataclass
+class SyncerOutcome:
+    steps: int = 0
+    val: list[tuple[int, float]] = field(default_factory=list)
+    merged: list[dict[str, Any]] = field(default_factory=list)  # one per merged contribution
+    plans: list[dict[str, Any]] = field(default_factory=list)
+    step_wall: list[float] = field(default_factory=list)  # monotonic time each step ended
+    state: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    deaths: list[tuple[int, str]] = field(default_factory=list)
+    activations: list[tuple[int, str]] = field(default_factory=list)
+
+
+def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
+    cfg, link = ctx.cfg, ctx.link
+    tape = link.tape
+    assert isinstance(tape, LocalTape)
+    force = tape.mode == "force"
+    core = SyncerCore(cfg, ctx.theta0)
+    out = SyncerOutcome()
+    names = [f"learner-{i}" for i in range(cfg.learners)]
+    active: dict[str, str] = {a: a for a in names}  # actor -> current endpoint
+    recovering: set[str] = set()
+    dead_since: dict[str, int] = {}
+    deaths_seen: dict[str, int] = {}
+    spare_used: dict[str, int] = {a: 0 for a in names}
+    detected: list[str] = []  # endpoints reported dead (record mode)
+    byes: set[str] = set()
+    xi_step, xi_quorum, xi_sync = _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha)
+    first_arrival: dict[int, float] = {}
+
+    def on_dead(endpoint: str) -> None:
+        if not force and endpoint not in detected:
+            detected.append(endpoint)
+
+    def on_arrival(msg: Message) -> bool:
+        kind = msg.meta.get("kind")
+        if "log" in msg.meta and ctx.applier is not None:
+            nlog = int(msg.meta.get("nlog", 0))
+            ctx.applier.add(actor_of(msg.src), list(msg.meta["log"]),
+                            list(msg.tensors[len(msg.tensors) - nlog:]) if nlog else [])
+        if kind == "dying":
+            link.send(msg.src, {"kind": "ack"}, taped=False)
+            return True
+        if kind == "bye":
+            byes.add(msg.src)
+            return True
+        if kind == "frag":
+            timing = msg.meta.get("timing") or {}
+            if "step_s" in timing:
+                xi_step.add(float(timing["step_s"]))
+            first_arrival.setdefault(int(msg.meta["p"]), time.monotonic())
+            if actor_of(msg.src) in recovering and active.get(actor_of(msg.src)) == msg.src:
+                recovering.discard(actor_of(msg.src))
+        return False
+
+    link.on_dead = on_dead
+    link.on_arrival = on_arrival
+
+    def candidates(p: int) -> dict[str, MsgRef]:
+        cand: dict[str, MsgRef] = {}
+        for ref, m in link.box.items():
+            if m.meta.get("kind") == "frag" and int(m.meta["p"]) == p:
+                if all(bool(torch.isfinite(t).all()) for t in m.tensors[: _nsem(m)]):
+                    cand[actor_of(m.src)] = ref  # later arrivals supersede: latest per learner
+        return cand
+
+    def plan_now(s: int, p: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        quorum_at: float | None = None
+        quorum_set: set[str] = set()
+        grace = 0.0
+        while True:
+            link.poll(wait_s=0.002)
+            cand = candidates(p)
+            now = time.monotonic()
+            if quorum_at is None and len(cand) >= cfg.quorum:
+                quorum_at, quorum_set = now, set(cand)
+                xi_quorum.add(now - first_arrival.get(p, t0))
+                grace = grace_window(cfg, xi_step.get(), xi_quorum.get(), xi_sync.get())
+            if quorum_at is not None:
+                dead_now = {actor_of(e) for e in detected if active.get(actor_of(e)) == e}
+                expected = [a for a in active if a not in recovering and a not in dead_now]
+                if all(a in cand for a in expected) or now >= quorum_at + grace:
+                    break
+            if now - t0 > cfg.io_timeout_s:
+                raise TimeoutError(f"syncer step {s}: no quorum of {cfg.quorum} for fragment {p} within "
+                                   f"{cfg.io_timeout_s} s (have {sorted(cand)})")
+        members = sorted(cand, key=_order)
+        weights = []
+        for a in members:
+            m = link.box[cand[a]]
+            tok, st = float(m.meta["tokens"]), float(m.meta["steps"])
+            weights.append(tok * (tok / st) if st > 0 else 0.0)
+        dead = []
+        for e in list(detected):
+            a = actor_of(e)
+            if active.get(a) == e:
+                dead.append(a)
+            detected.remove(e)
+        dead = sorted(set(dead), key=_order)
+        activate = []
+        will_be_dead = dict(dead_since)
+        for a in dead:
+            will_be_dead[a] = s
+        for a, since in sorted(will_be_dead.items(), key=lambda x: _order(x[0])):
+            if s >= since + ctx.schedule.rejoin_after and spare_used[a] < len(ctx.spares.get(a, ())):
+                healthy = [b for b in sorted(active, key=_order) if b not in recovering and b not in will_be_dead]
+                if not healthy:
+                    continue
+                immortal = [b for b in healthy if b not in ctx.schedule.mortal()]
+                peer = (immortal or healthy)[0]
+                activate.append([a, ctx.spares[a][spare_used[a]], active[peer]])
+        send_to = sorted([e for a, e in active.items() if a not in will_be_dead] + [x[1] for x in activate])
+        return {"p": p, "contribs": [list(cand[a]) for a in members], "members": members,
+                "stragglers": sorted(set(members) - quorum_set, key=_order), "weights": weights,
+                "dead": dead, "activate": activate, "send_to": send_to, "grace_s": grace,
+                "quorum_wait_s": (quorum_at or t0) - t0}
+
+    for s in range(cfg.syncer_steps):
+        p = s % cfg.fragments
+        key = f"s{s}"
+        tape.begin_step(s)
+        plan = tape.decide("sync", key, lambda: plan_now(s, p))
+        first_arrival.pop(p, None)
+        t_merge = time.monotonic()
+        for a in plan["dead"]:
+            deaths_seen[a] = deaths_seen.get(a, 0) + 1
+            kind = _death_kind(ctx.schedule, a, deaths_seen[a])
+            tape.detected(kind, a, {"syncer_step": s, "endpoint": active.get(a)})
+            active.pop(a, None)
+            recovering.discard(a)
+            dead_since[a] = s
+            out.deaths.append((s, a))
+        for a, spare, peer in plan["activate"]:
+            kind = _death_kind(ctx.schedule, a, deaths_seen.get(a, 1))
+            link.send(spare, {"kind": "activate", "target": s, "peer": peer, "fault": kind})
+            spare_used[a] += 1
+            active[a] = spare
+            recovering.add(a)
+            dead_since.pop(a, None)
+            out.activations.append((s, a))
+        members = tape.quorum(key, cfg.quorum, plan["members"])
+        refs = [(str(r[0]), str(r[1]), int(r[2])) for r in plan["contribs"]]
+        msgs = []
+        for ref in refs:
+            msgs.append(link.wait_ref(ref))
+            tape.recv(ref)
+        _, weights = tape.merge(key, refs, plan["weights"])
+        theta_p = core.merge(p, [m.tensors[: _nsem(m)] for m in msgs], [float(w) for w in weights])
+        for ref, m in zip(refs, msgs):
+            out.merged.append({"s": s, "actor": actor_of(m.src), "inc": int(m.meta["inc"]), "t": int(m.meta["t"]),
+                               "started": int(m.meta["started"]), "steps": int(m.meta["steps"])})
+            # this contribution and every older one of that learner for p are spent
+            for r2 in [r for r, x in link.box.items() if r[0] == ref[0] and r[2] <= ref[2]
+                       and x.meta.get("kind") == "frag" and int(x.meta["p"]) == p]:
+                link.pop(r2)
+        for e in plan["send_to"]:
+            link.send(e, {"kind": "merged", "s": s, "p": p}, theta_p)
+        xi_sync.add(time.monotonic() - t_merge)
+        if s % max(cfg.eval_every, 1) == 0 or s == cfg.syncer_steps - 1:
+            v = core.val_loss(ctx.val)
+            tape.metric("val_loss", v)
+            out.val.append((s, v))
+        tape.end_step()
+        out.steps = s + 1
+        out.plans.append(dict(plan))
+        out.step_wall.append(time.monotonic())
+        del members
+        if ctx.after_step is not None:
+            ctx.after_step(s, core)
+        if ctx.on_step is not None:
+            ctx.on_step(s, plan)
+    for a, e in sorted(active.items(), key=lambda x: _order(x[0])):
+        link.send(e, {"kind": "stop"})
+    for a, eps in ctx.spares.items():
+        for e in eps[spare_used[a]:]:
+            link.send(e, {"kind": "stop"}, taped=False)
+    out.state = [(n, t.clone()) for n, t in core.named_state()]
+    tape.params(out.state)
+    if ctx.applier is not None:
+        link.wait(lambda: all(e in byes or e in detected for e in active.values()), "every learner's goodbye")
+        ctx.applier.pump()
+    return out
+
+
+def _nsem(m: Message) -> int:
+    return len(m.tensors) - int(m.meta.get("nlog", 0))
+
+
+def _order(actor: str) -> int:
+    return int(actor.rsplit("-", 1)[1])
+
+
+def _death_kind(schedule: Schedule, actor: str, nth: int) -> str:
+    kinds = [f.kind for f in schedule.faults if actor in f.targets and f.kind in ("kill", "loss")]
+    return kinds[nth - 1] if 0 < nth <= len(kinds) else "kill"
