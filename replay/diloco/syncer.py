@@ -1,8 +1,10 @@
 """The syncer: quorum, adaptive grace, token-weighted merge, Nesterov outer SGD.
 
-Syncer step ``s`` merges fragment ``p = s % P``. In record mode it waits until at
-least K learners have an unmerged contribution for ``p`` (the quorum), then for the
-stragglers it expects, up to the adaptive grace window ("Eq. 3")::
+Syncer step ``s`` merges fragment ``p = s % P`` of round ``r = s // P``. In record
+mode it waits until at least K learners have an unmerged contribution for ``p`` from
+round ``r`` or later (the quorum; a learner's latest contribution supersedes its older
+ones, and one round of staleness is still merged), then for the stragglers it
+expects, up to the adaptive grace window ("Eq. 3")::
 
     grace = clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, cap)
 
@@ -178,13 +180,23 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
     link.on_dead = on_dead
     link.on_arrival = on_arrival
 
-    def candidates(p: int) -> dict[str, MsgRef]:
+    def candidates(p: int, rnd: int) -> tuple[dict[str, MsgRef], set[str]]:
+        """Eligible contributions (latest per learner, at most one round stale) and the
+        learners whose contribution is of this round or later (they count for the quorum)."""
         cand: dict[str, MsgRef] = {}
+        fresh: set[str] = set()
         for ref, m in link.box.items():
             if m.meta.get("kind") == "frag" and int(m.meta["p"]) == p:
-                if all(bool(torch.isfinite(t).all()) for t in m.tensors[: _nsem(m)]):
-                    cand[actor_of(m.src)] = ref  # later arrivals supersede: latest per learner
-        return cand
+                r = int(m.meta["t"]) // cfg.inner_h
+                if r < rnd - 1 or not all(bool(torch.isfinite(t).all()) for t in m.tensors[: _nsem(m)]):
+                    continue
+                a = actor_of(m.src)
+                cand[a] = ref  # later arrivals supersede: latest per learner
+                if r >= rnd:
+                    fresh.add(a)
+                else:
+                    fresh.discard(a)
+        return cand, fresh
 
     def plan_now(s: int, p: int) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -193,16 +205,16 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
         grace = 0.0
         while True:
             link.poll(wait_s=0.002)
-            cand = candidates(p)
+            cand, fresh = candidates(p, s // cfg.fragments)
             now = time.monotonic()
-            if quorum_at is None and len(cand) >= cfg.quorum:
+            if quorum_at is None and len(fresh) >= cfg.quorum:
                 quorum_at, quorum_set = now, set(cand)
                 xi_quorum.add(now - first_arrival.get(p, t0))
                 grace = grace_window(cfg, xi_step.get(), xi_quorum.get(), xi_sync.get())
             if quorum_at is not None:
                 dead_now = {actor_of(e) for e in detected if active.get(actor_of(e)) == e}
                 expected = [a for a in active if a not in recovering and a not in dead_now]
-                if all(a in cand for a in expected) or now >= quorum_at + grace:
+                if all(a in fresh for a in expected) or now >= quorum_at + grace:
                     break
             if now - t0 > cfg.io_timeout_s:
                 raise TimeoutError(f"syncer step {s}: no quorum of {cfg.quorum} for fragment {p} within "

@@ -93,6 +93,10 @@ class TapeHub:
         self._stamps: dict[MsgRef, Stamp] = {}
         self._cond = threading.Condition()
         self.listeners: list[Callable[[], None]] = []
+        # Serialises every recorder call of this run's actors. The recorder locks its
+        # own emits, but Actor.end_step flushes the TapeWriter outside that lock, which
+        # races with another thread's append (records written out of sequence).
+        self.lock = threading.RLock()
 
     @property
     def mode(self) -> str:
@@ -124,7 +128,8 @@ class LocalTape:
     def __init__(self, hub: TapeHub, name: str) -> None:
         self.hub = hub
         self.name = name
-        self.actor = hub.rec.actor(name)
+        with hub.lock:
+            self.actor = hub.rec.actor(name)
 
     @property
     def mode(self) -> str:
@@ -135,56 +140,75 @@ class LocalTape:
         return self.actor.clock
 
     def begin_step(self, step: int) -> None:
-        self.actor.begin_step(step)
+        with self.hub.lock:
+            self.actor.begin_step(step)
 
     def end_step(self) -> None:
-        self.actor.end_step()
+        with self.hub.lock:
+            self.actor.end_step()
 
     def batch(self, ids: Sequence[int]) -> None:
-        self.actor.batch(list(ids))
+        with self.hub.lock:
+            self.actor.batch(list(ids))
 
     def loss(self, value: float) -> None:
-        self.actor.loss(float(value))
+        with self.hub.lock:
+            self.actor.loss(float(value))
 
     def metric(self, name: str, value: float) -> None:
-        self.actor.metric(name, float(value))
+        with self.hub.lock:
+            self.actor.metric(name, float(value))
 
     def params(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self.actor.params([("", _NamedTensors(named))])
+        with self.hub.lock:
+            self.actor.params([("", _NamedTensors(named))])
 
     def send(self, ref: MsgRef, peer: str, digest: bytes) -> None:
-        stamp = self.actor.send(f"{self.name}->{actor_of(ref[1])}", peer=peer, digest=digest)
+        with self.hub.lock:
+            stamp = self.actor.send(f"{self.name}->{actor_of(ref[1])}", peer=peer, digest=digest)
         self.hub.register(ref, stamp)
 
     def recv(self, ref: MsgRef) -> None:
-        stamp = self.hub.stamp(ref)
+        stamp = self.hub.stamp(ref)  # may wait: outside the lock
         assert stamp is not None
-        self.actor.recv(stamp)
+        with self.hub.lock:
+            self.actor.recv(stamp)
 
     def decide(self, what: str, key: str, compute: Callable[[], Any]) -> Any:
-        return self.actor.decide(what, key, compute)
+        if self.hub.mode == "record":
+            value = compute()  # may block on messages: outside the lock
+            with self.hub.lock:
+                return self.actor.decide(what, key, lambda: value)
+        with self.hub.lock:
+            return self.actor.decide(what, key, compute)
 
     def inject(self, fault: str, target: str, detail: Any) -> None:
-        self.actor.maybe_inject(fault, target, lambda: detail)
+        with self.hub.lock:
+            self.actor.maybe_inject(fault, target, lambda: detail)
 
     def detected(self, fault: str, target: str, detail: Any) -> None:
-        self.actor.fault_detected(fault, target, detail)
+        with self.hub.lock:
+            self.actor.fault_detected(fault, target, detail)
 
     def recovered(self, fault: str, target: str, target_ref: MsgRef, observed_ref: MsgRef) -> None:
         t, o = self.hub.stamp(target_ref), self.hub.stamp(observed_ref)
         assert t is not None and o is not None
-        self.actor.recovered(fault, target, target_clock=t.clock, observed=o.clock)
+        with self.hub.lock:
+            self.actor.recovered(fault, target, target_clock=t.clock, observed=o.clock)
 
     def note(self, text: str) -> None:
-        self.actor.note(text)
+        with self.hub.lock:
+            self.actor.note(text)
 
     # -- the syncer's decisions (the syncer always records locally) --------------------
     def quorum(self, key: str, minimum: int, members: Sequence[str]) -> list[str]:
-        return self.actor.quorum(key, minimum, lambda: list(members))
+        with self.hub.lock:
+            return self.actor.quorum(key, minimum, lambda: list(members))
 
     def merge(self, key: str, refs: Sequence[MsgRef], weights: Sequence[float]) -> tuple[list[Any], Any]:
         stamps = [self.hub.stamp(r) for r in refs]
-        return self.actor.merge(key, lambda: (stamps, list(weights)))
+        with self.hub.lock:
+            return self.actor.merge(key, lambda: (stamps, list(weights)))
 
 
 class RemoteTape:
