@@ -463,6 +463,10 @@ class Endpoint:
         """Messages (data and control) that arrived on ``src -> me`` and are not delivered."""
         return len(self._buf[src])
 
+    def buffered(self, src: str) -> list[Message]:
+        """Data messages that arrived complete on ``src -> me`` and are not delivered yet."""
+        return [m for _, m in self._buf[src] if m.kind is MessageKind.DATA]
+
     def _ready(self) -> list[Ready]:
         out = []
         for src, q in self._buf.items():

@@ -386,9 +386,7 @@ class SnapshotAgent:
         for s in self._snaps.values():
             rec = s.recording.get(msg.src)
             if rec is not None:
-                # Copy: the application owns the delivered tensors and may change them.
-                rec.append(Message(msg.src, msg.dst, msg.seq, msg.clock, msg.kind, dict(msg.meta),
-                                   tuple(t.detach().clone() for t in msg.tensors)))
+                rec.append(_copy_message(msg))
 
     def _on_peer_failed(self, peer: str) -> None:
         self.control.set(f"dead/{peer}", _pack({"by": self.actor, "reason": "transport reported the peer gone"}))
@@ -397,8 +395,11 @@ class SnapshotAgent:
     def _peer_gone(self, peer: str) -> None:
         for s in list(self._snaps.values()):
             if peer in s.recording:
-                # No marker will come: the channel's state is what arrived until the failure.
-                s.closed[peer] = s.recording.pop(peer)
+                # No marker will come: the channel's state is everything that arrived from
+                # the peer after the cut, delivered or still queued, up to its failure.
+                rec = s.recording.pop(peer)
+                rec.extend(_copy_message(m) for m in self.ep.buffered(peer))
+                s.closed[peer] = rec
                 s.failed_peers.add(peer)
                 self.ep.record("snapshot.peer_failed", {"snapshot": s.name, "peer": peer})
                 self._maybe_finish(s)
@@ -538,6 +539,12 @@ class SnapshotAgent:
             if not busy:
                 return
             time.sleep(self.poll_s)
+
+
+def _copy_message(msg: Message) -> Message:
+    # A copy: the application owns delivered tensors and may change them in place.
+    return Message(msg.src, msg.dst, msg.seq, msg.clock, msg.kind, dict(msg.meta),
+                   tuple(t.detach().clone() for t in msg.tensors))
 
 
 def _check_accounting(parts: Mapping[str, Mapping[str, Any]], excluded: set[str]) -> str:

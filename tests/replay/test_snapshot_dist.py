@@ -230,12 +230,15 @@ def _samples() -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
     ]
 
 
-def _restore_worker(rank: int, world: int, store: Any, out: Path, original: list[dict[str, Any]]) -> dict[str, Any]:
+def _restore_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
     from replay.channel import Endpoint, ForcedScheduler, ListSink, TorchDistTransport
     from replay.snapshot import CkptSnapshotStore, SnapshotAgent, TorchStoreControl, delivery_order
 
+    # Read from a file, not passed as process arguments: spawn streams arguments through
+    # a pipe that each child drains only after importing torch, which serialises startup.
+    original = msgpack.unpackb((out / "original.msgpack").read_bytes(), raw=False, strict_map_key=False)
     names = _actors(world)
     me = names[rank]
     events = ListSink.from_list(e for r in original for e in r["events"])
@@ -383,7 +386,8 @@ def test_gloo_restore_is_bit_identical_with_forced_order(bank_run, tmp_path: Pat
     rdir.mkdir()
     os.symlink(out / "snaps", rdir / "snaps")
     slim = [{"events": r["events"], "final": r["final"]} for r in original]
-    res = _spawn(_restore_worker, WORLD, rdir, slim, timeout=150)
+    (rdir / "original.msgpack").write_bytes(msgpack.packb(slim, use_bin_type=True))
+    res = _spawn(_restore_worker, WORLD, rdir, timeout=150)
     for rank, r in enumerate(res):
         want = original[rank]["final"]
         for name in SNAPS:
