@@ -226,7 +226,7 @@ def _assign(target: Any, result: Any, path: str, ckpt_path: str) -> None:
     if isinstance(target, dict) and isinstance(result, dict):
         for k, v in result.items():
             cur = target.get(k)
-            if cur is v:
+            if cur is v and k in target:  # a saved None must still create a missing key
                 continue
             if isinstance(cur, (dict, list)) and type(cur) is type(v) and not isinstance(v, tuple):
                 _assign(cur, v, f"{path}/{k}", ckpt_path)
