@@ -333,6 +333,9 @@ def test_nested_plain_values_round_trip_exactly(tmp_path: Path) -> None:
     res = ckpt.load(p, {"t": target})
     assert_same(target, want)
     assert_same(res.extra, {"note": "extra survives", "n": 2**70})
+    empty: dict[str, Any] = {}
+    ckpt.load(p, {"t": empty})
+    assert_same(empty, want)  # a saved None creates its key too
 
 
 @pytest.mark.parametrize(
