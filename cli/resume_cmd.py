@@ -40,7 +40,6 @@ def _kill_steps(values: tuple[str, ...]) -> list[int]:
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=str), default=None, help="Keep run dirs and logs here.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds per attempt.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
-@handle_errors
 def check_resume_cmd(
     entry: str,
     steps: int,
@@ -61,23 +60,44 @@ def check_resume_cmd(
     Exit 0 when identical; 6 when different, or when the attempts' environments or world
     sizes differ (no exactness claim is made); 1 when an attempt crashed.
     """
-    from ckpt.resume_check import check_resume
-
     opts = {}
     for o in options:
         key, sep, value = o.partition("=")
         if not sep or not key:
             raise click.BadParameter(f"{o!r} is not KEY=VALUE", param_hint="--option")
         opts[key] = value
+    kills = _kill_steps(kill_at)
+    # Exit codes are raised out here: handle_errors would print click's Exit as an error.
+    if not _run(entry, steps, kills, world_size, save_every, seed, opts, sync, isolation, work_dir, timeout, as_json):
+        raise click.exceptions.Exit(6)
+
+
+@handle_errors
+def _run(
+    entry: str,
+    steps: int,
+    kill_at: list[int],
+    world_size: int,
+    save_every: int,
+    seed: int,
+    options: dict[str, str],
+    sync: bool,
+    isolation: str,
+    work_dir: str | None,
+    timeout: float,
+    as_json: bool,
+) -> bool:
+    from ckpt.resume_check import check_resume
+
     try:
         result = check_resume(
             entry,
             steps=steps,
-            kill_at=_kill_steps(kill_at),
+            kill_at=kill_at,
             world_size=world_size,
             save_every=save_every,
             seed=seed,
-            options=opts,
+            options=options,
             async_save=not sync,
             work_dir=work_dir,
             timeout=timeout,
@@ -102,5 +122,4 @@ def check_resume_cmd(
         )
     else:
         click.echo(result.summary())
-    if not result.identical:
-        raise click.exceptions.Exit(6)
+    return result.identical
