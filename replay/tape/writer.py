@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import struct
 import time
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from replay.errors import ReplayError, TapeLimitError
 from replay.tape import format as fmt
@@ -27,6 +30,9 @@ from replay.tape.index import IndexEntry, encode_entry, encode_index_header
 __all__ = ["TapeWriter", "segment_name", "index_path"]
 
 _DEFAULT_BUFFER = 1 << 20
+_pack_tail = struct.Struct("<IHHQQQ").pack_into  # record header bytes 8..40 (format.py §5.1)
+_pack_u64 = struct.Struct("<Q").pack_into
+_xxh64 = xxhash.xxh3_64_intdigest
 
 
 def segment_name(n: int) -> str:
@@ -70,6 +76,7 @@ class TapeWriter:
             cap = min(cap, fmt.MAX_BLOCK_RAW - 4096)  # a block's compressed body must stay a valid record
         self._cap = cap
         self._buf = bytearray(cap)
+        self._mv = memoryview(self._buf)
         self._pos = 0
         self._count = 0  # records in the buffer (the block's count in zstd mode)
         self._first_seq_in_buf = 0
@@ -155,9 +162,16 @@ class TapeWriter:
         seq = self._seq
         if self._count == 0:
             self._first_seq_in_buf = seq
-        self._last = fmt.pack_record_into(self._buf, pos, seq, kind, body, self._salt,
-                                          self._last if self._chain else 0)
-        self._pos = pos + 40 + n
+        # Inlined fmt.pack_record_into: this is the hot path (one call per event).
+        end = pos + 40 + n
+        buf = self._buf
+        salt = self._salt
+        _pack_tail(buf, pos + 8, n, kind, 0, seq, salt, self._last if self._chain else 0)
+        buf[pos + 40 : end] = body
+        c = _xxh64(self._mv[pos + 8 : end], salt)
+        _pack_u64(buf, pos, c)
+        self._last = c
+        self._pos = end
         self._count += 1
         self._seq = seq + 1
         if self._fsync_every or self._fsync_interval:
@@ -204,11 +218,11 @@ class TapeWriter:
                 self._resolve_index(self._seg_written)
             return
         if self._zstd:
-            body = fmt.encode_block(memoryview(self._buf)[: self._pos], self._count, self._zstd_level)
+            body = fmt.encode_block(self._mv[: self._pos], self._count, self._zstd_level)
             frame, _ = fmt.encode_record(self._first_seq_in_buf, fmt.BLOCK_KIND, body, self._salt, 0)
             data: bytes | memoryview = frame
         else:
-            data = memoryview(self._buf)[: self._pos]
+            data = self._mv[: self._pos]
         self._resolve_index(self._seg_written)
         written = 0
         while written < len(data):
