@@ -88,7 +88,6 @@ class CheckpointReader:
     # -- structure ---------------------------------------------------------------------
     def _open(self) -> Manifest:
         p = self.path
-        base = os.path.basename(p)
         try:
             st = self._storage.lstat(p)
         except FileNotFoundError:
@@ -100,7 +99,8 @@ class CheckpointReader:
             st = self._storage.lstat(p)
         if not stat.S_ISDIR(st.st_mode):
             raise FormatError("a checkpoint is a directory; this is not one", path=p)
-        if base.startswith(TMP_PREFIX):
+        # After resolving: a link named "latest" to a temporary dir is still temporary.
+        if os.path.basename(p).startswith(TMP_PREFIX):
             raise IncompleteCheckpointError("temporary directory of an unfinished save, not a checkpoint", path=p)
         mpath = os.path.join(p, MANIFEST_NAME)
         try:

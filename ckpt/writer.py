@@ -101,6 +101,7 @@ class _Collector:
         self.prefix = prefix
         self.tensors: list[tuple[str, Any]] = []  # (key, cpu contiguous tensor)
         self._by_view: dict[tuple, str] = {}
+        self._keys: set[str] = set()
         self.counts: dict[str, list[int]] = {}  # top-level entry -> [n tensors, bytes]
 
     def __call__(self, obj: Any, path: tuple[Any, ...]) -> msgpack.ExtType | None:
@@ -147,6 +148,13 @@ class _Collector:
         if t.numel() > 0 and view in self._by_view:
             return self._by_view[view]
         key = "/".join([self.prefix, *(_escape(p) for p in path)]) if self.prefix else "/".join(_escape(p) for p in path)
+        # Distinct paths can render alike (int key 1 and str key "1"); keys must be
+        # unique in the manifest, and the tree refers to them by name, so suffix.
+        base, n = key, 0
+        while key in self._keys:
+            n += 1
+            key = f"{base}~{n}"
+        self._keys.add(key)
         src = t.detach()
         if src.is_conj():
             src = src.resolve_conj()
