@@ -646,6 +646,9 @@ def test_uncommitted_and_missing_checkpoints(tmp_path: Path, good: Path) -> None
     with pytest.raises(IncompleteCheckpointError, match="temporary") as ei:
         ckpt.open(tmpdir)
     names_file(ei.value, tmpdir.name)
+    os.symlink(tmpdir, tmp_path / "latest")  # a link to a temporary directory is no way in
+    with pytest.raises(IncompleteCheckpointError, match="temporary"):
+        ckpt.open(tmp_path / "latest")
     nomanifest = good.parent / "step-00000005"
     shutil.copytree(good, nomanifest)
     os.unlink(nomanifest / MANIFEST_NAME)

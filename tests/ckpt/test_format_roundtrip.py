@@ -279,6 +279,16 @@ def test_overlapping_but_different_views_are_stored_separately(tmp_path: Path) -
     assert fresh["same_again"] is fresh["full"]  # an identical view is an alias
 
 
+def test_paths_that_render_alike_get_distinct_tensor_keys(tmp_path: Path) -> None:
+    state = {1: torch.ones(2), "1": torch.zeros(2), "1~1": torch.full((2,), 2.0), "a/b": torch.ones(1), "a": {"b": torch.zeros(1)}}
+    p = tmp_path / "c"
+    save(p, {"t": state})
+    r = ckpt.open(p)
+    keys = [e.key for e in r.part().tensors]
+    assert len(set(keys)) == len(keys) == 5
+    assert_same(r.state()["t"], state)
+
+
 def test_distinct_empty_tensors_are_not_merged(tmp_path: Path) -> None:
     state = {"a": torch.empty(0), "b": torch.empty(0, 3, dtype=torch.int8), "c": torch.empty(0)}
     p = tmp_path / "c"
