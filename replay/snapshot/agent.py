@@ -246,6 +246,13 @@ class SnapshotAgent:
         t.start()
         return handle
 
+    def prewarm(self) -> None:
+        """Allocate (and touch) the staging buffers now, so that the first snapshot
+        blocks the loop for a copy only, not for allocation and page faults."""
+        for key, obj in self.state.items():
+            sd = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
+            self.pool.release(_stage(sd, self.pool, key))
+
     def poll(self) -> None:
         """Let snapshots progress without receiving: take in markers, notice failures."""
         self.ep.poll()
