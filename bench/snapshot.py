@@ -107,7 +107,7 @@ def _worker(rank: int, world: int, port: int, out: str, mib: int, n_snaps: int, 
     for k in range(n_snaps):
         name = f"snap-{k}"
         dist.barrier()
-        while name not in agent._done or agent.in_flight():
+        while not agent.local_done(name) or agent.in_flight():
             if rank == 0 and name not in handles:
                 handles[name] = agent.initiate(name)
             train_step()

@@ -258,6 +258,10 @@ class SnapshotAgent:
         self.ep.poll()
         self._check_failures()
 
+    def local_done(self, name: str) -> bool:
+        """Has this process finished its local part of snapshot ``name`` (all markers in)?"""
+        return name in self._done
+
     def in_flight(self) -> list[str]:
         return sorted(n for n, s in self._snaps.items() if not s.submitted)
 

@@ -135,7 +135,6 @@ def _bank_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]
     from replay.snapshot import CkptSnapshotStore, SnapshotAgent, TorchStoreControl
 
     names = _actors(world)
-    me = names[rank]
     res: dict[str, Any] = {}
     res["channel"] = _channel_checks(rank, names)
     sink = ListSink()
@@ -144,7 +143,7 @@ def _bank_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]
     agent = SnapshotAgent(ep, {"teller": teller}, store=CkptSnapshotStore(out / "snaps"),
                           control=TorchStoreControl(store, "bank/"), participants=names, deadline_s=60)
     handles = {}
-    while teller.steps < BANK_STEPS or agent.in_flight() or len(agent._done) < len(SNAPS):
+    while teller.steps < BANK_STEPS or agent.in_flight() or not all(agent.local_done(n) for n in SNAPS):
         for name, (who, at) in SNAPS.items():
             if who == rank and teller.steps == at and name not in handles:
                 handles[name] = agent.initiate(name)
@@ -160,7 +159,6 @@ def _bank_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]
     res["final"] = teller.final(ep)
     res["events"] = sink.to_list()
     ep.close(30)
-    del me
     return res
 
 

@@ -1,0 +1,161 @@
+"""Async-save benchmark for ckpt.manager (issue 3: checkpoint manager).
+
+Every figure is a median over >= 7 interleaved rounds, each ratio taken against a
+reference measured side by side in the same process (absolute speeds on these VMs
+swing 2-6x; shared/reference/performance-limits.md). Figures:
+
+- stall      the time ``after_step`` blocks the loop for an async save, against one
+             copy of the same number of bytes into a pre-faulted buffer (torch
+             ``copy_``, as the staging copy does; a single-thread ``memmove`` is printed
+             too). Target <= 1.3 x.
+- background the time the background thread takes to write, hash, fsync and commit,
+             against a synchronous durable save of the same state (``async_save=False``).
+- slowdown   the mean training-step time while a save is in flight, against steps with
+             no save in flight.
+
+The state is a real MLP with AdamW moments (params ~ size/3, so params + 2 moments ~
+size). Usage: python bench/async_save.py [--rounds 7] [--size-mib 384] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from ckpt.manager import CheckpointManager, RetentionPolicy  # noqa: E402
+
+MiB = 1 << 20
+
+
+def model_and_opt(size_mib: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    width = 1024
+    per_layer = width * width * 4
+    layers = max(1, (size_mib * MiB // 3) // per_layer)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, width)
+    model(x).sum().backward()
+    opt.step()  # materialise exp_avg / exp_avg_sq: the layout is final from here on
+    opt.zero_grad()
+    return model, opt
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    n += sum(t.numel() * t.element_size() for s in opt.state_dict()["state"].values() for t in s.values() if isinstance(t, torch.Tensor))
+    return n
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--size-mib", type=int, default=384)
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    if args.rounds < 7:
+        sys.exit("--rounds must be >= 7")
+    root = tempfile.mkdtemp(prefix="ckpt-bench-async-", dir=args.dir)
+    model, opt = model_and_opt(args.size_mib)
+    nbytes = state_bytes(model, opt)
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.zero_()  # pre-faulted, like the staging buffer
+    keep = RetentionPolicy(keep_last=1)
+    amgr = CheckpointManager(os.path.join(root, "async"), {"model": model, "optim": opt}, async_save=True, retention=keep, signals=())
+    smgr = CheckpointManager(os.path.join(root, "sync"), {"model": model, "optim": opt}, async_save=False, retention=keep, signals=())
+    x = torch.randn(64, 1024)
+    for _ in range(2):
+        train_step(model, opt, x)  # warm-up
+
+    # warm-up save: allocates and pre-faults the staging buffer once
+    amgr.save(0)
+    amgr.wait()
+    stall_ratio, memmove_ratio, bg_ratio, slow_ratio = [], [], [], []
+    rows = []
+    step = 0
+    for r in range(args.rounds):
+        # --- reference copy and the stall, interleaved (order alternates per round) ---
+        def copy_ref() -> float:
+            t = time.perf_counter()
+            dst.copy_(src)
+            return time.perf_counter() - t
+
+        def memmove_ref() -> float:
+            t = time.perf_counter()
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+            return time.perf_counter() - t
+
+        def stall() -> float:
+            nonlocal step
+            amgr.wait()  # nothing in flight: measure the copy-in alone
+            step += 1
+            t = time.perf_counter()
+            amgr.save(step)
+            return time.perf_counter() - t
+
+        if r % 2 == 0:
+            c, m, s = copy_ref(), memmove_ref(), stall()
+        else:
+            s, m, c = stall(), memmove_ref(), copy_ref()
+        # --- slowdown: train while this save is in flight ---
+        busy = []
+        while amgr._inflight is not None and not amgr._inflight.done.is_set():
+            t = time.perf_counter()
+            train_step(model, opt, x)
+            busy.append(time.perf_counter() - t)
+        bg = amgr.wait().background_s
+        idle = []
+        for _ in range(max(3, len(busy))):
+            t = time.perf_counter()
+            train_step(model, opt, x)
+            idle.append(time.perf_counter() - t)
+        # --- synchronous durable save of the same state ---
+        step += 1
+        t = time.perf_counter()
+        smgr.save(step)
+        sync_s = time.perf_counter() - t
+        stall_ratio.append(s / c)
+        memmove_ratio.append(s / m)
+        bg_ratio.append(bg / sync_s)
+        if busy:
+            slow_ratio.append(statistics.mean(busy) / statistics.mean(idle))
+        rows.append((r, c, m, s, bg, sync_s, len(busy), statistics.mean(busy) if busy else float("nan"), statistics.mean(idle)))
+    amgr.close()
+    smgr.close()
+
+    print(f"state: {nbytes / MiB:.0f} MiB in {len(model.state_dict()) + 2 * len(opt.state)} tensors; "
+          f"staging allocations: {amgr.staging_allocations}; threads: {torch.get_num_threads()}; cores: {os.cpu_count()}")
+    print("round  copy_ms  memmove_ms  stall_ms  background_ms  sync_save_ms  steps_in_flight  step_busy_ms  step_idle_ms")
+    for row in rows:
+        r, c, m, s, bg, sy, n, b, i = row
+        print(f"{r:5d}  {c * 1e3:7.1f}  {m * 1e3:10.1f}  {s * 1e3:8.1f}  {bg * 1e3:13.1f}  {sy * 1e3:12.1f}  {n:15d}  {b * 1e3:12.1f}  {i * 1e3:12.1f}")
+    med = statistics.median
+    print(f"stall / copy_ (pre-faulted)   median {med(stall_ratio):.2f} x   target <= 1.30 x   {'PASS' if med(stall_ratio) <= 1.3 else 'MISS'}")
+    print(f"stall / memmove (1 thread)    median {med(memmove_ratio):.2f} x")
+    print(f"background / sync durable     median {med(bg_ratio):.2f} x")
+    if slow_ratio:
+        print(f"train step, save in flight    median {med(slow_ratio):.2f} x the step time with none in flight")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
