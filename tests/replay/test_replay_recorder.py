@@ -158,3 +158,23 @@ def test_recorder_argument_errors(tmp_path: Path) -> None:
         Recorder.open(str(tmp_path / "x.tape"))
     with pytest.raises(ReplayError, match="no entry point"):
         replay(tmp_path / "x.tape")
+
+
+def test_checkpoint_marker_always_fsyncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Recorder.open(str(tmp_path / "c.tape"), rng_every=0) as rec:
+        assert rec.writer is not None
+        calls: list[int] = []
+        real = rec.writer.sync
+        monkeypatch.setattr(rec.writer, "sync", lambda: (calls.append(1), real())[1])
+        rec.note("before")
+        assert calls == []
+        rec.checkpoint("ck", "/p")
+        assert calls == [1]
+
+
+def test_public_names_exist() -> None:
+    import replay
+
+    for name in replay.__all__:
+        assert getattr(replay, name) is not None, name
+    assert len(set(replay.__all__)) == len(replay.__all__)
