@@ -443,8 +443,10 @@ class SnapshotAgent:
         }
         extra = {"format": PART_FORMAT, "version": FORMAT_VERSION, "snapshot": s.name, "actor": self.actor,
                  "coordinator": s.coordinator, **summary}
-        self.ep.record("snapshot.local_done", {"snapshot": s.name,
-                                               "inflight": {k: len(v) for k, v in s.closed.items()}})
+        self.ep.record("snapshot.local_done", {
+            "snapshot": s.name, "inflight": {k: len(v) for k, v in s.closed.items()},
+            "inflight_refs": [[channel_name(src, self.actor), m.seq] for src, msgs in sorted(s.closed.items())
+                              for m in msgs]})
         s.staged = {}
         s.closed = {}
         self._done.add(s.name)
