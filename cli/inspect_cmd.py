@@ -108,9 +108,44 @@ def render(s: dict[str, Any], *, tensors: bool = True, max_tensors: int = 50) ->
                 out.append(f"    {t['name']:<{w}}  {t['dtype']:<16} {shape:<20} {t['bytes']}")
             if len(p["tensors"]) > max_tensors:
                 out.append(f"    ... {len(p['tensors']) - max_tensors} more (use --all or --json)")
-    if s["meta"]:
-        out.append("  meta: " + ", ".join(sorted(map(str, s["meta"]))))
+    meta = s["meta"]
+    if s["kind"] == "snapshot" and meta.get("format") == "replay-snapshot":
+        out.extend(_snapshot_lines(meta))
+    elif meta:
+        out.append("  meta: " + ", ".join(sorted(map(str, meta))))
     return "\n".join(out)
+
+
+def _clock_text(raw: object) -> str:
+    from replay.clock import VectorClock
+
+    try:
+        return repr(VectorClock.decode(raw)) if isinstance(raw, bytes) else repr(raw)
+    except ValueError as e:
+        return f"<undecodable clock: {e}>"
+
+
+def _snapshot_lines(meta: dict[str, Any]) -> list[str]:
+    """A Chandy-Lamport snapshot: processes, their shards, the cut and channel states."""
+    out = [f"snapshot {meta.get('snapshot')} (coordinator {meta.get('coordinator')})"]
+    out.append(f"  processes  {', '.join(map(str, meta.get('participants') or []))}")
+    if meta.get("excluded"):
+        out.append(f"  excluded   {', '.join(map(str, meta['excluded']))}")
+    out.append("  cut:")
+    for actor, clock in sorted((meta.get("cut") or {}).items()):
+        out.append(f"    {actor:<16} {_clock_text(clock)}")
+    out.append("  channel states (messages in flight at the cut):")
+    any_msgs = False
+    for actor, chans in sorted((meta.get("channels") or {}).items()):
+        for src, rec in sorted((chans or {}).items()):
+            count = rec.get("count", 0) if isinstance(rec, dict) else rec
+            first = rec.get("first_seq") if isinstance(rec, dict) else None
+            if count:
+                any_msgs = True
+                out.append(f"    {src} -> {actor}: {count} message(s) from seq {first}")
+    if not any_msgs:
+        out.append("    (all channels empty)")
+    return out
 
 
 @click.command("inspect")

@@ -130,3 +130,31 @@ def test_help_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=60)
     assert out.stdout.strip().endswith("NOTORCH"), out.stdout + out.stderr
+
+
+def test_inspect_and_verify_understand_snapshots(tmp_path):
+    """A snapshot checkpoint laid out as spec/snapshot-protocol.md §4 says, shown by inspect."""
+    import ckpt
+
+    p = ckpt.begin(tmp_path / "snap-1")
+    parts = [
+        ckpt.write_part(p, "p0", {"box": {"w": torch.zeros(4)}, "replay.channels": {"p1": [{"seq": 0, "clock": b"", "meta": {"x": 1}, "tensors": [torch.ones(2)]}]}}),
+        ckpt.write_part(p, "p1", {"box": {"w": torch.ones(4)}, "replay.channels": {}}),
+    ]
+    from replay.clock import VectorClock
+
+    meta = {
+        "format": "replay-snapshot", "version": 1, "snapshot": "snap-1", "coordinator": "p0",
+        "participants": ["p0", "p1"], "parts": ["p0", "p1"], "excluded": [],
+        "cut": {"p0": VectorClock.of(p0=3, p1=1).encode(), "p1": VectorClock.of(p1=2).encode()},
+        "channels": {"p0": {"p1": {"first_seq": 0, "count": 1}}, "p1": {"p0": {"first_seq": 0, "count": 0}}},
+    }
+    ckpt.commit(p, parts, kind="snapshot", meta=meta)
+    res = _run("inspect", str(tmp_path / "snap-1"))
+    assert res.exit_code == 0, res.output
+    assert "snapshot snap-1 (coordinator p0)" in res.output
+    assert "processes  p0, p1" in res.output
+    assert "VC(p0:3, p1:1)" in res.output
+    assert "p1 -> p0: 1 message(s) from seq 0" in res.output
+    assert "part p0" in res.output and "part p1" in res.output
+    assert _run("verify", str(tmp_path / "snap-1")).exit_code == 0
