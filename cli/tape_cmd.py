@@ -108,9 +108,7 @@ def show_cmd(path: str, actors: tuple[str, ...], kinds: tuple[str, ...], from_st
     shown = 0
     for ev in r.events(from_step=from_step):
         if to_step is not None and ev.step > to_step:
-            if len(r.actors) <= 1:
-                break  # one actor: steps only grow, nothing later can match
-            continue
+            continue  # not a break: another actor may still be at an earlier step
         if (actors and ev.actor not in actors) or (kinds and ev.kind.name not in kinds):
             continue
         if as_json:
