@@ -18,6 +18,7 @@ manager guarantees this by allowing at most one save in flight.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -81,7 +82,14 @@ class Staging:
         cuda = False
         with torch.no_grad():
             for src, dst in zip(found, slots):
-                if src.device.type == "cpu":
+                if src.device.type == "cpu" and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
+                    # A plain memcpy (ctypes releases the GIL): torch's copy_ wakes its
+                    # intra-op pool per tensor, which costs milliseconds per call on a
+                    # busy 2-core machine, where one thread already saturates memory.
+                    n = src.numel() * src.element_size()
+                    if n:
+                        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+                elif src.device.type == "cpu":
                     dst.copy_(src)
                 else:
                     cuda = True
