@@ -413,3 +413,39 @@ def test_corrupt_chunk_error_names_file(tmp_path):
         assert mgr.resume() is None
     assert any("ChecksumMismatchError" in str(w.message) for w in rec)
     mgr.close()
+
+
+def test_grad_scaler_and_counters_round_trip(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scaler.update(new_scale=123.0)
+    counters = {"tokens": 77, "micro_step": 0, "epoch": 2}
+    mgr = CheckpointManager(tmp_path, {"scaler": scaler, "counters": counters}, signals=())
+    mgr.save(1)
+    mgr.close()
+    # The scaler exists before the load (composer#1376): its state lands in it.
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=1.0)
+    counters2 = {"tokens": 0, "micro_step": 0, "epoch": 0}
+    mgr2 = CheckpointManager(tmp_path, {"scaler": scaler2, "counters": counters2}, signals=())
+    mgr2.resume()
+    mgr2.close()
+    assert scaler2.state_dict() == scaler.state_dict()
+    assert counters2 == counters
+
+
+@pytest.mark.cuda
+def test_cuda_state_is_staged_in_pinned_memory(tmp_path):
+    m = torch.nn.Linear(64, 64).cuda()
+    o = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 64, device="cuda")).sum().backward()
+    o.step()
+    mgr = CheckpointManager(tmp_path, {"model": m, "optim": o}, every_steps=1, async_save=True, signals=())
+    expected = {k: v.detach().cpu().clone() for k, v in m.state_dict().items()}
+    mgr.after_step(1)
+    assert mgr._staging.pinned
+    with torch.no_grad():
+        m.weight.add_(1.0)  # after the copy-in: must not reach the checkpoint
+    mgr.close()
+    st = ckpt.open(tmp_path / "step-00000001").state()
+    for k, v in expected.items():
+        assert torch.equal(st["model"][k], v)
