@@ -215,7 +215,10 @@ class _Plan:
     def finish(self) -> None:
         with torch.no_grad():
             for src, dst in self.copy_after:
-                dst.copy_(src)
+                try:
+                    dst.copy_(src)
+                except RuntimeError as e:  # e.g. an expanded (stride-0) target
+                    raise StateMismatchError(f"cannot restore into the existing tensor in place: {e}") from None
         if self.map_location is not None:
             for k in self._fresh_keys:
                 self.final[k] = _place(self.final[k], self.map_location)

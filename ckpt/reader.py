@@ -27,7 +27,7 @@ from .errors import (
 )
 from .format.codec import zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
-from .format.manifest import MANIFEST_NAME, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
+from .format.manifest import MANIFEST_NAME, content_id, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
 from .format.safetensors import check_against_manifest, parse_header
 from .format.tree import decode_tree
 from .knobs import knobs
@@ -113,6 +113,10 @@ class CheckpointReader:
         if mst.st_size > limit:
             raise LimitExceededError(f"MANIFEST is {mst.st_size} bytes, above the limit", path=mpath)
         manifest = decode_manifest(self._storage.read(mpath, 0, mst.st_size), path=mpath)
+        if content_id(manifest.parts) != manifest.id:
+            # The manifest digest covers the id, so this only trips on a writer bug or a
+            # hand-edited manifest that was re-signed: either way not what was written.
+            raise ChecksumMismatchError("manifest id does not match the digest of its parts", path=mpath, key="id")
         self._check_files(manifest)
         return manifest
 
@@ -265,7 +269,7 @@ class CheckpointReader:
         self._header(pe)
         n, _ = self._headers[pe.name]
         fp = self._fp(f)
-        fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
         try:
             verifier = _ChunkVerifier(fp, f) if verify else None
             if verifier is not None:
@@ -298,7 +302,7 @@ class CheckpointReader:
                     continue
                 fp = self._fp(f)
                 v = _ChunkVerifier(fp, f)
-                fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
                 try:
                     buf = bytearray(f.chunk_size)
                     mv = memoryview(buf)

@@ -73,7 +73,7 @@ class LocalStorage:
         return _LocalSink(path, chunk_size, durable)
 
     def pread_into(self, path: str, offset: int, buf: memoryview) -> int:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
         try:
             return preadv_full(fd, buf, offset)
         finally:

@@ -26,6 +26,8 @@ def canonicalize(obj: Any, path: str = "config") -> Any:
     if isinstance(obj, enum.Enum):
         return canonicalize(obj.value, path)
     if isinstance(obj, int):
+        if not -(1 << 63) <= obj < (1 << 64):
+            raise UnsupportedValueError("config integers must fit in 64 bits", key=path)
         return int(obj)
     if isinstance(obj, float):
         return float(obj)

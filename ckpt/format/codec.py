@@ -18,8 +18,8 @@ __all__ = ["packb", "unpackb", "zstd_compress", "zstd_decompress"]
 
 
 def packb(obj: Any) -> bytes:
-    # strict_types: a tuple or a dict subclass must not silently become a list/dict;
-    # callers convert them explicitly (see format/tree.py).
+    # Callers hand in values already converted by format/tree.to_wire, which turns
+    # tuples and library types into explicit extension types before packing.
     return msgpack.packb(obj, use_bin_type=True, strict_types=False)
 
 

@@ -12,8 +12,8 @@ Binary layout, little-endian::
     24+L    16    bytes   xxh3-128 of bytes [0, 24+L)
 
 The body is validated field by field: a reader accepts exactly the documented schema
-(unknown keys are allowed only under ``meta`` and ``summary``), so a hostile manifest
-cannot smuggle a path, a size or a digest list that the writer could not have made.
+(unknown keys are ignored, so a minor version may add fields; every known field is
+checked for type and range), so a hostile manifest cannot smuggle a path, a size or a digest list that the writer could not have made.
 """
 
 from __future__ import annotations

@@ -50,6 +50,21 @@ def build_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None = 
     return struct.pack("<Q", len(raw)) + raw, [start + r for r in rel]
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # JSON allows repeated keys (last one wins); two readers could then disagree on
+    # which bytes a tensor is, so a repeated key is a format error.
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def parse_header(prefix: bytes, file_size: int, *, path: str | None = None) -> tuple[int, dict[str, Any]]:
     """Parse ``prefix`` = the first 8 bytes, then call again with the header bytes.
 
@@ -66,7 +81,9 @@ def parse_header(prefix: bytes, file_size: int, *, path: str | None = None) -> t
     if len(prefix) < 8 + n:
         return n, {}
     try:
-        header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"))
+        header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise FormatError(f"safetensors header repeats the key {e.args[0]!r}", path=path, offset=8) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"safetensors header is not valid JSON: {e}", path=path, offset=8) from None
     if not isinstance(header, dict):
