@@ -148,7 +148,7 @@ class ResumeCheckResult:
         if first is not None:
             lines.append(f"  first difference: {first}")
         if self.refused:
-            lines.append("REFUSED: the attempts ran in different environments; no exactness claim is made")
+            lines.append("REFUSED: no exactness claim is made (see the reasons above)")
         else:
             lines.append("IDENTICAL" if self.identical else "DIFFERENT")
         return "\n".join(lines)
@@ -613,6 +613,13 @@ def _compare(entry: str, steps: int, kills: tuple[int, ...], world_size: int, wo
                 f"attempt {ev.attempt} started from scratch although {had} was committed: the entry did not "
                 "resume (does it call mgr.resume()?), so resuming was not tested"
             )
+    if kills and not any(ev.checkpoint for ev in resumes):
+        # Every attempt started from scratch (e.g. each kill came before an async save
+        # committed): the runs match, but nothing about resuming was checked.
+        refused.append(
+            "no attempt resumed from a checkpoint (every kill came before a save committed): resuming was not "
+            "tested; kill later, or use blocking saves (--sync)"
+        )
     identical = not divergences and not refused
     return ResumeCheckResult(
         entry, steps, kills, world_size, identical, tuple(dict.fromkeys(refused)), tuple(divergences), tuple(resumes), losses_compared, tensors, work

@@ -111,3 +111,13 @@ def test_cli_usage_errors():
     assert r.exit_code == 2 and "'novalue' is not KEY=VALUE" in r.output
     r = CliRunner().invoke(cli, ["check-resume", "--help"])
     assert r.exit_code == 0 and "--kill-at" in r.output
+
+
+def test_a_check_that_never_resumed_makes_no_claim(tmp_path):
+    # Killed at step 1 with saves every 3 steps: no checkpoint exists, every attempt
+    # starts fresh. The runs agree, but resuming was not tested, so it must not pass.
+    res = check_resume(ENTRY, steps=6, kill_at=[1], save_every=3, async_save=False, work_dir=str(tmp_path))
+    assert not res.identical
+    assert not res.divergences
+    assert any("resuming was not tested" in r for r in res.refused)
+    assert "REFUSED" in res.summary()
