@@ -36,13 +36,14 @@ __all__ = [
     "CkptError",
     "LoadResult",
     "CheckpointManager",
+    "RetentionPolicy",
     "errors",
     "data",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._torchio import LoadResult
-    from .manager import CheckpointManager
+    from .manager import CheckpointManager, RetentionPolicy
     from .writer import abort, begin, commit, save, write_part
 
 
@@ -104,6 +105,7 @@ _LAZY = {
     "abort": ("writer", "abort"),
     "LoadResult": ("_torchio", "LoadResult"),
     "CheckpointManager": ("manager", "CheckpointManager"),
+    "RetentionPolicy": ("manager", "RetentionPolicy"),
 }
 
 
