@@ -150,15 +150,17 @@ def verify_cmd(path: str, as_json: bool) -> None:
 
 
 @tape.command("check")
-@click.argument("path", type=_TAPE)
+@click.argument("paths", metavar="TAPE...", nargs=-1, required=True, type=_TAPE)
 @click.option("--json", "as_json", is_flag=True, help="Violations as a JSON array.")
 @handle_errors
-def check_cmd(path: str, as_json: bool) -> None:
+def check_cmd(paths: tuple[str, ...], as_json: bool) -> None:
     """Check the recorded history's invariants (clocks, sends/receives, merges, quorums,
-    recoveries, snapshot cuts). Exit 0 when none is violated, 6 otherwise."""
-    from replay.check import check_tape
+    recoveries, snapshot cuts). Several tapes (one per process of a job) are checked as
+    one history. Exit 0 when none is violated, 6 otherwise."""
+    from replay.check import check_tapes
 
-    violations = check_tape(path)
+    violations = check_tapes(list(paths))
+    path = " ".join(paths)
     if as_json:
         click.echo(json.dumps([v.to_json() for v in violations], indent=2))
     elif not violations:

@@ -1,12 +1,18 @@
-"""Event tapes with vector clocks, tape invariants, and deterministic replay.
+"""Event tapes with vector clocks, tape invariants, deterministic replay, channels and
+Chandy-Lamport snapshots.
 
 Public names only; internals live in the submodules. Keep this a plain list so that
-additions (channels, snapshots) merge cleanly.
+additions merge cleanly. The channel and snapshot names need torch, and importing
+``replay`` must not (``ckpt --help`` and the tape tools stay torch-free): they are
+imported on first use, by the module ``__getattr__`` below.
 """
 
 from __future__ import annotations
 
-from replay.check import Violation, check_events, check_tape
+from importlib import import_module
+from typing import Any
+
+from replay.check import Violation, check_events, check_tape, check_tapes
 from replay.clock import Order, VectorClock
 from replay.errors import DivergenceError, ReplayError, TapeCorruptError, TapeError, TapeTruncatedError
 from replay.events import KINDS, Event, Kind
@@ -32,6 +38,7 @@ __all__ = [
     "ReplayResult",
     "Divergence",
     "check_tape",
+    "check_tapes",
     "check_events",
     "Violation",
     "ReplayError",
@@ -39,4 +46,51 @@ __all__ = [
     "TapeCorruptError",
     "TapeTruncatedError",
     "DivergenceError",
+    # channels and snapshots (lazy: they import torch)
+    "Endpoint",
+    "Message",
+    "MessageKind",
+    "Transport",
+    "EventSink",
+    "ClockSink",
+    "ListSink",
+    "InProcessNetwork",
+    "TorchDistTransport",
+    "ArrivalScheduler",
+    "SeededScheduler",
+    "ForcedScheduler",
+    "RecorderSink",
+    "taped_delivery_order",
+    "SnapshotAgent",
+    "SnapshotHandle",
+    "Outcome",
+    "CkptSnapshotStore",
+    "MemorySnapshotStore",
+    "TorchStoreControl",
+    "MemoryControl",
+    "check_cut",
+    "cut_from_meta",
+    "delivery_order",
 ]
+
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(["Endpoint", "Message", "MessageKind", "Transport", "EventSink", "ClockSink", "ListSink",
+                     "InProcessNetwork", "TorchDistTransport", "ArrivalScheduler", "SeededScheduler",
+                     "ForcedScheduler", "RecorderSink", "taped_delivery_order"], "replay.channel"),
+    **dict.fromkeys(["SnapshotAgent", "SnapshotHandle", "Outcome", "CkptSnapshotStore", "MemorySnapshotStore",
+                     "TorchStoreControl", "MemoryControl", "check_cut", "cut_from_meta", "delivery_order"],
+                    "replay.snapshot"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'replay' has no attribute {name!r}")
+    value = getattr(import_module(mod), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

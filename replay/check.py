@@ -22,25 +22,40 @@ snapshot-inconsistent      some actor's cut has seen more of actor i than i's ow
 snapshot-orphan            a message received before its receiver's cut, sent after its sender's
 snapshot-inflight-missing  a message crossing the cut is not in the recorded channel state
 snapshot-inflight-spurious recorded channel state lists a message that did not cross the cut
+snapshot-channels-early    channel state taped for a snapshot the actor has not recorded yet
+snapshot-part-missing      a committed snapshot lists a part whose cut or channel state is not taped
 =========================  ==============================================================
+
+Snapshots taped by a Chandy-Lamport participant come in two phases (spec §8.1): the
+``snapshot`` event is the cut (its clock), the later ``snapshot_channels`` event the
+recorded channel state, and the coordinator's ``snapshot_outcome`` names the parts. A
+committed snapshot is checked over its parts only (excluded, failed actors are out of
+the cut); an aborted one for consistency only (a dead participant's channel state is
+not complete); a missing channel state is judged only where the receiver taped one.
+
+Several tapes (one per process, spec §2.1) are checked as one history: their events are
+merged in order of the sum of their clock entries, which extends happens-before (if
+``e -> f`` then every entry of ``f``'s clock is >= ``e``'s and one is greater).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from replay.clock import Order
+from replay.errors import ReplayError
 from replay.events import Event
 from replay.tape.reader import TapeReader
 
-__all__ = ["Violation", "check_events", "check_tape", "RULES"]
+__all__ = ["Violation", "check_events", "check_tape", "check_tapes", "merge_histories", "RULES"]
 
 RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-after-send", "recv-payload-mismatch",
          "duplicate-recv", "merge-unknown-contribution", "merge-not-after-send", "merge-applied-twice",
          "quorum-below-minimum", "quorum-duplicate-member", "recovery-before-target", "snapshot-duplicate",
-         "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious")
+         "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious",
+         "snapshot-channels-early", "snapshot-part-missing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +81,8 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
     recvs: dict[tuple[str, int], Event] = {}
     merged: dict[tuple[str, int], Event] = {}
     snaps: dict[str, dict[str, Event]] = {}
+    chans: dict[str, dict[str, Event]] = {}
+    outcomes: dict[str, Event] = {}
 
     def v(rule: str, msg: str, *evs: Event) -> None:
         out.append(Violation(rule, msg, tuple(evs)))
@@ -143,13 +160,47 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
                 v("snapshot-duplicate", f"{ev.actor} recorded snapshot {sid!r} twice", cut[ev.actor], ev)
             else:
                 cut[ev.actor] = ev
-    for sid, cut in snaps.items():
-        _check_cut(sid, cut, sends, recvs, v)
+        elif k == "snapshot_channels":
+            sid = ev.payload["snapshot_id"]
+            mine = chans.setdefault(sid, {})
+            if ev.actor in mine:
+                v("snapshot-duplicate", f"{ev.actor} recorded the channel state of snapshot {sid!r} twice",
+                  mine[ev.actor], ev)
+            elif ev.actor not in snaps.get(sid, {}):
+                v("snapshot-channels-early", f"{ev.actor} recorded the channel state of snapshot {sid!r} before its "
+                  f"cut", ev)
+            else:
+                mine[ev.actor] = ev
+        elif k == "snapshot_outcome":
+            sid = ev.payload["snapshot_id"]
+            if sid in outcomes:
+                v("snapshot-duplicate", f"snapshot {sid!r} has two outcomes", outcomes[sid], ev)
+            else:
+                outcomes[sid] = ev
+    for sid in [*snaps, *(s for s in outcomes if s not in snaps)]:
+        _check_cut(sid, snaps.get(sid, {}), chans.get(sid, {}), outcomes.get(sid), sends, recvs, v)
     return out
 
 
-def _check_cut(sid: str, cut: dict[str, Event], sends: dict[tuple[str, int], Event],
-               recvs: dict[tuple[str, int], Event], v: Any) -> None:
+def _check_cut(sid: str, cut: dict[str, Event], chans: dict[str, Event], outcome: Event | None,
+               sends: dict[tuple[str, int], Event], recvs: dict[tuple[str, int], Event], v: Any) -> None:
+    complete = True  # is the recorded channel state complete (else judge consistency only)?
+    if outcome is not None:
+        o = outcome.payload
+        if o["committed"]:
+            for a in o["parts"]:
+                if a not in cut or a not in chans:
+                    v("snapshot-part-missing", f"snapshot {sid!r} committed with part {a}, whose "
+                      f"{'cut' if a not in cut else 'channel state'} is not on the tape", outcome,
+                      *([cut[a]] if a in cut else []))
+            cut = {a: e for a, e in cut.items() if a in o["parts"]}
+        else:
+            complete = False
+            cut = {a: e for a, e in cut.items() if a not in o["excluded"]}
+    # Two-phase snapshots (any channel state or outcome taped): a receiver's channel state
+    # is known once its snapshot_channels event is taped. Single-phase: the snapshot event.
+    two_phase = bool(chans) or outcome is not None
+    known = set(chans) if two_phase else set(cut)
     # A cut is consistent iff no actor's cut has seen more of actor i than i's own cut
     # (Mattern): C_j[i] <= C_i[i] for all i, j in the cut. The witnesses are the orphan
     # messages: received before the receiver's cut but sent after the sender's.
@@ -159,6 +210,7 @@ def _check_cut(sid: str, cut: dict[str, Event], sends: dict[tuple[str, int], Eve
                 v("snapshot-inconsistent", f"snapshot {sid!r}: {j}'s cut has seen {i}:{ej.clock[i]}, beyond {i}'s "
                   f"own cut {i}:{ei.clock[i]}", ei, ej)
     recorded = {tuple(r) for e in cut.values() for r in e.payload["inflight"]}
+    recorded |= {tuple(r) for a, e in chans.items() if a in cut for r in e.payload["inflight"]}
     for key, snd in sends.items():
         si = cut.get(snd.actor)
         receiver = snd.payload["peer"]
@@ -172,7 +224,7 @@ def _check_cut(sid: str, cut: dict[str, Event], sends: dict[tuple[str, int], Eve
             v("snapshot-orphan", f"snapshot {sid!r}: {key[0]}#{key[1]} received before {receiver}'s cut but sent "
               f"after {snd.actor}'s", si, snd, rcv, rj)
         crossing = sent_before and not recv_before
-        if crossing and key not in recorded:
+        if crossing and key not in recorded and complete and receiver in known:
             v("snapshot-inflight-missing", f"snapshot {sid!r}: {key[0]}#{key[1]} crosses the cut but is not in the "
               f"recorded channel state", si, snd, rj)
         elif key in recorded and not crossing:
@@ -187,3 +239,34 @@ def _check_cut(sid: str, cut: dict[str, Event], sends: dict[tuple[str, int], Eve
 def check_tape(path: str | os.PathLike[str]) -> list[Violation]:
     """Check every invariant over the tape at ``path`` (which must read cleanly)."""
     return check_events(TapeReader(path).events())
+
+
+def merge_histories(histories: Sequence[Sequence[Event]], names: Sequence[str] = ()) -> list[Event]:
+    """One history from several tapes' events (one tape per process, spec §2.1).
+
+    Each actor must have its events on one tape only (``ReplayError`` names the two
+    tapes otherwise). The merge orders events by the sum of their clock entries, then by
+    tape and seq: a linear extension of happens-before that keeps every actor's order.
+    """
+    owner: dict[str, int] = {}
+    keyed: list[tuple[int, int, int, Event]] = []
+    for t, evs in enumerate(histories):
+        for ev in evs:
+            if ev.kind.name == "actor":
+                continue  # declarations are per tape (a tape declares every actor its clocks name)
+            first = owner.setdefault(ev.actor, t)
+            if first != t:
+                label = names if len(names) == len(histories) else [f"#{i}" for i in range(len(histories))]
+                raise ReplayError(f"actor {ev.actor!r} has events on two tapes ({label[first]} and {label[t]}): "
+                                  "per-process tapes must hold disjoint actors", seq=ev.seq)
+            keyed.append((sum(c for _, c in ev.clock.entries), t, ev.seq, ev))
+    keyed.sort(key=lambda x: x[:3])
+    return [x[3] for x in keyed]
+
+
+def check_tapes(paths: Sequence[str | os.PathLike[str]]) -> list[Violation]:
+    """Check the invariants over the history the tapes at ``paths`` record together
+    (one tape: exactly :func:`check_tape`, in tape order)."""
+    if len(paths) == 1:
+        return check_tape(paths[0])
+    return check_events(merge_histories([list(TapeReader(p).events()) for p in paths], [str(p) for p in paths]))

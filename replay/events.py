@@ -300,6 +300,14 @@ KINDS: tuple[Kind, ...] = (
          "This actor's local state of a distributed snapshot; the event clock is its cut; inflight "
          "lists the recorded channel state (messages sent before the sender's cut, received after ours)."),
     Kind(19, "note", (("text", "str"),), "Free text; compared like any other event."),
+    Kind(20, "snapshot_channels", (("snapshot_id", "str"), ("inflight", "refs")),
+         "This actor's recorded channel state of a Chandy-Lamport snapshot, known only once every incoming "
+         "channel's marker has arrived; it completes the actor's earlier snapshot event, whose inflight is then "
+         "empty."),
+    Kind(21, "snapshot_outcome", (("snapshot_id", "str"), ("committed", "u32"), ("path", "str"),
+                                  ("parts", "strs"), ("excluded", "strs"), ("reason", "str")),
+         "The coordinator committed (1) or aborted (0) a distributed snapshot: parts are the actors whose state "
+         "it holds, excluded the failed ones left out, reason why it aborted (the writer fsyncs the tape here)."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}

@@ -20,6 +20,15 @@ taped value without calling ``compute``).
 
 Each event ticks its actor's vector clock. Several actors (a syncer and learners
 simulated in one process, threads) share one tape via :meth:`Recorder.actor`.
+
+One clock per actor: an actor's clock is this recorder's, and nothing else keeps one.
+Channels that record here (``replay.channel.taping.RecorderSink``) stamp their messages
+with the clock of the taped ``send`` event and merge on the taped ``recv``, so the tape's
+clocks are the ones that travelled and ``ckpt tape check`` can judge the history (two
+clocks per actor, one ticking on every event and one on messages only, could not be
+compared). Snapshot bookkeeping taped here (``snapshot``, ``snapshot_channels``,
+``snapshot_outcome``) ticks like every event; channel MARKERs themselves are never taped,
+so they still neither tick a clock nor consume a channel seq.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ _ACTOR, _BEGIN, _END, _BATCH, _RNG, _LOSS, _METRIC, _PARAMS = (
 _SEND, _RECV, _DECISION, _QUORUM, _MERGE = (_K[n] for n in ("send", "recv", "decision", "quorum", "merge"))
 _FINJ, _FDET, _FREC, _CKPT, _SNAP, _NOTE = (
     _K[n] for n in ("fault_injected", "fault_detected", "fault_recovered", "checkpoint", "snapshot", "note"))
+_SNAPCH, _SNAPOUT = _K["snapshot_channels"], _K["snapshot_outcome"]
 _ONE = struct.Struct("<qHHHQ")  # event head with a one-entry clock: the common case, packed in one call
 _F64 = struct.Struct("<d")
 
@@ -206,7 +216,8 @@ class Actor:
             self.params()
         self._emit(_END.code, b"")
         if core.writer is not None and core.flush_every_step:
-            core.writer.flush()
+            with core.lock:  # another actor's thread may be appending to the same buffer
+                core.writer.flush()
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator["Actor"]:
@@ -326,16 +337,37 @@ class Actor:
 
     def checkpoint(self, ckpt_id: str, path: str = "") -> None:
         """Mark a committed checkpoint; the tape is fsynced here (always, whatever the knobs)."""
-        self._emit(_CKPT.code, _CKPT.pack(ckpt_id, str(path)))
-        if self._core.writer is not None:
-            self._core.writer.sync()
+        with self._core.lock:
+            self._emit(_CKPT.code, _CKPT.pack(ckpt_id, str(path)))
+            if self._core.writer is not None:
+                self._core.writer.sync()
 
     def snapshot(self, snapshot_id: str, inflight: Sequence[Stamp | tuple[str, int]] = ()) -> VectorClock:
         """This actor's part of a distributed snapshot; returns the cut clock."""
-        refs = [(s.channel, s.chan_seq) if isinstance(s, Stamp) else (str(s[0]), int(s[1])) for s in inflight]
+        refs = _refs(inflight)
         with self._core.lock:
             self._emit(_SNAP.code, _SNAP.pack(snapshot_id, refs))
             return self.clock
+
+    def snapshot_channels(self, snapshot_id: str, inflight: Sequence[Stamp | tuple[str, int]]) -> None:
+        """The recorded channel state of this actor's part of ``snapshot_id``, taped when the
+        last marker arrives (Chandy-Lamport knows it only then); completes :meth:`snapshot`."""
+        self._emit(_SNAPCH.code, _SNAPCH.pack(snapshot_id, _refs(inflight)))
+
+    def snapshot_outcome(self, snapshot_id: str, *, committed: bool, path: str = "", parts: Sequence[str] = (),
+                         excluded: Sequence[str] = (), reason: str = "") -> None:
+        """The coordinator's verdict on ``snapshot_id``; a commit fsyncs the tape, like a checkpoint."""
+        with self._core.lock:
+            self._emit(_SNAPOUT.code, _SNAPOUT.pack(snapshot_id, int(bool(committed)), str(path),
+                                                    [str(p) for p in parts], [str(e) for e in excluded], reason))
+            if committed and self._core.writer is not None:
+                self._core.writer.sync()
+
+    def observe(self, clock: VectorClock) -> None:
+        """Merge a clock learnt out of band (a restored snapshot's cut) without an event: the
+        actor's next event is then after everything ``clock`` saw, and its clock never goes back."""
+        with self._core.lock:
+            self._merge(clock)
 
 
 class Recorder(Actor):
@@ -405,13 +437,18 @@ class Recorder(Actor):
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            with self._core.lock:  # not under another thread's append
+                self.writer.close()
 
     def __enter__(self) -> "Recorder":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refs(inflight: Sequence[Stamp | tuple[str, int]]) -> list[tuple[str, int]]:
+    return [(s.channel, s.chan_seq) if isinstance(s, Stamp) else (str(s[0]), int(s[1])) for s in inflight]
 
 
 def _git_commit() -> str | None:

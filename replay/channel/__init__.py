@@ -3,7 +3,7 @@
 ``Endpoint`` is what applications and the snapshot agent use; a ``Transport`` moves the
 messages: ``InProcessNetwork`` (deterministic, for tests and forced replay) or
 ``TorchDistTransport`` (torch.distributed point-to-point; imported lazily because it
-needs an initialised process group).
+needs an initialised process group). ``RecorderSink`` records them on the event tape.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from replay.channel.base import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ArrivalScheduler,
+    ClockSink,
     Endpoint,
     EventSink,
     ForcedScheduler,
@@ -28,10 +29,12 @@ from replay.channel.base import (
     channel_name,
 )
 from replay.channel.inprocess import InProcessNetwork, InProcessTransport
+from replay.channel.taping import RecorderSink, message_digest, taped_delivery_order
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "ArrivalScheduler",
+    "ClockSink",
     "Endpoint",
     "EventSink",
     "ForcedScheduler",
@@ -42,12 +45,15 @@ __all__ = [
     "MessageKind",
     "PeerGone",
     "Ready",
+    "RecorderSink",
     "Scheduler",
     "SeededScheduler",
     "SinkEvent",
     "TorchDistTransport",
     "Transport",
     "channel_name",
+    "message_digest",
+    "taped_delivery_order",
 ]
 
 

@@ -19,6 +19,14 @@ a restored run be forced onto the original's post-cut delivery order by ``(src, 
 Markers are handed to control handlers only at the start of a receive call
 (``recv``/``try_recv``/``poll``), before anything is delivered in that call. A snapshot
 cut therefore always falls *between* two application-visible events of an actor.
+
+One clock per actor. An Endpoint keeps the actor's vector clock itself only while no one
+else does. When its sink is a :class:`ClockSink` (the event tape's recorder, via
+``replay.channel.taping.RecorderSink``), the sink's clock is the actor's only clock: a
+send is taped first and the message carries the clock of that taped event, and a receive
+is taped by merging the message's clock there. Two clocks for one actor (one ticking on
+every taped event, one on messages only) would make a recorded tape uncheckable: its
+receives would not be after its sends and its cuts would mean nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ __all__ = [
     "PeerGone",
     "Transport",
     "EventSink",
+    "ClockSink",
     "SinkEvent",
     "ListSink",
     "Ready",
@@ -155,9 +164,35 @@ class EventSink(Protocol):
 
     ``payload`` is msgpack-able. Implementations must tolerate calls from a background
     thread (snapshot commit); ``Endpoint`` serialises its own calls with a lock.
+    ``record`` returns None, or (a :class:`ClockSink`) the clock the event was taped at.
     """
 
-    def record(self, kind: str, actor: str, clock: VectorClock, step: int, payload: Mapping[str, Any]) -> None: ...
+    def record(self, kind: str, actor: str, clock: VectorClock, step: int,
+               payload: Mapping[str, Any]) -> VectorClock | None: ...
+
+
+@runtime_checkable
+class ClockSink(Protocol):
+    """An EventSink that keeps the actors' vector clocks: one clock per actor, its own.
+
+    An Endpoint whose sink is one keeps no clock. It asks ``clock_of``; a send calls
+    ``record_send`` *before* the message leaves (the message carries the returned clock,
+    which is the taped send event's); a delivery calls ``record_recv`` (merge the
+    message's clock, tick, tape). Other events go to ``record``, which returns the clock
+    of the taped event when it ticked one (a snapshot's cut) and None when it taped
+    nothing (markers: they never tick). ``adopt_clock`` merges a restored cut.
+    """
+
+    def record(self, kind: str, actor: str, clock: VectorClock, step: int,
+               payload: Mapping[str, Any]) -> VectorClock | None: ...
+
+    def clock_of(self, actor: str) -> VectorClock: ...
+
+    def adopt_clock(self, actor: str, clock: VectorClock) -> None: ...
+
+    def record_send(self, msg: Message, step: int) -> VectorClock: ...
+
+    def record_recv(self, msg: Message, step: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +214,7 @@ class ListSink:
     def record(self, kind: str, actor: str, clock: VectorClock, step: int, payload: Mapping[str, Any]) -> None:
         with self._lock:
             self.events.append(SinkEvent(kind, actor, clock, step, dict(payload)))
+        return None
 
     def to_list(self) -> list[dict[str, Any]]:
         """A msgpack-able form (clocks encoded), for shipping events between processes."""
@@ -328,7 +364,8 @@ class Endpoint:
 
     Options are keyword-only:
     - ``scheduler``: delivery order across channels (default: arrival order);
-    - ``sink``: where send/recv events go (default: nowhere);
+    - ``sink``: where send/recv events go (default: nowhere); a :class:`ClockSink`
+      also keeps this actor's clock (see the module docstring);
     - ``max_message_bytes``: the declared per-message bound (metadata + tensor bytes),
       checked before sending and, by the transport, before allocating on receipt;
     - ``step``: a callable giving the application's step for recorded events;
@@ -354,7 +391,8 @@ class Endpoint:
         self._step = step or (lambda: 0)
         self.forced_wait_s = forced_wait_s
         self.record_empty = record_empty
-        self.clock = VectorClock()
+        self._clocks: ClockSink | None = sink if isinstance(sink, ClockSink) else None
+        self._clock = VectorClock()
         self.next_send: dict[str, int] = {d: 0 for d in transport.outbound}
         self.next_recv: dict[str, int] = {s: 0 for s in transport.inbound}
         self._buf: dict[str, deque[tuple[int, Message]]] = {s: deque() for s in transport.inbound}
@@ -385,9 +423,24 @@ class Endpoint:
     def on_peer_failed(self, handler: FailureHandler) -> None:
         self._failure.append(handler)
 
-    def record(self, kind: str, payload: Mapping[str, Any]) -> None:
+    @property
+    def clock(self) -> VectorClock:
+        """The actor's vector clock (the ClockSink's when there is one)."""
+        return self._clocks.clock_of(self.actor) if self._clocks is not None else self._clock
+
+    @clock.setter
+    def clock(self, value: VectorClock) -> None:
+        if self._clocks is not None:
+            self._clocks.adopt_clock(self.actor, value)
+        else:
+            self._clock = value
+
+    def record(self, kind: str, payload: Mapping[str, Any]) -> VectorClock:
+        """Record an event; returns its clock (the taped event's, when a ClockSink ticked)."""
         with self._sink_lock:
-            self.sink.record(kind, self.actor, self.clock, self._step(), payload)
+            clock = self.clock
+            taped = self.sink.record(kind, self.actor, clock, self._step(), payload)
+        return taped if taped is not None else clock
 
     @property
     def step(self) -> int:
@@ -412,14 +465,21 @@ class Endpoint:
             raise MessageTooLargeError(
                 f"message of {size} bytes is above the declared bound of {self.max_message_bytes} bytes",
                 channel=msg.channel, seq=seq)
+        if self._clocks is not None:
+            # Tape first: the message must carry the clock of its taped send event. A send
+            # that then fails stays on the tape, followed by the peer's death.
+            with self._sink_lock:
+                clock = self._clocks.record_send(msg, self._step())
+            msg = Message(msg.src, msg.dst, seq, clock, MessageKind.DATA, msg.meta, msg.tensors)
         try:
             self.transport.send(msg)
         except PeerDiedError:
             self._mark_dead(dst)
             raise
-        self.clock = clock
         self.next_send[dst] = seq + 1
-        self.record("send", {"channel": msg.channel, "dst": dst, "seq": seq, "nbytes": size})
+        if self._clocks is None:
+            self._clock = clock
+            self.record("send", {"channel": msg.channel, "dst": dst, "seq": seq, "nbytes": size})
         return msg
 
     def send_control(self, dst: str, kind: MessageKind, meta: Mapping[str, Any]) -> Message:
@@ -561,9 +621,13 @@ class Endpoint:
         if msg.seq != expect:
             raise ChannelError(f"sequence gap: expected seq {expect}, got {msg.seq}", channel=msg.channel, seq=msg.seq)
         self.next_recv[src] = msg.seq + 1
-        self.clock = self.clock.receive(self.actor, msg.clock)
         self.delivered += 1
-        self.record("recv", {"channel": msg.channel, "src": src, "seq": msg.seq, "send_clock": msg.clock.encode()})
+        if self._clocks is not None:
+            with self._sink_lock:
+                self._clocks.record_recv(msg, self._step())
+        else:
+            self._clock = self._clock.receive(self.actor, msg.clock)
+            self.record("recv", {"channel": msg.channel, "src": src, "seq": msg.seq, "send_clock": msg.clock.encode()})
         for obs in self._observers:
             obs(msg)
         return msg
@@ -578,6 +642,8 @@ class Endpoint:
 
     # -- state for snapshots and restore ---------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        # With a ClockSink, another thread (a snapshot coordinator taping an outcome) may
+        # tick the clock at any time: the snapshot agent stores the cut it taped instead.
         return {
             "clock": self.clock.encode(),
             "next_send": dict(self.next_send),
@@ -594,7 +660,7 @@ class Endpoint:
                 "the channel topology differs from the snapshot's: "
                 f"snapshot out={sorted(state['next_send'])} in={sorted(state['next_recv'])}, "
                 f"here out={sorted(self.next_send)} in={sorted(self.next_recv)}", actor=self.actor)
-        self.clock = VectorClock.decode(state["clock"])
+        self.clock = VectorClock.decode(state["clock"])  # a ClockSink merges it (its clock never goes back)
         self.next_send = {k: int(v) for k, v in state["next_send"].items()}
         self.next_recv = {k: int(v) for k, v in state["next_recv"].items()}
         for src, msgs in inflight.items():

@@ -335,8 +335,13 @@ class SnapshotAgent:
         t0 = time.perf_counter()
         s.recorded = True
         s.step = self.ep.step
-        s.cut_clock = self.ep.clock
+        # The cut is the clock of the recorded event: on a tape (a ClockSink) that event
+        # ticks the actor's one clock and its clock *is* the cut (spec/tape-format.md,
+        # kind snapshot), so it is taken from the record call, never read separately
+        # (a coordinator thread may tick the same clock at any moment).
+        s.cut_clock = self.ep.record("snapshot.record", {"snapshot": s.name, "first": first})
         s.endpoint_state = self.ep.state_dict()
+        s.endpoint_state["clock"] = s.cut_clock.encode()
         s.staged = {}
         for key, obj in self.state.items():
             sd = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
@@ -356,7 +361,6 @@ class SnapshotAgent:
         t1 = time.perf_counter()
         marker = {"snapshot": s.name, "final": s.pending.final, "tmp": s.pending.tmp_dir,
                   "coordinator": s.coordinator, "participants": list(s.participants)}
-        self.ep.record("snapshot.record", {"snapshot": s.name, "first": first, "cut_clock": s.cut_clock.encode()})
         for dst in self.ep.outbound:
             if dst in self.ep.dead:
                 continue
@@ -529,7 +533,8 @@ class SnapshotAgent:
             self.control.set(f"{key}/outcome", _pack({"committed": False, "reason": reason}))
             self._wait_writers(s, key)
             self.store.abort(s.pending)
-            self.ep.record("snapshot.abort", {"snapshot": s.name, "reason": reason})
+            self.ep.record("snapshot.abort", {"snapshot": s.name, "reason": reason, "path": s.pending.final,
+                                              "parts": sorted(parts), "excluded": sorted(excluded)})
             outcome = Outcome(s.name, False, reason, tuple(sorted(parts)), tuple(sorted(excluded)))
         else:
             self.control.set(f"{key}/outcome", _pack({"committed": True}))

@@ -37,6 +37,8 @@ SAMPLES = {
     "checkpoint": ("ck-1", "/runs/a/step-1"),
     "snapshot": ("s1", [("c", 4)]),
     "note": ("héllo",),
+    "snapshot_channels": ("s1", [("a->b", 3), ("c->b", 1)]),
+    "snapshot_outcome": ("s1", 1, "/runs/a/s1", ["a", "b"], ["c"], ""),
 }
 
 
@@ -138,6 +140,8 @@ def test_recorder_writes_every_kind_and_reader_decodes_it(tmp_path: Path) -> Non
             rec.fault_detected("crash", "learner-1")
             learner.recovered("crash", "learner-1", target_clock=stamp.clock, observed=rec.clock)
             rec.snapshot("s0")
+            rec.snapshot_channels("s0", [stamp])
+            rec.snapshot_outcome("s0", committed=True, path="/s0", parts=["main"], excluded=["learner-1"])
             rec.checkpoint("ck0", "/x")
             rec.note("done")
     r = TapeReader(path)
