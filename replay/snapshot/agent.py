@@ -15,7 +15,10 @@ Normative description: spec/snapshot-protocol.md. In short, for snapshot ``name`
    checkpoint atomically, or aborts it and removes the temporary directory.
 
 "Recording local state" is a copy of every registered entry into staging buffers; the
-write happens off the training loop. Snapshots have names, and any number may be in
+write happens off the training loop. The cut clock is the clock of the recorded
+``snapshot.record`` event: on the event tape (a ``ClockSink``, one clock per actor) that
+event ticks the actor's clock and is the tape's ``snapshot`` event, so a part's cut and
+the tape's agree exactly. Snapshots have names, and any number may be in
 flight at once: markers, recordings and parts are all keyed by name.
 """
 
