@@ -24,6 +24,9 @@ class DiLoCoConfig:
     # steps, after inner step (p+1)*H/P - 1 of each round (Streaming DiLoCo staggering)
     inner_h: int = 8
     steps: int = 64
+    # bounded staleness: a learner in round r waits until it has applied, for every
+    # fragment, a merge of round r - max_lag_rounds or later
+    max_lag_rounds: int = 2
     # model / data (tiny transformer; see ckpt/examples/tiny_lm.py)
     vocab: int = 64
     dim: int = 32

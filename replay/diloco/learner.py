@@ -30,7 +30,7 @@ from replay.diloco.config import DiLoCoConfig
 from replay.diloco.fragments import pack_fragments
 from replay.diloco.link import Link, ref_of
 from replay.diloco.model import LearnerShards, build_model, learner_corpus, weighted_loss
-from replay.diloco.tapeio import RemoteTape, actor_of
+from replay.diloco.tapeio import RemoteTape
 
 __all__ = ["LearnerCore", "LearnerCtx", "LearnerOutcome", "run_learner"]
 
@@ -203,7 +203,16 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
             extra["timing"] = dict(timing)
         link.send(SYNCER, {**meta, **extra}, list(tensors) + log_tensors, taped=False)
 
+    def flush_log() -> None:
+        # After a peer-to-peer send, ship the tape log at once: the peer's log will
+        # hold the matching receive, which the tape can only take after this send.
+        # Sent by thread learners too (empty), so that channel seqs match the replay's.
+        send_syncer({"kind": "log"}, [], None, taped=False)
+
     if ctx.incarnation == 0:
+        # Start together: process start-up skew would otherwise let one learner run
+        # many rounds ahead before the others exist.
+        link.pop(ref_of(link.first_from(SYNCER, ("start",))))
         core = LearnerCore(cfg, _index(ctx.actor), ctx.theta0, poisoned, quarantined)
         if poisoned:
             tape.inject("nan", ctx.actor, {"shards": list(poisoned)})
@@ -216,6 +225,7 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
         tape.recv(ref_of(act))
         peer = str(act.meta["peer"])
         req = link.send(peer, {"kind": "state_req", "target": int(act.meta["target"])})
+        flush_log()
         st = link.first_from(peer, ("state",))
         link.pop(ref_of(st))
         tape.recv(ref_of(st))
@@ -232,21 +242,13 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
     stopped = False
     n_end = 0
 
-    def boundary(key: str, final: bool) -> None:
-        nonlocal stopped
-        def compute() -> dict[str, Any]:
-            if final and not outbox:
-                link.wait(lambda: bool(link.box), "a message from the syncer at the end")
-            link.poll()
-            now = time.monotonic()
-            flush = len(outbox) if final else sum(1 for _ in _prefix(outbox, now))
-            return {"take": [list(r) for r in link.box.keys()], "flush": flush}
+    def lagging() -> bool:
+        need = core.t // cfg.inner_h - cfg.max_lag_rounds
+        return need > 0 and any(a < 0 or a // cfg.fragments < need for a in core.applied)
 
-        d = tape.decide("inbox", key, compute)
-        for rel, meta, tensors, timing in outbox[: int(d["flush"])]:
-            send_syncer(meta, tensors, timing)
-        del outbox[: int(d["flush"])]
-        for r in d["take"]:
+    def take(refs: Sequence[Sequence[Any]]) -> None:
+        nonlocal stopped
+        for r in refs:
             ref = (str(r[0]), str(r[1]), int(r[2]))
             msg = link.wait_ref(ref)
             link.pop(ref)
@@ -258,10 +260,35 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
                 pending_reqs.append(msg)
             elif kind == "stop":
                 stopped = True
+
+    def boundary(key: str, final: bool = False, block: bool = False) -> None:
+        """One taped inbox decision. ``block``: first wait for a message or for a held-back
+        message to come due (used while lagging and at the end, where there is nothing
+        else to do)."""
+        def compute() -> dict[str, Any]:
+            if final and outbox:
+                pass  # at the end everything held back goes out now
+            elif block or final:
+                link.wait(lambda: bool(link.box) or (bool(outbox) and outbox[0][0] <= time.monotonic()),
+                          "a message, or a held-back message to come due", tick=0.005)
+            link.poll()
+            now = time.monotonic()
+            flush = len(outbox) if final else sum(1 for _ in _prefix(outbox, now))
+            return {"take": [list(r) for r in link.box.keys()], "flush": flush}
+
+        d = tape.decide("inbox", key, compute)
+        for rel, meta, tensors, timing in outbox[: int(d["flush"])]:
+            send_syncer(meta, tensors, timing)
+        del outbox[: int(d["flush"])]
+        take(d["take"])
+        serve()
+
+    def serve() -> None:
         for req in list(pending_reqs):
             if max(core.applied) >= int(req.meta["target"]):
                 meta, tensors = core.export()
                 link.send(req.src, {"kind": "state", **meta}, tensors)
+                flush_log()
                 pending_reqs.remove(req)
 
     while core.t < cfg.steps and not stopped:
@@ -299,7 +326,11 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
                     "inc": ctx.incarnation, "started": out.started_at}
             delay = jitter_delay if t < jitter_until else 0.0
             outbox.append((time.monotonic() + delay, meta, core.fragment(p), {"step_s": step_ema}))
-        boundary(f"t{t}", final=False)
+        boundary(f"t{t}")
+        w = 0
+        while not stopped and lagging():  # bounded staleness: wait for the merges this round needs
+            boundary(f"t{t}.w{w}", block=True)
+            w += 1
     while not stopped:
         boundary(f"end{n_end}", final=True)
         n_end += 1

@@ -92,7 +92,7 @@ class Link:
             self._take(msg)
             n += 1
 
-    def wait(self, pred: Callable[[], bool], what: str) -> None:
+    def wait(self, pred: Callable[[], bool], what: str, *, tick: float = 0.5) -> None:
         """Block until ``pred()`` holds, taking in messages meanwhile."""
         deadline = time.monotonic() + self.timeout_s
         while not pred():
@@ -100,7 +100,7 @@ class Link:
             if left <= 0:
                 raise ReceiveTimeoutError(f"{self.name} waited {self.timeout_s} s for {what}",
                                           channel=f"*->{self.name}")
-            self.poll(wait_s=min(left, 0.5))
+            self.poll(wait_s=min(left, tick))
 
     def wait_ref(self, ref: MsgRef) -> Message:
         self.wait(lambda: ref in self.box, f"message {ref}")

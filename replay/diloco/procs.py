@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,10 @@ def _pg_timeout(cfg: DiLoCoConfig) -> timedelta:
 def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: dict[str, Any], actor: str,
                   inc: int, schedule_d: dict[str, Any], pythonpath: str) -> None:  # pragma: no cover - child
     torch.set_num_threads(1)
+    if os.environ.get("DILOCO_DEBUG"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(12, exit=False)
     cfg = DiLoCoConfig.from_dict(cfg_d)
     schedule = Schedule.from_json(schedule_d)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -99,8 +103,15 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         link = Link(Endpoint(transport), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
         applier = LogApplier(hub)
         byes_acked: set[str] = set()
+        by_name = {p.name: p for p in procs}
+
+        def dead_probe() -> list[str]:
+            # The orchestrator sees a process exit at once; gloo may notice a dead peer
+            # only when it next sends to it.
+            return [n for n, p in by_name.items() if p.exitcode is not None and p.exitcode != 0]
+
         sy = run_syncer(SyncerCtx(cfg, link, initial_state(cfg), schedule, spares, val_corpus(cfg),
-                                  applier=applier, on_step=on_step, after_step=after_step))
+                                  applier=applier, on_step=on_step, after_step=after_step, dead_probe=dead_probe))
         for e in sorted(set(actors[1:])):
             if e not in byes_acked:
                 try:
@@ -111,6 +122,12 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         for p in procs:
             p.join(max(0.1, deadline - time.monotonic()))
         exitcodes = {p.name: p.exitcode for p in procs}
+        try:
+            # Every peer is gone now, so each receiver thread has ended on its closed
+            # connection; destroying the group under a thread still inside gloo aborts.
+            transport.close(timeout=10.0)
+        except Exception:
+            pass
         if applier.pending():
             raise RuntimeError(f"{applier.pending()} remote tape entries could not be applied")
     finally:

@@ -2,8 +2,8 @@
 
 Syncer step ``s`` merges fragment ``p = s % P`` of round ``r = s // P``. In record
 mode it waits until at least K learners have an unmerged contribution for ``p`` from
-round ``r`` or later (the quorum; a learner's latest contribution supersedes its older
-ones, and one round of staleness is still merged), then for the stragglers it
+round ``r`` or later (the quorum; a learner that is ahead has its contributions merged
+in round order, and one round of staleness is still merged), then for the stragglers it
 expects, up to the adaptive grace window ("Eq. 3")::
 
     grace = clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, cap)
@@ -37,7 +37,7 @@ from replay.channel import Message
 from replay.diloco.chaos import Schedule
 from replay.diloco.config import DiLoCoConfig
 from replay.diloco.fragments import pack_fragments
-from replay.diloco.link import Link, ref_of
+from replay.diloco.link import Link
 from replay.diloco.model import build_model, eval_loss
 from replay.diloco.tapeio import LocalTape, LogApplier, MsgRef, actor_of
 
@@ -120,6 +120,9 @@ class SyncerCtx:
     on_step: Callable[[int, dict[str, Any]], None] | None = None
     # called at the end of every syncer step with the core (snapshots, tests)
     after_step: Callable[[int, "SyncerCore"], None] | None = None
+    # endpoints known dead by the orchestrator (a process's exit code), besides what the
+    # transport reports; record mode only
+    dead_probe: Callable[[], Sequence[str]] | None = None
 
 
 @dataclass
@@ -151,6 +154,7 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
     byes: set[str] = set()
     xi_step, xi_quorum, xi_sync = _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha)
     first_arrival: dict[int, float] = {}
+    exhausted: list[set[str]] = [set() for _ in range(cfg.fragments)]
 
     def on_dead(endpoint: str) -> None:
         if not force and endpoint not in detected:
@@ -164,6 +168,8 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
                             list(msg.tensors[len(msg.tensors) - nlog:]) if nlog else [])
         if kind == "dying":
             link.send(msg.src, {"kind": "ack"}, taped=False)
+            return True
+        if kind == "log":
             return True
         if kind == "bye":
             byes.add(msg.src)
@@ -183,20 +189,19 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
     def candidates(p: int, rnd: int) -> tuple[dict[str, MsgRef], set[str]]:
         """Eligible contributions (latest per learner, at most one round stale) and the
         learners whose contribution is of this round or later (they count for the quorum)."""
-        cand: dict[str, MsgRef] = {}
-        fresh: set[str] = set()
-        for ref, m in link.box.items():
+        stale: dict[str, MsgRef] = {}
+        fresh: dict[str, MsgRef] = {}
+        for ref, m in link.box.items():  # arrival order = send order per learner
             if m.meta.get("kind") == "frag" and int(m.meta["p"]) == p:
                 r = int(m.meta["t"]) // cfg.inner_h
                 if r < rnd - 1 or not all(bool(torch.isfinite(t).all()) for t in m.tensors[: _nsem(m)]):
                     continue
                 a = actor_of(m.src)
-                cand[a] = ref  # later arrivals supersede: latest per learner
                 if r >= rnd:
-                    fresh.add(a)
+                    fresh.setdefault(a, ref)  # the round due now; a learner ahead keeps the rest for later
                 else:
-                    fresh.discard(a)
-        return cand, fresh
+                    stale[a] = ref  # one round late: still merged if nothing fresher came
+        return {**stale, **fresh}, set(fresh)
 
     def plan_now(s: int, p: int) -> dict[str, Any]:
         t0 = time.monotonic()
@@ -205,16 +210,22 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
         grace = 0.0
         while True:
             link.poll(wait_s=0.002)
+            if ctx.dead_probe is not None:
+                for e in ctx.dead_probe():
+                    on_dead(e)
             cand, fresh = candidates(p, s // cfg.fragments)
             now = time.monotonic()
-            if quorum_at is None and len(fresh) >= cfg.quorum:
+            dead_now = {actor_of(e) for e in detected if active.get(actor_of(e)) == e}
+            # Near the end a learner may have sent its last contribution for p already
+            # (a recovered learner skips the rounds its peer had done): it cannot count.
+            able = [a for a in active if a not in recovering and a not in dead_now and a not in exhausted[p]]
+            need = max(1, min(cfg.quorum, len(able)))
+            if quorum_at is None and len(fresh) >= need:
                 quorum_at, quorum_set = now, set(cand)
                 xi_quorum.add(now - first_arrival.get(p, t0))
                 grace = grace_window(cfg, xi_step.get(), xi_quorum.get(), xi_sync.get())
             if quorum_at is not None:
-                dead_now = {actor_of(e) for e in detected if active.get(actor_of(e)) == e}
-                expected = [a for a in active if a not in recovering and a not in dead_now]
-                if all(a in fresh for a in expected) or now >= quorum_at + grace:
+                if all(a in fresh for a in able) or now >= quorum_at + grace:
                     break
             if now - t0 > cfg.io_timeout_s:
                 raise TimeoutError(f"syncer step {s}: no quorum of {cfg.quorum} for fragment {p} within "
@@ -245,11 +256,13 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
                 peer = (immortal or healthy)[0]
                 activate.append([a, ctx.spares[a][spare_used[a]], active[peer]])
         send_to = sorted([e for a, e in active.items() if a not in will_be_dead] + [x[1] for x in activate])
-        return {"p": p, "contribs": [list(cand[a]) for a in members], "members": members,
+        return {"p": p, "minimum": need, "contribs": [list(cand[a]) for a in members], "members": members,
                 "stragglers": sorted(set(members) - quorum_set, key=_order), "weights": weights,
                 "dead": dead, "activate": activate, "send_to": send_to, "grace_s": grace,
                 "quorum_wait_s": (quorum_at or t0) - t0}
 
+    for a in names:
+        link.send(a, {"kind": "start"}, taped=False)
     for s in range(cfg.syncer_steps):
         p = s % cfg.fragments
         key = f"s{s}"
@@ -273,7 +286,8 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
             recovering.add(a)
             dead_since.pop(a, None)
             out.activations.append((s, a))
-        members = tape.quorum(key, cfg.quorum, plan["members"])
+        # the effective minimum: K, or fewer at the very end (see plan_now)
+        members = tape.quorum(key, int(plan["minimum"]), plan["members"])
         refs = [(str(r[0]), str(r[1]), int(r[2])) for r in plan["contribs"]]
         msgs = []
         for ref in refs:
@@ -282,6 +296,8 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
         _, weights = tape.merge(key, refs, plan["weights"])
         theta_p = core.merge(p, [m.tensors[: _nsem(m)] for m in msgs], [float(w) for w in weights])
         for ref, m in zip(refs, msgs):
+            if int(m.meta["t"]) // cfg.inner_h == cfg.rounds - 1:
+                exhausted[p].add(actor_of(m.src))
             out.merged.append({"s": s, "actor": actor_of(m.src), "inc": int(m.meta["inc"]), "t": int(m.meta["t"]),
                                "started": int(m.meta["started"]), "steps": int(m.meta["steps"])})
             # this contribution and every older one of that learner for p are spent
