@@ -147,10 +147,13 @@ class Actor:
     # -- the clock -----------------------------------------------------------------------
     @property
     def clock(self) -> VectorClock:
-        names = self._core.names
-        entries = [(names[i], c) for i, c in self._others.items()]
-        if self._counter:
-            entries.append((self.name, self._counter))
+        # Locked: another thread (a snapshot coordinator taping an outcome, a channel's
+        # receive) may be merging into this actor's entries while we read them.
+        with self._core.lock:
+            names = self._core.names
+            entries = [(names[i], c) for i, c in self._others.items()]
+            if self._counter:
+                entries.append((self.name, self._counter))
         return VectorClock(tuple(entries))
 
     def _set_clock(self, clock: VectorClock) -> None:

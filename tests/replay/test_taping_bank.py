@@ -13,7 +13,7 @@ import random
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -72,13 +72,15 @@ EDGES = sorted({(a, b) for i, a in enumerate(NAMES) for b in (NAMES[(i + 1) % 4]
                | {("p3", "p1")})
 
 
-def build(sinks: Callable[[str], Any], schedulers: dict[str, Any], store: MemorySnapshotStore, seed: int):
+def build(sink: Any, schedulers: dict[str, Any], store: MemorySnapshotStore, seed: int
+          ) -> tuple[dict[str, Teller], dict[str, Endpoint], dict[str, SnapshotAgent]]:
     net = InProcessNetwork(EDGES, actors=NAMES)
+    control = MemoryControl()  # one control plane: coordinators and participants meet here
     tellers = {a: Teller(seed + i) for i, a in enumerate(NAMES)}
-    eps = {a: Endpoint(net.transport(a), scheduler=schedulers[a], sink=sinks(a),
-                       step=(lambda t=tellers[a]: t.steps)) for a in NAMES}
-    agents = {a: SnapshotAgent(eps[a], {"teller": tellers[a]}, store=store, control=MemoryControl(),
-                               participants=NAMES, background=False) for a in NAMES}
+    eps = {a: Endpoint(net.transport(a), scheduler=schedulers[a], sink=sink, step=(lambda t=tellers[a]: t.steps))
+           for a in NAMES}
+    agents = {a: SnapshotAgent(eps[a], {"teller": tellers[a]}, store=store, control=control, participants=NAMES,
+                               background=False) for a in NAMES}
     return tellers, eps, agents
 
 
@@ -96,14 +98,8 @@ def taped(tmp_path_factory: pytest.TempPathFactory) -> Taped:
     path = tmp_path_factory.mktemp("bank") / "bank.tape"
     store = MemorySnapshotStore()
     rec = Recorder.open(str(path), actor="p0", rng_every=0, commit="test")
-    sink = RecorderSink(rec, endpoint_steps=True)
-    control = MemoryControl()  # one control plane: the coordinators' and participants' keys meet here
-    net = InProcessNetwork(EDGES, actors=NAMES)
-    tellers = {a: Teller(77 + i) for i, a in enumerate(NAMES)}
-    eps = {a: Endpoint(net.transport(a), scheduler=SeededScheduler(5 + i), sink=sink,
-                       step=(lambda t=tellers[a]: t.steps)) for i, a in enumerate(NAMES)}
-    agents = {a: SnapshotAgent(eps[a], {"teller": tellers[a]}, store=store, control=control, participants=NAMES,
-                               background=False) for a in NAMES}
+    scheds = {a: SeededScheduler(5 + i) for i, a in enumerate(NAMES)}
+    tellers, eps, agents = build(RecorderSink(rec, endpoint_steps=True), scheds, store, seed=77)
     rng = random.Random(3)
     starts = list(SNAPS)
     handles = {}
@@ -280,7 +276,7 @@ def _assert_same(taped: Taped, tellers: dict[str, Teller], eps: dict[str, Endpoi
 def test_restore_forced_from_the_tape_is_bit_identical(taped: Taped, name: str) -> None:
     evs = list(TapeReader(taped.path).events())
     orders = {a: ForcedScheduler(taped_delivery_order(evs, a, name)) for a in NAMES}
-    tellers, eps, agents = build(lambda a: None, orders, taped.store, seed=31337)  # wrong seeds: all from the snapshot
+    tellers, eps, agents = build(None, orders, taped.store, seed=31337)  # wrong seeds: all from the snapshot
     for a in NAMES:
         agents[a].restore(name)
     _finish(tellers, eps, {a: taped.tellers[a].steps for a in NAMES})
@@ -290,7 +286,7 @@ def test_restore_forced_from_the_tape_is_bit_identical(taped: Taped, name: str) 
 def test_whole_run_forced_from_the_tape_is_bit_identical(taped: Taped) -> None:
     evs = list(TapeReader(taped.path).events())
     orders = {a: ForcedScheduler(taped_delivery_order(evs, a)) for a in NAMES}
-    tellers, eps, _ = build(lambda a: None, orders, MemorySnapshotStore(), seed=77)  # same seeds, no snapshots
+    tellers, eps, _ = build(None, orders, MemorySnapshotStore(), seed=77)  # same seeds, no snapshots
     _finish(tellers, eps, {a: taped.tellers[a].steps for a in NAMES})
     _assert_same(taped, tellers, eps, orders)
 
