@@ -438,6 +438,12 @@ class Recorder(Actor):
         """Digest this module's state_dict every ``param_digest_every`` steps (at step end)."""
         self._core.watched.append((prefix, module))
 
+    def flush(self) -> None:
+        """Hand the buffered events to the OS now (they then survive a crash of this process)."""
+        if self.writer is not None:
+            with self._core.lock:  # not under another thread's append
+                self.writer.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             with self._core.lock:  # not under another thread's append

@@ -23,7 +23,8 @@ Event mapping (the tape's kinds are the table in ``replay/events.py``):
 channel event           taped as
 ======================  ======================================================================
 send                    ``send``: channel ``src->dst``, chan_seq = seq + 1 (tapes count from 1,
-                        channels from 0), peer = dst, digest = :func:`message_digest`
+                        channels from 0), peer = dst, digest = :func:`message_digest`;
+                        flushed to the OS before the message leaves (``flush_sends``)
 recv                    ``recv``: the same channel/chan_seq, peer = src, digest recomputed from
                         what arrived (so ``tape check`` compares payloads end to end)
 recv.none               ``decision`` what=``recv.empty`` (an empty poll: part of the order)
@@ -106,11 +107,16 @@ class RecorderSink:
     Each endpoint's actor becomes the recorder's actor of the same name
     (``Recorder.actor``). With ``endpoint_steps`` the Endpoint's ``step`` callable sets
     that actor's step; otherwise events carry the step the recorder is at (``rec.step``).
+    With ``flush_sends`` (the default) a taped send reaches the OS before its message
+    leaves: if this process then dies, no receiver holds a message whose send its tape
+    lost (the receiver's ``recv`` would have no send, and a snapshot's channel state
+    would name one never taped). It costs one write per message.
     """
 
-    def __init__(self, recorder: Recorder, *, endpoint_steps: bool = False) -> None:
+    def __init__(self, recorder: Recorder, *, endpoint_steps: bool = False, flush_sends: bool = True) -> None:
         self.recorder = recorder
         self.endpoint_steps = endpoint_steps
+        self.flush_sends = flush_sends
         self._actors: dict[str, Actor] = {}
         self._lock = threading.Lock()
 
@@ -136,7 +142,10 @@ class RecorderSink:
 
     def record_send(self, msg: Message, step: int) -> VectorClock:
         a = self._at(msg.src, step)
-        return a.send(msg.channel, peer=msg.dst, digest=_digest(msg), chan_seq=msg.seq + 1).clock
+        clock = a.send(msg.channel, peer=msg.dst, digest=_digest(msg), chan_seq=msg.seq + 1).clock
+        if self.flush_sends:
+            self.recorder.flush()
+        return clock
 
     def record_recv(self, msg: Message, step: int) -> None:
         a = self._at(msg.dst, step)

@@ -172,6 +172,18 @@ def test_exclusion_and_abort_reach_the_tape(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.parametrize("flush_sends", [True, False])
+def test_a_send_reaches_the_os_before_its_message_leaves(tmp_path: Path, flush_sends: bool) -> None:
+    path = tmp_path / f"w{int(flush_sends)}.tape"
+    with Recorder.open(str(path), actor="a", rng_every=0) as rec:
+        net = InProcessNetwork.complete(["a", "b"])
+        ep = Endpoint(net.transport("a"), sink=RecorderSink(rec, flush_sends=flush_sends))
+        ep.send("b", {"i": 1})
+        seen = [e.kind.name for e in TapeReader(path).events() if e.kind.name != "actor"]  # as a crash would leave it
+        assert seen == (["send"] if flush_sends else [])
+    assert [e.kind.name for e in TapeReader(path).events() if e.kind.name != "actor"] == ["send"]
+
+
 def test_unknown_channel_event_is_refused(tmp_path: Path) -> None:
     with Recorder.open(str(tmp_path / "u.tape"), rng_every=0) as rec:
         sink = RecorderSink(rec)
