@@ -10,7 +10,9 @@ time: ``ckpt inspect`` and ``ckpt verify`` use it without torch.
 from __future__ import annotations
 
 import os
+import queue
 import stat
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -73,6 +75,51 @@ class _ChunkVerifier:
 
     def finish(self) -> None:
         self.hasher.finish()
+
+
+_PIPELINE_MIN_BYTES = 32 << 20
+
+
+class _PipelinedVerifier:
+    """Feeds a _ChunkVerifier from one background thread, in submission order.
+
+    The first mismatch is kept and raised by the next ``update`` or by ``finish``, so a
+    corrupt chunk stops the load within one tensor of where it was found.
+    """
+
+    def __init__(self, inner: _ChunkVerifier) -> None:
+        self._inner = inner
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckpt-verify", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._err is None:
+                try:
+                    self._inner.update(item)
+                except BaseException as e:  # handed to the reading thread
+                    self._err = e
+
+    def update(self, data: Any) -> None:
+        if self._err is not None:
+            raise self._err
+        self._q.put(data)
+
+    def finish(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        self._inner.finish()
+
+    def abort(self) -> None:
+        self._q.put(None)
+        self._thread.join()
 
 
 class CheckpointReader:
@@ -270,9 +317,14 @@ class CheckpointReader:
         n, _ = self._headers[pe.name]
         fp = self._fp(f)
         fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        verifier: _ChunkVerifier | _PipelinedVerifier | None = None
         try:
-            verifier = _ChunkVerifier(fp, f) if verify else None
-            if verifier is not None:
+            if verify:
+                # Large parts hash on a second thread while the next tensor is read
+                # (preadv and xxh3 both release the GIL), so verification overlaps I/O.
+                verifier = _ChunkVerifier(fp, f)
+                if f.size >= _PIPELINE_MIN_BYTES:
+                    verifier = _PipelinedVerifier(verifier)
                 head = bytearray(8 + n)
                 preadv_full(fd, memoryview(head), 0)
                 verifier.update(head)
@@ -286,7 +338,10 @@ class CheckpointReader:
                     verifier.update(dst)
             if verifier is not None:
                 verifier.finish()
+                verifier = None
         finally:
+            if isinstance(verifier, _PipelinedVerifier):
+                verifier.abort()
             os.close(fd)
 
     # -- verification ----------------------------------------------------------------------
@@ -332,11 +387,18 @@ class CheckpointReader:
         pe, t = self._entry(key, part)
         return read_tensor(self, pe, t, map_location=map_location, verify=verify)
 
-    def state(self, part: str | None = None, *, map_location: Any = None, verify: bool = True) -> dict[str, Any]:
-        """The whole saved state of a part, as plain trees of fresh tensors."""
+    def state(
+        self, part: str | None = None, *, map_location: Any = None, verify: bool = True, mmap: bool = False
+    ) -> dict[str, Any]:
+        """The whole saved state of a part, as plain trees of fresh tensors.
+
+        ``mmap=True`` backs the tensors by a private copy-on-write mapping of the file
+        instead of reading them into new memory (faster; see ``_torchio._mmap_fresh``
+        for the one caveat: do not truncate the file while the tensors are alive).
+        """
         from ._torchio import materialize_state
 
-        return materialize_state(self, self.part(part), map_location=map_location, verify=verify)
+        return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
 
 
 def _digest(b: Any) -> bytes:

@@ -252,6 +252,9 @@ def write_part(
     files: list[FileEntry] = []
     tensors: list[TensorEntry] = []
     if collector.tensors:
+        # Largest element size first (stable): every tensor then starts at a multiple of
+        # its element size, as stock safetensors lays files out, so readers can map it.
+        collector.tensors.sort(key=lambda kt: -kt[1].element_size())
         fname = f"{name}.safetensors"
         slots = [TensorSlot(key, dtypes.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for key, t in collector.tensors]
         header, offsets = build_header(slots, {"format": "pt", "writer": f"ckpt-replay {__version__}"})

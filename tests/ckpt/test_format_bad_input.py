@@ -784,3 +784,25 @@ def test_fsync_or_rename_failure_mid_commit(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(os, target, real)
     assert sorted(os.listdir(run)) == ["step-00001"]
     assert_run_dir_sound(run, first)
+
+
+def test_pipelined_verification_reports_the_bad_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large parts hash on a second thread; a flipped bit still fails the load, naming the chunk."""
+    import ckpt.reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "_PIPELINE_MIN_BYTES", 0)
+    import torch
+
+    with ckpt.knobs.override(chunk_size=4096):
+        ckpt.save(tmp_path / "c", {"m": {"a": torch.arange(5000, dtype=torch.float32), "b": torch.ones(3000)}}, step=0)
+        path = tmp_path / "c" / "rank-00000.safetensors"
+        size = path.stat().st_size
+        flip(path, size - 100)
+        target = {"m": {"a": torch.zeros(5000), "b": torch.zeros(3000)}}
+        with pytest.raises(ChecksumMismatchError, match=r"chunk \d+ \(bytes") as ei:
+            ckpt.load(tmp_path / "c", target, restore_rng=False, exactness="off")
+        assert ei.value.path.endswith("rank-00000.safetensors")
+        assert ei.value.offset <= size - 100 < ei.value.offset + 4096
+        fresh = ckpt.open(tmp_path / "c")
+        with pytest.raises(ChecksumMismatchError):
+            fresh.state()
