@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .writer import tensor_view_key
+
 __all__ = ["Staging", "SnapshotStats", "frozen_stateful"]
 
 _ALIGN = 64  # slot alignment: any dtype may view its slot, and slots never share a cache line
@@ -37,17 +39,8 @@ class SnapshotStats:
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
-    # Same key as the writer's de-duplication (ckpt/writer.py _Collector._add).
-    return (
-        t.device,
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-        t.is_conj(),
-        t.is_neg(),
-    )
+    # The writer's de-duplication key, so staging keeps exactly the aliases it will keep.
+    return tensor_view_key(t)
 
 
 class Staging:

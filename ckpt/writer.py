@@ -133,18 +133,7 @@ class _Collector:
             raise UnsupportedValueError(f"tensor dtype {t.dtype} cannot be stored", key=where) from None
         # The same view reached twice (tied weights, an optimizer aliasing a param) is
         # stored once and restored as one tensor object.
-        # is_conj/is_neg are part of the view: x and x.conj() share storage, offset and
-        # strides but hold different values.
-        view = (
-            t.device,
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            t.stride(),
-            t.dtype,
-            t.is_conj(),
-            t.is_neg(),
-        )
+        view = tensor_view_key(t)
         if t.numel() > 0 and view in self._by_view:
             return self._by_view[view]
         key = "/".join([self.prefix, *(_escape(p) for p in path)]) if self.prefix else "/".join(_escape(p) for p in path)
@@ -172,6 +161,24 @@ class _Collector:
         c[0] += 1
         c[1] += src.numel() * src.element_size()
         return key
+
+
+def tensor_view_key(t: Any) -> tuple[Any, ...]:
+    """Identity of a tensor *view*: equal keys hold the same values in the same memory.
+
+    is_conj/is_neg are part of it: x and x.conj() share storage, offset and strides
+    but hold different values.
+    """
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        t.is_conj(),
+        t.is_neg(),
+    )
 
 
 def tensor_memoryview(t: Any) -> memoryview:
