@@ -67,9 +67,13 @@ def spares_of(cfg: DiLoCoConfig, schedule: Schedule) -> dict[str, list[str]]:
 
 
 def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
+               delay_of: Callable[[str, int], float] | None = None,
                on_step: Callable[[int, dict[str, Any]], None] | None = None,
                after_step: Callable[[int, Any], None] | None = None) -> RunResult:
-    """Every actor as a thread of this process over the in-process transport."""
+    """Every actor as a thread of this process over the in-process transport.
+
+    ``delay_of(actor, incarnation)`` slows chosen learners down per inner step (tests of
+    timing independence); ``step_delay_s`` slows every learner (a slower replay machine)."""
     torch.set_num_threads(1)
     t0 = time.monotonic()
     schedule = decide_schedule(hub, cfg)
@@ -92,7 +96,7 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
                              die=lambda: net.kill(ep_name),
                              predecessor_done=(lambda: _wait(done[prev], cfg.io_timeout_s, prev)) if prev else
                              (lambda: None),
-                             step_delay_s=step_delay_s)
+                             step_delay_s=delay_of(actor, inc) if delay_of is not None else step_delay_s)
             o = run_learner(ctx)
             with lock:
                 outcomes.append(o)

@@ -208,6 +208,7 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
         quorum_at: float | None = None
         quorum_set: set[str] = set()
         grace = 0.0
+        final = s // cfg.fragments == cfg.rounds - 1
         while True:
             link.poll(wait_s=0.002)
             if ctx.dead_probe is not None:
@@ -220,11 +221,21 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
             # (a recovered learner skips the rounds its peer had done): it cannot count.
             able = [a for a in active if a not in recovering and a not in dead_now and a not in exhausted[p]]
             need = max(1, min(cfg.quorum, len(able)))
-            if quorum_at is None and len(fresh) >= need:
+            if final:
+                # The last round is a barrier, not a race: it waits for every live learner,
+                # recovering ones included, with no grace limit. Without it a learner that
+                # is still catching up (a replacement, a straggler) is told to stop after
+                # however many steps the wall clock allowed it, so how far it got would
+                # depend on machine load. With it, every live learner ends at cfg.steps.
+                waiting = [a for a in active if a not in dead_now and a not in exhausted[p]]
+                if len(fresh) >= need and all(a in fresh for a in waiting):
+                    quorum_at, quorum_set = quorum_at or now, quorum_set or set(cand)
+                    break
+            elif quorum_at is None and len(fresh) >= need:
                 quorum_at, quorum_set = now, set(cand)
                 xi_quorum.add(now - first_arrival.get(p, t0))
                 grace = grace_window(cfg, xi_step.get(), xi_quorum.get(), xi_sync.get())
-            if quorum_at is not None:
+            if quorum_at is not None and not final:
                 if all(a in fresh for a in able) or now >= quorum_at + grace:
                     break
             if now - t0 > cfg.io_timeout_s:

@@ -127,3 +127,16 @@ def test_force_replay_cli(chaos_run) -> None:
     r = CliRunner().invoke(cli, ["replay", chaos_run.tape, "--mode", "force"])
     assert r.exit_code == 0, r.output
     assert r.output.startswith("IDENTICAL:")
+
+
+def test_slow_replacements_still_finish_every_step(tmp_path: Path) -> None:
+    # Replacement learners made much slower than everyone else: under a wall-clock rule
+    # the syncer would end the run while they are still catching up. The last round is
+    # a barrier, so they end at cfg.steps whatever the machine load.
+    cfg = tiny()
+    res = record(tmp_path / "tape", cfg, delay_of=lambda actor, inc: 0.03 if inc > 0 else 0.0)
+    reborn = [o for o in res.learners if o.incarnation > 0]
+    assert len(reborn) == len(res.syncer.deaths) >= 2
+    assert [o.final_t for o in reborn] == [cfg.steps] * len(reborn)
+    last_round = [m for m in res.syncer.merged if m["t"] // cfg.inner_h == cfg.rounds - 1]
+    assert {m["actor"] for m in last_round} == {f"learner-{i}" for i in range(cfg.learners)}
