@@ -233,6 +233,10 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
         core.load(st.meta, st.tensors)
         tape.recovered(str(act.meta["fault"]), ctx.actor, ref_of(act), ref_of(st))
         del req
+        # Tell the syncer where this incarnation starts: a replacement adopts its peer's
+        # step and so never sends the fragments of rounds the peer had already sent; the
+        # syncer's last-round barrier must know which ones to wait for.
+        send_syncer({"kind": "joined", "started": core.t}, [], None, taped=False)
     out.started_at = core.t
 
     outbox: list[tuple[float, Mapping[str, Any], list[torch.Tensor], dict[str, Any]]] = []

@@ -152,6 +152,7 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
     spare_used: dict[str, int] = {a: 0 for a in names}
     detected: list[str] = []  # endpoints reported dead (record mode)
     byes: set[str] = set()
+    joined: dict[str, int] = {}  # actor -> the inner step its current incarnation started at
     xi_step, xi_quorum, xi_sync = _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha)
     first_arrival: dict[int, float] = {}
     exhausted: list[set[str]] = [set() for _ in range(cfg.fragments)]
@@ -170,6 +171,10 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
             link.send(msg.src, {"kind": "ack"}, taped=False)
             return True
         if kind == "log":
+            return True
+        if kind == "joined":
+            if active.get(actor_of(msg.src)) == msg.src:
+                joined[actor_of(msg.src)] = int(msg.meta["started"])
             return True
         if kind == "bye":
             byes.add(msg.src)
@@ -227,8 +232,11 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
                 # is still catching up (a replacement, a straggler) is told to stop after
                 # however many steps the wall clock allowed it, so how far it got would
                 # depend on machine load. With it, every live learner ends at cfg.steps.
-                waiting = [a for a in active if a not in dead_now and a not in exhausted[p]]
-                if len(fresh) >= need and all(a in fresh for a in waiting):
+                last_send = (cfg.rounds - 1) * cfg.inner_h + cfg.send_offset(p)
+                unknown = [a for a in active if a in recovering and a not in joined and a not in dead_now]
+                waiting = [a for a in active if a not in dead_now and a not in exhausted[p]
+                           and joined.get(a, 0) <= last_send]
+                if not unknown and len(fresh) >= need and all(a in fresh for a in waiting):
                     quorum_at, quorum_set = quorum_at or now, quorum_set or set(cand)
                     break
             elif quorum_at is None and len(fresh) >= need:
@@ -294,6 +302,7 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
             link.send(spare, {"kind": "activate", "target": s, "peer": peer, "fault": kind})
             spare_used[a] += 1
             active[a] = spare
+            joined.pop(a, None)
             recovering.add(a)
             dead_since.pop(a, None)
             out.activations.append((s, a))
