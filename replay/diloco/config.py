@@ -23,7 +23,7 @@ class DiLoCoConfig:
     # schedule: every learner runs `steps` inner steps; fragment p is sent every `inner_h`
     # steps, after inner step (p+1)*H/P - 1 of each round (Streaming DiLoCo staggering)
     inner_h: int = 8
-    steps: int = 64
+    steps: int = 128
     # bounded staleness: a learner in round r waits until it has applied, for every
     # fragment, a merge of round r - max_lag_rounds or later
     max_lag_rounds: int = 2
@@ -38,7 +38,7 @@ class DiLoCoConfig:
     shards_per_learner: int = 8
     val_seqs: int = 64
     # optimisers
-    inner_lr: float = 3e-3
+    inner_lr: float = 1e-2
     weight_decay: float = 0.01
     warmup: int = 8
     outer_lr: float = 0.7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -29,16 +30,27 @@ def initial_state(cfg: DiLoCoConfig) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
+@functools.lru_cache(maxsize=4)
+def _corpus(seed: int, n: int, seq_len: int, vocab: int) -> torch.Tensor:
+    return make_corpus(n, seq_len, vocab, seed=seed)
+
+
+def _full_corpus(cfg: DiLoCoConfig) -> torch.Tensor:
+    # One language for everyone: make_corpus draws its bigram table first from the seed,
+    # so per-learner seeds would give every learner (and the validation set) a different
+    # table and the merged model nothing to agree on. Learner i gets rows
+    # [i*S, (i+1)*S), validation the rows after the last learner's.
+    n = cfg.learners * cfg.seqs_per_learner + cfg.val_seqs
+    return _corpus(cfg.seed * 1000 + 1, n, cfg.seq_len, cfg.vocab)
+
+
 def learner_corpus(cfg: DiLoCoConfig, index: int) -> torch.Tensor:
-    return make_corpus(cfg.seqs_per_learner, cfg.seq_len, cfg.vocab, seed=cfg.seed * 1000 + 1 + index)
+    s = cfg.seqs_per_learner
+    return _full_corpus(cfg)[index * s:(index + 1) * s]
 
 
 def val_corpus(cfg: DiLoCoConfig) -> torch.Tensor:
-    # Same bigram table as training (make_corpus draws the table first from its seed),
-    # fresh sequences: the generator's state after the table differs by seed, so use a
-    # learner seed and skip past the training rows.
-    full = make_corpus(cfg.seqs_per_learner + cfg.val_seqs, cfg.seq_len, cfg.vocab, seed=cfg.seed * 1000 + 1)
-    return full[cfg.seqs_per_learner:]
+    return _full_corpus(cfg)[cfg.learners * cfg.seqs_per_learner:]
 
 
 class LearnerShards:

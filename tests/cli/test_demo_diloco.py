@@ -1,0 +1,109 @@
+"""``ckpt demo``: the reference run's report, through CliRunner and as a subprocess.
+
+Every printed claim is checked against the files the demo left behind (the tape, the
+checkpoints, the PNG), never only against the printed text."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("demo") / "out"
+    r = CliRunner().invoke(cli, ["demo", "--out", str(out), "--quick", "--transport", "threads"])
+    assert r.exit_code == 0, r.output
+    return out, r.output
+
+
+def _num(pattern: str, text: str) -> list[str]:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in output"
+    return list(m.groups())
+
+
+def test_demo_report_claims_hold(quick_demo: tuple[Path, str]) -> None:
+    from replay.check import check_tape
+    from replay.diloco.demo import demo_config
+    from replay.diloco.report import LOSS_TOLERANCE
+    from replay.tape import TapeReader
+
+    out, text = quick_demo
+    assert text.rstrip().endswith("demo: all checks passed")
+    tape = out / "tape"
+    events = list(TapeReader(tape).events())
+    # faults by class: the counts printed are the tape's injections
+    for kind in ("kill", "jitter", "loss", "nan"):
+        (n,) = _num(rf"  {kind}\s+injected (\d+)  absorbed yes", text)
+        assert int(n) == sum(1 for e in events if e.kind.name == "fault_injected" and e.payload["fault"] == kind) > 0
+    # every killed or lost learner recovered, as the tape says
+    lost = sorted(e.payload["target"] for e in events
+                  if e.kind.name == "fault_injected" and e.payload["fault"] in ("kill", "loss"))
+    assert lost == sorted(e.payload["target"] for e in events if e.kind.name == "fault_recovered")
+    # zero downtime: the syncer merged at every one of its steps
+    cfg = demo_config(quick=True, transport="threads")
+    ran, total = map(int, _num(r"the syncer ran (\d+)/(\d+) steps", text))
+    assert ran == total == cfg.syncer_steps
+    merges = [e for e in events if e.actor == "syncer" and e.kind.name == "merge"]
+    assert len(merges) == cfg.syncer_steps and all(e.payload["contributions"] for e in merges)
+    assert _num(r"downtime: (\d+) syncer steps", text) == ["0"]
+    # goodput: the baseline that stops everyone counts fewer learner-steps
+    g, b = map(float, _num(r"goodput: ([\d.]+)% .*baseline ([\d.]+)%", text))
+    assert 0 < b < g <= 100
+    # validation losses: the tape's last val_loss metric is the printed chaos loss
+    chaos_val = [e.payload["value"] for e in events if e.kind.name == "metric" and e.payload["name"] == "val_loss"][-1]
+    vc, vn = map(float, _num(r"validation loss: chaos ([\d.]+), no faults ([\d.]+)", text))
+    assert vc == round(chaos_val, 4)
+    assert abs(vc - vn) / vn <= LOSS_TOLERANCE
+    (n_events,) = _num(r"bit-identical yes \((\d+) events\)", text)
+    assert int(n_events) == sum(1 for e in events if e.kind.name != "actor")
+    assert check_tape(tape) == [] and "tape check: 0 violations" in text
+    ok, n = map(int, _num(r"checkpoints verified: (\d+)/(\d+)", text))
+    assert ok == n >= 1
+    import ckpt
+
+    kept = sorted((out / "checkpoints" / "baseline").glob("step-*"))
+    assert len(kept) == n
+    for p in kept:
+        ckpt.open(p).verify()
+    png = out / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"loss curves: {png}" in text
+    assert f"output directory: {out}" in text
+
+
+def test_demo_refuses_a_used_directory(quick_demo: tuple[Path, str]) -> None:
+    out, _ = quick_demo
+    r = CliRunner().invoke(cli, ["demo", "--out", str(out), "--quick", "--transport", "threads"])
+    assert r.exit_code != 0 and "exists: pass an empty --out directory" in r.output
+
+
+@pytest.mark.timeout(240)
+def test_demo_subprocess_gloo(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--out", str(out), "--quick"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=230)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "chaos run: 4 learners (gloo)" in p.stdout and p.stdout.rstrip().endswith("demo: all checks passed")
+    from replay.tape import TapeReader
+
+    killed = [e for e in TapeReader(out / "tape").events() if e.kind.name == "fault_injected"
+              and e.payload["fault"] == "kill"]
+    assert killed and (out / "loss.png").exists()
+
+
+def test_demo_basic_still_available(tmp_path: Path) -> None:
+    r = CliRunner().invoke(cli, ["demo", "--basic", "--out", str(tmp_path / "b"), "--steps", "12"])
+    assert r.exit_code == 0, r.output
+    assert "losses bit-identical:     yes" in r.output and r.output.rstrip().endswith("demo: all checks passed")
