@@ -43,6 +43,8 @@ __all__ = ["replay", "record", "fork", "load_entry_point", "ReplayResult", "Dive
 _ACTOR_CODE = KIND_BY_NAME["actor"].code
 _PARAMS_CODE = KIND_BY_NAME["params"].code
 _SEND_CODE = KIND_BY_NAME["send"].code
+_SNAPSHOT_CODE = KIND_BY_NAME["snapshot"].code
+_BEGIN_CODE = KIND_BY_NAME["step_begin"].code
 
 Reference = Callable[[int], "Mapping[str, torch.Tensor] | None"]
 
@@ -186,7 +188,7 @@ class Oracle:
     """Feeds each actor its taped events in order and compares what the run produces."""
 
     def __init__(self, reader: TapeReader, *, until: int | None = None, align: bool = False,
-                 reference: Reference | None = None) -> None:
+                 reference: Reference | None = None, align_snapshot: str | None = None) -> None:
         self.reader = reader
         self._frames = reader.frames()
         self.names: list[str] = []
@@ -198,6 +200,9 @@ class Oracle:
         self.divergence: Divergence | None = None
         self.stopped = False
         self._align = align
+        # Restored from snapshot ``align_snapshot``: each actor's taped history is skipped
+        # through its own cut (its ``snapshot`` event of that id), wherever that lies.
+        self._align_snapshot = align_snapshot
         self._aligned: set[int] = set()
         self._done = False
         self.recorder: Recorder | None = None
@@ -239,7 +244,10 @@ class Oracle:
         if self.until is not None and actor.current_step > self.until:
             self.stopped = True
             raise ReplayStop()
-        if self._align and actor._id not in self._aligned:
+        if self._align_snapshot is not None and actor._id not in self._aligned:
+            self._aligned.add(actor._id)
+            self._align_at_snapshot(actor, code)
+        elif self._align and actor._id not in self._aligned:
             self._aligned.add(actor._id)
             self._align_actor(actor, code)
 
@@ -264,6 +272,34 @@ class Oracle:
                 if s.code == _SEND_CODE:
                     p = self._decode(s).payload
                     actor._chan_seq[p["channel"]] = p["chan_seq"]
+
+    def _cut_index(self, aid: int) -> int | None:
+        """Index in ``aid``'s queue of its ``snapshot`` event for ``align_snapshot``."""
+        while self._pull():  # the cut may lie anywhere: read the whole tape (once)
+            pass
+        for i, e in enumerate(self.queues.get(aid, ())):
+            if e.code == _SNAPSHOT_CODE and self._decode(e).payload["snapshot_id"] == self._align_snapshot:
+                return i
+        return None
+
+    def _align_at_snapshot(self, actor: Actor, code: int) -> None:
+        # The actor was restored at its cut: its clock, step and channel counters are the
+        # ones its snapshot event was taped with; its next event follows that event.
+        i = self._cut_index(actor._id)
+        if i is None:
+            self._fail(Divergence(f"restored from snapshot {self._align_snapshot!r}, but the tape holds no cut of "
+                                  f"this actor for it", actor.current_step, actor.name, "snapshot", None,
+                                  actor.clock, None, None))
+        q = self.queues[actor._id]
+        skipped = [q.popleft() for _ in range(i + 1)]  # type: ignore[operator]
+        cut = self._decode(skipped[-1])
+        actor._set_clock(cut.clock)
+        if code != _BEGIN_CODE:  # a step_begin has just set the step it begins
+            actor.current_step = cut.step
+        for s in skipped:
+            if s.code == _SEND_CODE:
+                p = self._decode(s).payload
+                actor._chan_seq[p["channel"]] = p["chan_seq"]
 
     def peek_decision(self, actor: Actor, code: int) -> dict[str, Any]:
         self.before(actor, code)
@@ -298,6 +334,15 @@ class Oracle:
         """After the run returned: anything left on the tape (up to --until) is a divergence."""
         while self._pull():
             pass
+        if self._align_snapshot is not None:
+            # Actors that emitted nothing after the cut: their history up to the cut (or all
+            # of it, for an actor outside the snapshot) belongs to the original run.
+            for aid in list(self.queues):
+                if aid not in self._aligned:
+                    i = self._cut_index(aid)
+                    q = self.queues[aid]
+                    for _ in range(len(q) if i is None else i + 1):
+                        q.popleft()
         for aid, q in self.queues.items():
             for e in q:
                 if self.until is None or e.step <= self.until:

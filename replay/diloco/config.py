@@ -56,6 +56,7 @@ class DiLoCoConfig:
     # evaluation and snapshots (in syncer steps; 0 = never)
     eval_every: int = 2
     snapshot_every: int = 0
+    snapshot_keep: int = 2  # retention: the last N snapshots (plus the newest restorable one)
     # processes: "threads" (one process, an in-process transport) or "gloo"
     transport: str = "threads"
     io_timeout_s: float = 120.0

@@ -159,6 +159,10 @@ class LearnerCtx:
     # a replacement waits for its predecessor to be gone before it records as the same actor
     predecessor_done: Callable[[], None] = lambda: None
     step_delay_s: float = 0.0  # an artificial slowdown (replay on a slower machine)
+    # snapshots: writes this learner's part (record mode); None writes nothing (replays)
+    parts: Any = None
+    # restore: this learner's part of a snapshot (``snapshots.learner_part``): start at its cut
+    restore: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -209,7 +213,16 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
         # Sent by thread learners too (empty), so that channel seqs match the replay's.
         send_syncer({"kind": "log"}, [], None, taped=False)
 
-    if ctx.incarnation == 0:
+    if ctx.restore is not None:
+        core = LearnerCore(cfg, _index(ctx.actor), ctx.theta0, poisoned, quarantined)
+        loop = restore_core(core, ctx.restore)
+        # before anything is received: sequence numbers continue from the cut
+        link.ep.restore(loop["endpoint"], {})
+        out.started_at = int(loop["started_at"])
+        # The tape lines this actor up right after its cut (the snapshot event); the
+        # channel state taped with the cut is the restored learner's first event.
+        tape.snapshot_channels(str(loop["snapshot"]), [])
+    elif ctx.incarnation == 0:
         # Start together: process start-up skew would otherwise let one learner run
         # many rounds ahead before the others exist.
         link.pop(ref_of(link.first_from(SYNCER, ("start",))))
@@ -237,7 +250,8 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
         # step and so never sends the fragments of rounds the peer had already sent; the
         # syncer's last-round barrier must know which ones to wait for.
         send_syncer({"kind": "joined", "started": core.t}, [], None, taped=False)
-    out.started_at = core.t
+    if ctx.restore is None:
+        out.started_at = core.t
 
     outbox: list[tuple[float, Mapping[str, Any], list[torch.Tensor], dict[str, Any]]] = []
     pending_reqs: list[Message] = []
@@ -245,6 +259,15 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
     step_ema = 0.0
     stopped = False
     n_end = 0
+    marker: list[Message] = []  # a snapshot marker taken in the current inbox decision
+    resume_key: str | None = None
+    if ctx.restore is not None:
+        loop = ctx.restore["loop"]
+        outbox = [(0.0, dict(o["meta"]), list(o["tensors"]), dict(o["timing"])) for o in loop["outbox"]]
+        pending_reqs = [msg_from_json(m) for m in loop["pending"]]
+        jitter_until, jitter_delay = int(loop["jitter_until"]), float(loop["jitter_delay"])
+        step_ema, stopped, n_end = float(loop["step_ema"]), bool(loop["stopped"]), int(loop["n_end"])
+        resume_key = str(loop["phase"])
 
     def lagging() -> bool:
         need = core.t // cfg.inner_h - cfg.max_lag_rounds
@@ -256,8 +279,11 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
             ref = (str(r[0]), str(r[1]), int(r[2]))
             msg = link.wait_ref(ref)
             link.pop(ref)
-            tape.recv(ref)
             kind = msg.meta["kind"]
+            if kind == "snap":  # an untaped marker: the cut follows this decision
+                marker.append(msg)
+                continue
+            tape.recv(ref)
             if kind == "merged":
                 core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors)
             elif kind == "state_req":
@@ -278,14 +304,55 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
             link.poll()
             now = time.monotonic()
             flush = len(outbox) if final else sum(1 for _ in _prefix(outbox, now))
-            return {"take": [list(r) for r in link.box.keys()], "flush": flush}
+            take = [list(r) for r in link.box.keys()]
+            for i, r in enumerate(link.box.values()):
+                if r.meta.get("kind") == "snap":
+                    # A snapshot marker ends the decision: what arrived after it was sent
+                    # after the syncer's cut and must be taken after this learner's cut.
+                    take = take[: i + 1]
+                    break
+            return {"take": take, "flush": flush}
 
         d = tape.decide("inbox", key, compute)
         for rel, meta, tensors, timing in outbox[: int(d["flush"])]:
             send_syncer(meta, tensors, timing)
         del outbox[: int(d["flush"])]
         take(d["take"])
+        if marker:
+            cut(marker.pop(), key)
         serve()
+
+    def cut(msg: Message, key: str) -> None:
+        """This learner's part of a snapshot: at the end of the inbox decision that took
+        the marker, i.e. between two step boundaries; a restore resumes at ``serve()``."""
+        name = str(msg.meta["name"])
+        tape.snapshot(name)
+        # every message the syncer sent before its cut was taken in this decision or
+        # earlier (FIFO), and no peer-to-peer message is in flight between participants
+        tape.snapshot_channels(name, [])
+        meta, tensors = core.export()
+        part = {
+            "core": {"meta": meta, "tensors": tensors, "c_tokens": list(core.c_tokens), "c_steps": list(core.c_steps),
+                     "loader": core.loader.state_dict(), "last_loss": core.last_loss},
+            "loop": {"actor": ctx.actor, "incarnation": ctx.incarnation, "phase": key, "started_at": out.started_at,
+                     "snapshot": name,
+                     "outbox": [{"meta": dict(m), "tensors": [x.clone() for x in ts], "timing": dict(tm)}
+                                for _, m, ts, tm in outbox],
+                     "pending": [msg_to_json(m) for m in pending_reqs], "jitter_until": jitter_until,
+                     "jitter_delay": jitter_delay, "step_ema": step_ema, "stopped": stopped, "n_end": n_end},
+        }
+        # The reply marker closes this learner's channel to the syncer in the snapshot.
+        send_syncer({"kind": "snapmark", "name": name}, [], None, taped=False)
+        ep = link.ep.state_dict()
+        # taken through: what is still boxed (sent after the syncer's cut) is sent again
+        # by a restored syncer with the same seqs
+        for r in link.box:
+            ep["next_recv"][r[0]] = min(ep["next_recv"][r[0]], r[2])
+        part["loop"]["endpoint"] = ep
+        clock = getattr(tape, "clock", None)
+        if ctx.parts is not None and msg.meta.get("pending"):
+            ctx.parts.write(dict(msg.meta["pending"]), ctx.actor, {"diloco": part}, step=core.t,
+                            clock=clock.encode() if clock is not None else None)
 
     def serve() -> None:
         for req in list(pending_reqs):
@@ -295,6 +362,18 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
                 flush_log()
                 pending_reqs.remove(req)
 
+    def lag_loop(t: int, w: int) -> None:
+        while not stopped and lagging():  # bounded staleness: wait for the merges this round needs
+            boundary(f"t{t}.w{w}", block=True)
+            w += 1
+
+    if resume_key is not None:
+        serve()  # the rest of the inbox decision the cut interrupted
+        if resume_key.startswith("t"):
+            t_s, _, w_s = resume_key[1:].partition(".w")
+            lag_loop(int(t_s), int(w_s) + 1 if w_s else 0)
+        else:
+            n_end += 1
     while core.t < cfg.steps and not stopped:
         t = core.t
         for f in ctx.faults:
@@ -331,10 +410,7 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
             delay = jitter_delay if t < jitter_until else 0.0
             outbox.append((time.monotonic() + delay, meta, core.fragment(p), {"step_s": step_ema}))
         boundary(f"t{t}")
-        w = 0
-        while not stopped and lagging():  # bounded staleness: wait for the merges this round needs
-            boundary(f"t{t}.w{w}", block=True)
-            w += 1
+        lag_loop(t, 0)
     while not stopped:
         boundary(f"end{n_end}", final=True)
         n_end += 1
@@ -344,6 +420,29 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
     if ctx.remote is not None:
         send_syncer({"kind": "bye"}, [], None, taped=False)
     return out
+
+
+def restore_core(core: LearnerCore, part: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Load a learner's snapshot part into a fresh core; returns the part's loop state."""
+    c = part["core"]
+    core.load(c["meta"], list(c["tensors"]))
+    core.c_tokens = [int(x) for x in c["c_tokens"]]
+    core.c_steps = [int(x) for x in c["c_steps"]]
+    core.loader.load_state_dict(c["loader"])
+    core._it = None
+    core.last_loss = float(c["last_loss"])
+    return part["loop"]
+
+
+def msg_to_json(m: Message) -> dict[str, Any]:
+    return {"src": m.src, "dst": m.dst, "seq": m.seq, "meta": dict(m.meta), "tensors": [t.clone() for t in m.tensors]}
+
+
+def msg_from_json(d: Mapping[str, Any]) -> Message:
+    from replay.clock import VectorClock
+
+    return Message(str(d["src"]), str(d["dst"]), int(d["seq"]), VectorClock(), meta=dict(d["meta"]),
+                   tensors=tuple(d["tensors"]))
 
 
 def _prefix(outbox: Sequence[tuple[float, Any, Any, Any]], now: float) -> Any:

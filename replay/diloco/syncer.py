@@ -40,6 +40,7 @@ from replay.diloco.fragments import pack_fragments
 from replay.diloco.link import Link
 from replay.diloco.model import build_model, eval_loss
 from replay.diloco.tapeio import LocalTape, LogApplier, MsgRef, actor_of
+from replay.diloco.snapshots import message_from_snapshot, snapshot_message, snapshot_name
 
 __all__ = ["SyncerCore", "SyncerCtx", "SyncerOutcome", "run_syncer", "grace_window"]
 
@@ -123,6 +124,13 @@ class SyncerCtx:
     # endpoints known dead by the orchestrator (a process's exit code), besides what the
     # transport reports; record mode only
     dead_probe: Callable[[], Sequence[str]] | None = None
+    # snapshots (record mode): the store, control plane and retention (``snapshots.Snapshots``);
+    # None in a replay, which runs the protocol and tapes its events but writes nothing
+    snapshots: Any = None
+    # waits until a dead endpoint's thread has ended (so the tape holds all it received)
+    endpoint_gone: Callable[[str], None] | None = None
+    # restore: the syncer's part of a snapshot (start at its cut)
+    restore: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -156,6 +164,27 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
     xi_step, xi_quorum, xi_sync = _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha)
     first_arrival: dict[int, float] = {}
     exhausted: list[set[str]] = [set() for _ in range(cfg.fragments)]
+    gone: list[str] = []  # endpoints whose death was processed
+    lost: list[list[Any]] = []  # taped messages to those endpoints never received: (channel, chan_seq)
+    snap: dict[str, Any] = {}  # the open snapshot (at most one; see snapshots.py)
+    s0 = 0
+    if ctx.restore is not None:
+        b = ctx.restore["book"]
+        core.theta = [list(ts) for ts in ctx.restore["theta"]]
+        core.mom = [list(ms) for ms in ctx.restore["mom"]]
+        active = dict(b["active"])
+        recovering = set(b["recovering"])
+        dead_since = {str(k): int(v) for k, v in b["dead_since"]}
+        deaths_seen = {str(k): int(v) for k, v in b["deaths_seen"]}
+        spare_used = {str(k): int(v) for k, v in b["spare_used"]}
+        byes = set(b["byes"])
+        joined = {str(k): int(v) for k, v in b["joined"]}
+        exhausted = [set(x) for x in b["exhausted"]]
+        gone = list(b["gone"])
+        lost = [list(x) for x in b["lost"]]
+        for ema, v in zip((xi_step, xi_quorum, xi_sync), b["ema"]):
+            ema.value = v
+        s0 = int(ctx.restore["s"])
 
     def on_dead(endpoint: str) -> None:
         if not force and endpoint not in detected:
@@ -167,6 +196,12 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
             nlog = int(msg.meta.get("nlog", 0))
             ctx.applier.add(actor_of(msg.src), list(msg.meta["log"]),
                             list(msg.tensors[len(msg.tensors) - nlog:]) if nlog else [])
+        rec = snap.get("recording", {}).get(msg.src)
+        if rec is not None and msg.src not in snap["marked"]:
+            if kind == "snapmark":
+                snap["marked"].add(msg.src)  # the channel's state is complete
+                return True
+            rec.append(snapshot_message(msg, tape.hub))
         if kind == "dying":
             link.send(msg.src, {"kind": "ack"}, taped=False)
             return True
@@ -280,16 +315,128 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
                 "dead": dead, "activate": activate, "send_to": send_to, "grace_s": grace,
                 "quorum_wait_s": (quorum_at or t0) - t0}
 
-    for a in names:
-        link.send(a, {"kind": "start"}, taped=False)
-    for s in range(cfg.syncer_steps):
+    def book() -> dict[str, Any]:
+        return {"active": dict(active), "recovering": sorted(recovering), "dead_since": sorted(dead_since.items()),
+                "deaths_seen": sorted(deaths_seen.items()), "spare_used": sorted(spare_used.items()),
+                "byes": sorted(byes), "joined": sorted(joined.items()), "exhausted": [sorted(x) for x in exhausted],
+                "gone": list(gone), "lost": [list(x) for x in lost],
+                "ema": [e.value for e in (xi_step, xi_quorum, xi_sync)]}
+
+    def snapshot_begin(s: int) -> None:
+        """The syncer's cut, at the start of syncer step ``s`` (a round boundary), and its
+        markers to every participant. Learners that are dead or still recovering are
+        excluded by policy (Decoupled DiLoCo): their state is not in the snapshot."""
+        def compute() -> dict[str, Any]:
+            dead_eps = set(detected)
+            parts = sorted((e for a, e in active.items() if a not in recovering and e not in dead_eps),
+                           key=lambda e: _order(actor_of(e)))
+            inside = {actor_of(e) for e in parts}
+            excluded = [[a, "recovering" if a in recovering else "dead"] for a in names if a not in inside]
+            return {"name": snapshot_name(s), "participants": parts, "excluded": excluded}
+
+        d = tape.decide("snapshot", f"begin:s{s}", compute)
+        name = str(d["name"])
+        for a, why in d["excluded"]:
+            tape.detected("snapshot-excluded", str(a), {"snapshot": name, "reason": str(why)})
+        pending = ctx.snapshots.begin(name) if ctx.snapshots is not None else None
+        link.poll()  # everything a dead endpoint sent is in the box (it ended before its death was processed)
+        tape.snapshot(name)
+        clock = tape.clock
+        staged = {"s": s, "theta": [[t.clone() for t in ts] for ts in core.theta],
+                  "mom": [[m.clone() for m in ms] for ms in core.mom], "book": book(),
+                  "box": [snapshot_message(m, tape.hub) for m in link.box.values()],
+                  "schedule": ctx.schedule.to_json()}
+        parts = [str(e) for e in d["participants"]]
+        for e in parts:
+            link.send(e, {"kind": "snap", "name": name, "pending": pending}, taped=False)
+        staged["endpoint"] = link.ep.state_dict()
+        # what was boxed at the cut from a participant or a dead endpoint (the box of a
+        # live non-participant depends on timing, and it is outside the cut anyway)
+        box_refs = [m["stamp"] for m in staged["box"] if m["stamp"] is not None and (m["src"] in parts or m["src"] in gone)]
+        snap.clear()
+        snap.update({"name": name, "s": s, "participants": parts, "excluded": [list(x) for x in d["excluded"]],
+                     "pending": pending, "staged": staged, "recording": {e: [] for e in parts}, "marked": set(),
+                     "box_refs": box_refs, "lost": [list(x) for x in lost], "clock": clock.encode()})
+
+    def snapshot_close(s: int, final: bool) -> None:
+        """One taped decision per syncer step while a snapshot is open: closed or not yet.
+        Closing writes the syncer's part (its state at the cut and the recorded channel
+        states) and commits the checkpoint once every participant's part is durable."""
+        name = snap["name"]
+
+        def ready() -> bool:
+            if ctx.snapshots is None:
+                return True
+            return ctx.snapshots.ready(snap, dead=set(detected) | set(gone))
+
+        def compute() -> dict[str, Any]:
+            if final:
+                link.wait(ready, f"snapshot {name}: every participant's marker and part")
+            else:
+                link.poll()
+            if not ready():
+                return {"close": False}
+            assert ctx.snapshots is not None
+            return ctx.snapshots.close(snap, dead=set(detected) | set(gone))
+
+        d = tape.decide("snapshot", f"close:{name}:{'end' if final else f's{s}'}", compute)
+        if not d["close"]:
+            return
+        inside = set(d["parts"])
+        need = [e for e in snap["participants"] if actor_of(e) in inside]
+        link.wait(lambda: all(e in snap["marked"] for e in need), f"snapshot {name}: markers")
+        for a in d["excluded"]:
+            if a not in {x[0] for x in snap["excluded"]}:
+                tape.detected("snapshot-excluded", str(a), {"snapshot": name, "reason": "failed before its part "
+                                                            "was durable"})
+        refs = {(str(r["channel"]), int(r["chan_seq"])) for r in snap["box_refs"]}
+        refs |= {(str(c), int(q)) for c, q in snap["lost"]}
+        for e in need:
+            refs |= {(str(m["stamp"]["channel"]), int(m["stamp"]["chan_seq"])) for m in snap["recording"][e]
+                     if m["stamp"] is not None}
+        tape.snapshot_channels(name, sorted(refs))
+        tape.snapshot_outcome(name, committed=bool(d["committed"]), path=str(d["path"]), parts=list(d["parts"]),
+                              excluded=list(d["excluded"]), reason=str(d["reason"]))
+        snap.clear()
+
+    if ctx.restore is not None:
+        # The restored cut: the snapshot it belongs to is open again, recording each
+        # participant's channel until its marker; the recorded messages and the markers
+        # are re-delivered first (restore_endpoint), so the recording comes out the same.
+        rs = ctx.restore["snapshot"]
+        snap.update({"name": rs["name"], "s": s0, "participants": list(rs["participants"]),
+                     "excluded": [list(x) for x in rs["excluded"]], "pending": None, "staged": {},
+                     "recording": {e: [] for e in rs["participants"]}, "marked": set(),
+                     "box_refs": list(rs["box_refs"]), "lost": [list(x) for x in rs["lost"]], "clock": None})
+        for m in ctx.restore["box"]:
+            msg = message_from_snapshot(m)
+            link.box[(msg.src, msg.dst, msg.seq)] = msg
+    else:
+        for a in names:
+            link.send(a, {"kind": "start"}, taped=False)
+    for s in range(s0, cfg.syncer_steps):
         p = s % cfg.fragments
         key = f"s{s}"
+        if snap and not (ctx.restore is not None and s == s0):
+            snapshot_close(s, final=False)
+        if cfg.snapshot_every and s % cfg.snapshot_every == 0 and s > 0 and not snap:
+            snapshot_begin(s)
         tape.begin_step(s)
         plan = tape.decide("sync", key, lambda: plan_now(s, p))
         first_arrival.pop(p, None)
         t_merge = time.monotonic()
         for a in plan["dead"]:
+            e_dead = active.get(a)
+            if e_dead is not None:
+                if ctx.endpoint_gone is not None:
+                    ctx.endpoint_gone(e_dead)
+                if ctx.applier is not None:
+                    ctx.applier.pump()
+                gone.append(e_dead)
+                for r in tape.hub.unreceived_to(e_dead):
+                    st = tape.hub.stamp(r, wait=False)
+                    assert st is not None
+                    lost.append([st.channel, st.chan_seq])
             deaths_seen[a] = deaths_seen.get(a, 0) + 1
             kind = _death_kind(ctx.schedule, a, deaths_seen[a])
             tape.detected(kind, a, {"syncer_step": s, "endpoint": active.get(a)})
@@ -320,9 +467,13 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
                 exhausted[p].add(actor_of(m.src))
             out.merged.append({"s": s, "actor": actor_of(m.src), "inc": int(m.meta["inc"]), "t": int(m.meta["t"]),
                                "started": int(m.meta["started"]), "steps": int(m.meta["steps"])})
-            # this contribution and every older one of that learner for p are spent
-            for r2 in [r for r, x in link.box.items() if r[0] == ref[0] and r[2] <= ref[2]
-                       and x.meta.get("kind") == "frag" and int(x.meta["p"]) == p]:
+            # this contribution and every older one of that learner for p are spent: the
+            # older ones are taped as received (and dropped), so no taped message stays
+            # "in flight" for ever (a snapshot would have to list it)
+            for r2 in sorted(r for r, x in link.box.items() if r[0] == ref[0] and r[2] <= ref[2]
+                             and x.meta.get("kind") == "frag" and int(x.meta["p"]) == p):
+                if r2 != ref:
+                    tape.recv(r2)
                 link.pop(r2)
         for e in plan["send_to"]:
             link.send(e, {"kind": "merged", "s": s, "p": p}, theta_p)
@@ -340,6 +491,8 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
             ctx.after_step(s, core)
         if ctx.on_step is not None:
             ctx.on_step(s, plan)
+    if snap:
+        snapshot_close(cfg.syncer_steps, final=True)
     for a, e in sorted(active.items(), key=lambda x: _order(x[0])):
         link.send(e, {"kind": "stop"})
     for a, eps in ctx.spares.items():

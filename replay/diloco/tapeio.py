@@ -37,7 +37,8 @@ from replay.clock import VectorClock
 from replay.errors import ReplayError
 from replay.recorder import Recorder, Stamp
 
-__all__ = ["MsgRef", "endpoint_name", "actor_of", "TapeSink", "TapeHub", "LocalTape", "RemoteTape", "LogApplier", "message_digest"]
+__all__ = ["MsgRef", "endpoint_name", "actor_of", "TapeSink", "TapeHub", "LocalTape", "RemoteTape", "LogApplier", "message_digest",
+           "stamp_to_json", "stamp_from_json"]
 
 MsgRef = tuple[str, str, int]  # (src endpoint, dst endpoint, endpoint seq)
 
@@ -82,6 +83,18 @@ class TapeSink(Protocol):
     def detected(self, fault: str, target: str, detail: Any) -> None: ...
     def recovered(self, fault: str, target: str, target_ref: MsgRef, observed_ref: MsgRef) -> None: ...
     def note(self, text: str) -> None: ...
+    def snapshot(self, name: str) -> None: ...
+    def snapshot_channels(self, name: str, refs: Sequence[tuple[str, int]]) -> None: ...
+
+
+def stamp_to_json(s: Stamp) -> dict[str, Any]:
+    return {"channel": s.channel, "chan_seq": s.chan_seq, "digest": bytes(s.digest), "clock": s.clock.encode(),
+            "sender": s.sender}
+
+
+def stamp_from_json(d: Mapping[str, Any]) -> Stamp:
+    return Stamp(str(d["channel"]), int(d["chan_seq"]), bytes(d["digest"]), VectorClock.decode(d["clock"]),
+                 str(d["sender"]))
 
 
 class TapeHub:
@@ -91,6 +104,9 @@ class TapeHub:
         self.rec = rec
         self.wait_s = wait_s
         self._stamps: dict[MsgRef, Stamp] = {}
+        # refs whose taped receive happened: a snapshot lists the taped messages a dead
+        # incarnation never received (see syncer.py, "lost")
+        self.received: set[MsgRef] = set()
         self._cond = threading.Condition()
         self.listeners: list[Callable[[], None]] = []
         # Serialises every recorder call of this run's actors. The recorder locks its
@@ -117,6 +133,11 @@ class TapeHub:
                     raise ReplayError("a message was received whose send never reached the tape",
                                       channel=f"{ref[0]}->{ref[1]}", seq=ref[2])
             return self._stamps.get(ref)
+
+    def unreceived_to(self, endpoint: str) -> list[MsgRef]:
+        """Taped sends to ``endpoint`` with no taped receive, in (src, seq) order."""
+        with self._cond:
+            return sorted(r for r in self._stamps if r[1] == endpoint and r not in self.received)
 
     def local(self, actor: str) -> "LocalTape":
         return LocalTape(self, actor)
@@ -173,6 +194,8 @@ class LocalTape:
         assert stamp is not None
         with self.hub.lock:
             self.actor.recv(stamp)
+        with self.hub._cond:
+            self.hub.received.add(ref)
 
     def decide(self, what: str, key: str, compute: Callable[[], Any]) -> Any:
         if self.hub.mode == "record":
@@ -199,6 +222,20 @@ class LocalTape:
     def note(self, text: str) -> None:
         with self.hub.lock:
             self.actor.note(text)
+
+    def snapshot(self, name: str) -> None:
+        with self.hub.lock:
+            self.actor.snapshot(name, ())
+
+    def snapshot_channels(self, name: str, refs: Sequence[tuple[str, int]]) -> None:
+        with self.hub.lock:
+            self.actor.snapshot_channels(name, [(str(c), int(q)) for c, q in refs])
+
+    def snapshot_outcome(self, name: str, *, committed: bool, path: str, parts: Sequence[str],
+                         excluded: Sequence[str], reason: str) -> None:
+        with self.hub.lock:
+            self.actor.snapshot_outcome(name, committed=committed, path=path, parts=parts, excluded=excluded,
+                                        reason=reason)
 
     # -- the syncer's decisions (the syncer always records locally) --------------------
     def quorum(self, key: str, minimum: int, members: Sequence[str]) -> list[str]:
@@ -272,6 +309,12 @@ class RemoteTape:
 
     def note(self, text: str) -> None:
         self._log.append(["note", text])
+
+    def snapshot(self, name: str) -> None:
+        self._log.append(["snapshot", name])
+
+    def snapshot_channels(self, name: str, refs: Sequence[tuple[str, int]]) -> None:
+        self._log.append(["snapchan", name, [[str(c), int(q)] for c, q in refs]])
 
 
 def _ref(x: Sequence[Any]) -> MsgRef:
@@ -349,5 +392,9 @@ class LogApplier:
             t.recovered(e[1], e[2], _ref(e[3]), _ref(e[4]))
         elif op == "note":
             t.note(e[1])
+        elif op == "snapshot":
+            t.snapshot(e[1])
+        elif op == "snapchan":
+            t.snapshot_channels(e[1], [(str(c), int(q)) for c, q in e[2]])
         else:
             raise ReplayError(f"unknown remote tape op {op!r}", actor=actor)
