@@ -10,12 +10,12 @@ time: ``ckpt inspect`` and ``ckpt verify`` use it without torch.
 from __future__ import annotations
 
 import os
-import queue
 import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from ._pipeline import OrderedFeeder
 from .errors import (
     ChecksumMismatchError,
     CheckpointNotFoundError,
@@ -81,45 +81,25 @@ _PIPELINE_MIN_BYTES = 32 << 20
 
 
 class _PipelinedVerifier:
-    """Feeds a _ChunkVerifier from one background thread, in submission order.
+    """A _ChunkVerifier fed from one background thread, in submission order.
 
-    The first mismatch is kept and raised by the next ``update`` or by ``finish``, so a
-    corrupt chunk stops the load within one tensor of where it was found.
+    The first mismatch is raised by the next ``update`` or by ``finish``, so a corrupt
+    chunk stops the load within one tensor of where it was found.
     """
 
     def __init__(self, inner: _ChunkVerifier) -> None:
         self._inner = inner
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._err: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ckpt-verify", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            if self._err is None:
-                try:
-                    self._inner.update(item)
-                except BaseException as e:  # handed to the reading thread
-                    self._err = e
+        self._feeder = OrderedFeeder(inner.update, "ckpt-verify")
 
     def update(self, data: Any) -> None:
-        if self._err is not None:
-            raise self._err
-        self._q.put(data)
+        self._feeder.feed(data)
 
     def finish(self) -> None:
-        self._q.put(None)
-        self._thread.join()
-        if self._err is not None:
-            raise self._err
+        self._feeder.finish()
         self._inner.finish()
 
     def abort(self) -> None:
-        self._q.put(None)
-        self._thread.join()
+        self._feeder.abort()
 
 
 def _parallel_reads(fd: int, fp: str, jobs: list[tuple[TensorEntry, memoryview]], request: int) -> None:

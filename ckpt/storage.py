@@ -12,6 +12,7 @@ import shutil
 import stat
 from typing import Iterator, Protocol
 
+from ._pipeline import OrderedFeeder
 from .format.digest import ChunkHasher
 
 __all__ = ["Storage", "LocalStorage", "FileSink", "local"]
@@ -35,34 +36,56 @@ class Storage(Protocol):
     def fsync_dir(self, path: str) -> None: ...
 
 
+_OVERLAP_MIN = 8 << 20
+
+
 class _LocalSink:
-    __slots__ = ("path", "_fd", "_hasher", "_durable")
+    __slots__ = ("path", "_fd", "_hasher", "_durable", "_feeder")
 
     def __init__(self, path: str, chunk_size: int, durable: bool) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._hasher = ChunkHasher(chunk_size)
         self._durable = durable
+        self._feeder: OrderedFeeder | None = None
 
     def write(self, data: memoryview | bytes) -> None:
         mv = memoryview(data).cast("B")
-        # Digest first, from the same memory the kernel copies from: there is no second
-        # read pass, and what is hashed is exactly what is handed to write().
-        self._hasher.update(mv)
+        # The digest is computed from the same memory the kernel copies from, so there
+        # is no second read pass and what is hashed is what is handed to write().
+        # Large pieces are hashed on a second thread while this one writes them (the
+        # caller keeps the memory alive and unchanged until close()).
+        if len(mv) >= _OVERLAP_MIN:
+            if self._feeder is None:
+                self._feeder = OrderedFeeder(self._hasher.update, "ckpt-digest")
+            self._feeder.feed(mv)
+        elif self._feeder is not None:
+            self._feeder.feed(mv)  # keep digest order once the thread is in use
+        else:
+            self._hasher.update(mv)
         pos, n = 0, len(mv)
         while pos < n:
             pos += os.write(self._fd, mv[pos : pos + (1 << 30)])
 
     def close(self) -> tuple[int, bytes]:
         try:
+            if self._feeder is not None:
+                feeder, self._feeder = self._feeder, None
+                feeder.finish()
             if self._durable:
                 os.fsync(self._fd)
         finally:
+            if self._feeder is not None:
+                self._feeder.abort()
+                self._feeder = None
             os.close(self._fd)
             self._fd = -1
         return self._hasher.size, self._hasher.finish()
 
     def discard(self) -> None:
+        if self._feeder is not None:
+            self._feeder.abort()
+            self._feeder = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -820,3 +820,17 @@ def test_parallel_unverified_reads_are_exact(tmp_path, monkeypatch):
         fresh = ckpt.open(tmp_path / "c").state(verify=False)["w"]
         for k in ts:
             assert torch.equal(fresh[k], ts[k]), k
+
+
+def test_overlapped_digests_equal_inline_digests(tmp_path, monkeypatch):
+    """Hashing large writes on a second thread gives exactly the inline digests."""
+    import ckpt.storage as storage_mod
+
+    ts = {"a": torch.randn(70_000), "b": torch.arange(5, dtype=torch.int8), "c": torch.randn(33_333, dtype=torch.float64)}
+    with ckpt.knobs.override(chunk_size=4096):
+        inline = ckpt.save(tmp_path / "inline", {"w": ts}, step=0).manifest
+        monkeypatch.setattr(storage_mod, "_OVERLAP_MIN", 0)
+        overlapped = ckpt.save(tmp_path / "overlap", {"w": ts}, step=0).manifest
+    assert [f.digests for f in inline.files] == [f.digests for f in overlapped.files]
+    assert inline.id == overlapped.id
+    ckpt.open(tmp_path / "overlap").verify()
