@@ -50,8 +50,16 @@ def _pg_timeout(cfg: DiLoCoConfig) -> timedelta:
     return timedelta(seconds=max(600.0, 20 * cfg.io_timeout_s))
 
 
+def _control() -> Any:
+    # the c10d store the group was built on: the snapshots' control plane (no sockets of our own)
+    from replay.snapshot import TorchStoreControl
+
+    return TorchStoreControl(dist.distributed_c10d._get_default_store(), prefix="diloco/")
+
+
 def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: dict[str, Any], actor: str,
-                  inc: int, schedule_d: dict[str, Any], pythonpath: str) -> None:  # pragma: no cover - child
+                  inc: int, schedule_d: dict[str, Any], pythonpath: str,
+                  snap_root: str | None = None) -> None:  # pragma: no cover - child
     torch.set_num_threads(1)
     if os.environ.get("DILOCO_DEBUG"):
         import faulthandler
@@ -66,16 +74,23 @@ def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: di
     transport = TorchDistTransport(actors)
     remote = RemoteTape(actor)
     link = Link(Endpoint(transport), remote, timeout_s=cfg.io_timeout_s * 10)
+    parts = None
+    if snap_root is not None:
+        from replay.diloco.snapshots import Snapshots
+
+        parts = Snapshots(snap_root, control=_control(), keep_last=cfg.snapshot_keep)
     ctx = LearnerCtx(cfg, actor, inc, link, initial_state(cfg), schedule.for_learner(actor), die=sigkill_self,
-                     remote=remote)
+                     remote=remote, parts=parts)
     out = run_learner(ctx)
+    if parts is not None:
+        parts.flush()
     if out.state or inc == 0 or out.started_at:
         link.first_from("syncer", ("ack",))
     os._exit(0)
 
 
 def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, dict[str, Any]], None] | None = None,
-                  after_step: Callable[[int, Any], None] | None = None) -> Any:
+                  after_step: Callable[[int, Any], None] | None = None, snapshots: Any = None) -> Any:
     from replay.channel import TorchDistTransport
     from replay.diloco.run import RunResult, decide_schedule, spares_of
 
@@ -92,7 +107,8 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
     procs = []
     for rank, (a, k) in enumerate(incs, start=1):
         p = ctx.Process(target=_learner_proc, args=(rank, world, port, actors, cfg.to_dict(), a, k,
-                                                     schedule.to_json(), os.environ.get("PYTHONPATH", "")),
+                                                     schedule.to_json(), os.environ.get("PYTHONPATH", ""),
+                                                     snapshots.root if snapshots is not None else None),
                         name=endpoint_name(a, k), daemon=True)
         p.start()
         procs.append(p)
@@ -100,6 +116,8 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
                                 timeout=_pg_timeout(cfg))
         transport = TorchDistTransport(actors)
+        if snapshots is not None:
+            snapshots.control = _control()
         link = Link(Endpoint(transport), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
         applier = LogApplier(hub)
         byes_acked: set[str] = set()
@@ -111,7 +129,8 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
             return [n for n, p in by_name.items() if p.exitcode is not None and p.exitcode != 0]
 
         sy = run_syncer(SyncerCtx(cfg, link, initial_state(cfg), schedule, spares, val_corpus(cfg),
-                                  applier=applier, on_step=on_step, after_step=after_step, dead_probe=dead_probe))
+                                  applier=applier, on_step=on_step, after_step=after_step, dead_probe=dead_probe,
+                                  snapshots=snapshots))
         for e in sorted(set(actors[1:])):
             if e not in byes_acked:
                 try:
@@ -139,4 +158,6 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
             dist.destroy_process_group()
     res = RunResult(cfg, schedule, sy, [], time.monotonic() - t0)
     res.extra["exitcodes"] = exitcodes
+    if snapshots is not None:
+        res.extra["snapshots"] = list(snapshots.outcomes)
     return res
