@@ -218,11 +218,11 @@ class Snapshots:
             try:
                 rec = self.store.write_part(pending, "syncer", {"diloco": staged, CHANNELS_KEY: channels}, step=s,
                                             extra=_extra(name, "syncer"), rng=None)
-                counts: dict[str, dict[str, int]] = {}
+                counts: dict[str, dict[str, int | None]] = {}
                 for e in part_eps:  # taped messages in flight to the syncer at the cut, per learner
-                    n = sum(1 for m in snap["staged"]["box"] if m["src"] == e and m["stamp"] is not None)
-                    n += sum(1 for m in snap["recording"][e] if m["stamp"] is not None)
-                    counts[actor_of(e)] = {"count": n}
+                    seqs = [int(m["stamp"]["chan_seq"]) for m in [*snap["staged"]["box"], *snap["recording"][e]]
+                            if m["src"] == e and m["stamp"] is not None]
+                    counts[actor_of(e)] = {"first_seq": min(seqs) if seqs else None, "count": len(seqs)}
                 meta = {"format": SNAPSHOT_FORMAT, "version": FORMAT_VERSION, "snapshot": name,
                         "coordinator": "syncer", "participants": ["syncer", *inside, *excluded],
                         "parts": ["syncer", *inside], "excluded": excluded,

@@ -352,7 +352,8 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
         staged["endpoint"] = link.ep.state_dict()
         # what was boxed at the cut from a participant or a dead endpoint (the box of a
         # live non-participant depends on timing, and it is outside the cut anyway)
-        box_refs = [m["stamp"] for m in staged["box"] if m["stamp"] is not None and (m["src"] in parts or m["src"] in gone)]
+        box_refs = [[m["src"], m["stamp"]] for m in staged["box"] if m["stamp"] is not None
+                    and (m["src"] in parts or m["src"] in gone)]
         snap.clear()
         snap.update({"name": name, "s": s, "participants": parts, "excluded": [list(x) for x in d["excluded"]],
                      "pending": pending, "staged": staged, "recording": {e: [] for e in parts}, "marked": set(),
@@ -389,7 +390,10 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
             if a not in {x[0] for x in snap["excluded"]}:
                 tape.detected("snapshot-excluded", str(a), {"snapshot": name, "reason": "failed before its part "
                                                             "was durable"})
-        refs = {(str(r["channel"]), int(r["chan_seq"])) for r in snap["box_refs"]}
+        # a participant that died before its marker is out of the cut: what was boxed from
+        # it at the cut depends on timing, and is not listed
+        refs = {(str(r["channel"]), int(r["chan_seq"])) for src, r in snap["box_refs"]
+                if src in need or src not in snap["participants"]}
         refs |= {(str(c), int(q)) for c, q in snap["lost"]}
         for e in need:
             refs |= {(str(m["stamp"]["channel"]), int(m["stamp"]["chan_seq"])) for m in snap["recording"][e]

@@ -1,0 +1,144 @@
+"""Chandy-Lamport snapshots of the reference run: committed as ckpt checkpoints under a
+retention policy, consistent on the tape, and a mid-run snapshot restored and continued
+under the tape matches the original run bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckpt
+from cli.main import cli
+from replay.check import check_tape
+from replay.diloco import record
+from replay.diloco.snapshots import list_snapshots, restore_run
+from replay.errors import SnapshotError
+from replay.replayer import replay
+from replay.tape import TapeReader
+
+from tests.diloco._kit import tiny
+
+
+def _cfg(**kw: object):
+    # 40 steps: the loss fault's learners are back well before the end, so late
+    # snapshots have every learner in them (restorable) whatever the timing
+    return tiny(steps=40, snapshot_every=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def snap_run(tmp_path_factory: pytest.TempPathFactory):
+    d = tmp_path_factory.mktemp("snap")
+    return record(d / "tape", _cfg()), d
+
+
+def _same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> None:
+    assert [n for n, _ in a] == [n for n, _ in b]
+    for (n, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y), n
+
+
+def _assert_continues_identically(orig, rr) -> None:
+    assert rr.identical, rr.divergence
+    run = rr.run
+    _same(run.syncer.state, orig.syncer.state)  # every fragment and its outer momentum
+    mine, theirs = orig.final_learner_states(), run.final_learner_states()
+    assert sorted(theirs) == sorted(mine)
+    for a in mine:
+        _same(theirs[a], mine[a])
+    # the loss sequences after the cut: every learner's and the syncer's validation losses
+    by = {(o.actor, o.incarnation): o.losses for o in orig.learners}
+    for o in run.learners:  # (a learner restored after its last step has none)
+        full = by[(o.actor, o.incarnation)]
+        assert o.losses == full[len(full) - len(o.losses):]
+    assert run.syncer.val == [v for v in orig.syncer.val if v[0] >= rr.syncer_step]
+    assert run.syncer.plans == orig.syncer.plans[rr.syncer_step:]
+
+
+def test_snapshots_committed_kept_by_retention_and_on_the_tape(snap_run) -> None:
+    res, d = snap_run
+    outcomes = res.extra["snapshots"]
+    assert len(outcomes) >= 3 and all(o["committed"] for o in outcomes)
+    kept = list_snapshots(d / "checkpoints")
+    restorable = [o for o in outcomes if not o["excluded"]]
+    # ckpt's RetentionPolicy: the last 2, plus the newest snapshot with every learner in it
+    want = {Path(o["path"]).name for o in outcomes[-2:]} | {Path(restorable[-1]["path"]).name}
+    assert {k["name"] for k in kept} == want
+    assert not [p for p in (d / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    for k in kept:
+        ckpt.open(k["path"]).verify()
+        assert k["meta"]["format"] == "replay-snapshot" and k["meta"]["parts"][0] == "syncer"
+        r = CliRunner().invoke(cli, ["inspect", k["path"]])
+        assert r.exit_code == 0 and f"snapshot {k['name']} (coordinator syncer)" in r.output
+        assert CliRunner().invoke(cli, ["verify", k["path"]]).exit_code == 0
+    events = list(TapeReader(res.tape).events())
+    taped = {e.payload["snapshot_id"]: e.payload for e in events if e.kind.name == "snapshot_outcome"}
+    assert sorted(taped) == sorted(Path(o["path"]).name for o in outcomes)
+    for o in outcomes:
+        t = taped[Path(o["path"]).name]
+        assert t["committed"] and sorted(t["parts"]) == sorted(o["parts"]) and t["excluded"] == o["excluded"]
+    cuts = [e for e in events if e.kind.name == "snapshot"]
+    assert {e.actor for e in cuts} == {"syncer", *(f"learner-{i}" for i in range(4))}
+    assert check_tape(res.tape) == []  # every cut consistent, every crossing message recorded
+
+
+def test_failed_learners_are_excluded_by_policy_and_taped(snap_run) -> None:
+    res, _ = snap_run
+    outcomes = res.extra["snapshots"]
+    with_dead = [o for o in outcomes if o["excluded"]]
+    assert with_dead, "chaos kills learners: some snapshot must have left one out"
+    events = list(TapeReader(res.tape).events())
+    excl = {(e.payload["detail"]["snapshot"], e.payload["target"]) for e in events
+            if e.kind.name == "fault_detected" and e.payload["fault"] == "snapshot-excluded"}
+    for o in with_dead:
+        for a in o["excluded"]:
+            assert (Path(o["path"]).name, a) in excl
+            assert a not in o["parts"]
+
+
+def test_force_replay_with_snapshots_is_identical(snap_run) -> None:
+    res, _ = snap_run
+    r = replay(res.tape, mode="force")
+    assert r.identical, r.format()
+    assert r.events_compared == sum(1 for e in TapeReader(res.tape).events() if e.kind.name != "actor")
+
+
+def test_restore_mid_run_snapshot_continues_bit_identically(snap_run) -> None:
+    res, d = snap_run
+    kept = [k for k in list_snapshots(d / "checkpoints") if not k["meta"]["excluded"]]
+    assert kept
+    snap = kept[-1]
+    assert 0 < snap["step"] < res.cfg.syncer_steps
+    rr = restore_run(res.tape, snap["path"])
+    assert rr.syncer_step == snap["step"] and rr.events_compared > 0
+    _assert_continues_identically(res, rr)
+
+
+def test_restore_earliest_snapshot_replays_the_faults_after_it(tmp_path: Path) -> None:
+    # Every snapshot kept: the earliest one with all learners in it (usually syncer step
+    # 1, before the kill) is continued; deaths, recoveries and rejoins after the cut are
+    # re-enacted by the restored actors and still match the tape bit for bit.
+    res = record(tmp_path / "tape", tiny(snapshot_every=1, snapshot_keep=50))
+    ok = [k for k in list_snapshots(tmp_path / "checkpoints") if not k["meta"]["excluded"]]
+    assert ok
+    rr = restore_run(res.tape, ok[0]["path"])
+    _assert_continues_identically(res, rr)
+    after = [a for s, a in res.syncer.deaths if s >= rr.syncer_step]
+    assert sorted(a for _, a in rr.run.syncer.deaths) == sorted(after)
+    assert sum(len(o.losses) for o in rr.run.learners) > 0
+    # a snapshot that left a failed learner out cannot be continued exactly: refused
+    partial = [k for k in list_snapshots(tmp_path / "checkpoints") if k["meta"]["excluded"]]
+    assert partial
+    with pytest.raises(SnapshotError, match="cannot be continued from it exactly"):
+        restore_run(res.tape, partial[0]["path"])
+
+
+def test_restore_refuses_a_non_snapshot(tmp_path: Path) -> None:
+    import ckpt as c
+
+    p = tmp_path / "ck"
+    c.save(p, {"x": torch.zeros(2)}, step=1)
+    with pytest.raises(SnapshotError, match="not a DiLoCo snapshot"):
+        restore_run(tmp_path / "nope.tape", p)
