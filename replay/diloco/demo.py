@@ -5,7 +5,9 @@
 3. the synchronous elastic baseline under the same schedule, checkpointing into
    ``DIR/checkpoints/baseline`` (kept by the retention policy);
 4. ``replay --mode force`` of the chaos tape, and ``tape check``;
-5. the report and ``DIR/loss.png``.
+5. the newest kept snapshot with every learner in it (the chaos run snapshots every few
+   syncer steps into ``DIR/checkpoints``) restored and continued under the tape;
+6. the report and ``DIR/loss.png``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ def demo_config(*, quick: bool = False, transport: str = "gloo") -> DiLoCoConfig
         # the tests' size: a few seconds on two cores
         return DiLoCoConfig(learners=4, quorum=2, fragments=2, inner_h=4, steps=48, layers=1, dim=32, seq_len=16,
                             seqs_per_learner=128, shards_per_learner=8, val_seqs=32, batch=8, grace_cap_s=0.05,
-                            jitter_s=0.03, io_timeout_s=60.0, transport=transport)
-    return DiLoCoConfig(grace_cap_s=0.05, jitter_s=0.03, transport=transport)
+                            jitter_s=0.03, io_timeout_s=60.0, transport=transport, snapshot_every=2)
+    return DiLoCoConfig(grace_cap_s=0.05, jitter_s=0.03, transport=transport, snapshot_every=4)
 
 
 class _Bar:
@@ -75,7 +77,7 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
 
     echo("no-fault run (same seed, threads)")
     t0 = time.monotonic()
-    calm_cfg = cfg.with_(chaos=False, transport="threads")
+    calm_cfg = cfg.with_(chaos=False, transport="threads", snapshot_every=0)
     nofault = record(out / "runs" / "nofault.tape", calm_cfg,
                      on_step=lambda s, plan: bar("no-fault run", s + 1, cfg.syncer_steps))
     wall["nofault"] = time.monotonic() - t0
@@ -95,6 +97,14 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     wall["replay"] = time.monotonic() - t0
     violations = check_tape(tape)
 
+    echo("restore the newest restorable snapshot and continue under the tape (force mode)")
+    t0 = time.monotonic()
+    # learner processes (gloo) return no states: their reference is the forced replay,
+    # which matched every learner's final-state digest on the tape
+    restore_line, restore_ok = _restore_check(tape, out / "checkpoints",
+                                              chaos if chaos.learners or again is None else again)
+    wall["restore"] = time.monotonic() - t0
+
     events = list(TapeReader(tape).events())
     rep = build_report(cfg, chaos, nofault, base, events)
     rep.replay_identical = bool(rr.identical and same_syncer)
@@ -102,7 +112,13 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     rep.replay_detail = (f"; every learner's final-state digest and loss on the tape matched, syncer state and "
                          f"validation losses equal: {'yes' if same_syncer else 'NO'}")
     rep.tape_check_violations = len(violations)
-    for p in base.checkpoints:
+    rep.snapshot_restore = restore_line
+    rep.snapshot_restore_identical = restore_ok
+    from replay.diloco.snapshots import list_snapshots
+
+    snaps = [k["path"] for k in list_snapshots(out / "checkpoints")]
+    rep.snapshots_kept = len(snaps)
+    for p in [*snaps, *base.checkpoints]:
         try:
             ckpt.open(p).verify()
             rep.checkpoints_verified.append((p, True))
@@ -115,9 +131,36 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     echo("")
     echo(f"output directory: {out}")
     last = base.checkpoints[-1] if base.checkpoints else str(out / "checkpoints")
-    echo(f"next: ckpt tape show {tape} | ckpt replay {tape} --mode force | ckpt ls {out / 'checkpoints' / 'baseline'}"
-         f" | ckpt inspect {last}")
+    last_snap = snaps[-1] if snaps else last
+    echo(f"next: ckpt tape show {tape} | ckpt replay {tape} --mode force | ckpt ls {out / 'checkpoints'}"
+         f" | ckpt inspect {last_snap}")
     return rep
+
+
+def _restore_check(tape: Path, root: Path, chaos: Any) -> tuple[str, bool]:
+    """Restore the newest kept snapshot that has every learner in it and continue it in
+    force mode: identical when every post-cut event matched the tape and the final
+    parameters (syncer, momentum, every learner) and the post-cut losses are equal."""
+    from replay.diloco.snapshots import list_snapshots, restore_run
+
+    ok = [k for k in list_snapshots(root) if not k["meta"].get("excluded")]
+    if not ok:
+        return "NO (no kept snapshot has every learner in it)", False
+    snap = ok[-1]
+    rr = restore_run(tape, snap["path"])
+    run = rr.run
+    same = bool(rr.identical and run is not None and _same(run.syncer.state, chaos.syncer.state)
+                and run.syncer.val == [v for v in chaos.syncer.val if v[0] >= rr.syncer_step])
+    if same:
+        mine, theirs = chaos.final_learner_states(), run.final_learner_states()
+        same = sorted(mine) == sorted(theirs) and all(_same(theirs[a], mine[a]) for a in mine)
+        by = {(o.actor, o.incarnation): o.losses for o in chaos.learners}
+        same = same and all(o.losses == by[(o.actor, o.incarnation)][len(by[(o.actor, o.incarnation)]) - len(o.losses):]
+                            for o in run.learners)
+    word = "yes" if same else "NO"
+    return (f"identical {word} (from {snap['name']}: syncer step {rr.syncer_step} of {chaos.cfg.syncer_steps}; "
+            f"{rr.events_compared} events after the cuts matched the tape; final parameters, momentum and "
+            f"post-cut losses equal)"), same
 
 
 def _same(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> bool:

@@ -101,7 +101,9 @@ class Report:
     checkpoints_verified: list[tuple[str, bool]] = field(default_factory=list)
     plot_path: str | None = None
     wall_s: dict[str, float] = field(default_factory=dict)
-    snapshot_restore: str = "not implemented yet (issue #6 slice 4)"
+    snapshot_restore: str = "not run"
+    snapshot_restore_identical: bool | None = None
+    snapshots_kept: int = 0
 
     @property
     def loss_gap(self) -> float:
@@ -118,6 +120,7 @@ class Report:
     def ok(self) -> bool:
         return (self.zero_downtime and all(f.absorbed for f in self.faults) and self.loss_ok
                 and self.replay_identical is not False and not self.tape_check_violations
+                and self.snapshot_restore_identical is not False
                 and all(v for _, v in self.checkpoints_verified))
 
     def format(self) -> str:
@@ -146,7 +149,7 @@ class Report:
         if self.checkpoints_verified:
             n_ok = sum(1 for _, v in self.checkpoints_verified if v)
             lines.append(f"checkpoints verified: {n_ok}/{len(self.checkpoints_verified)} "
-                         f"(baseline's, kept by the retention policy)")
+                         f"({self.snapshots_kept} DiLoCo snapshots and the baseline's, kept by the retention policy)")
         if self.plot_path:
             lines.append(f"loss curves: {self.plot_path}")
         return "\n".join(lines)

@@ -324,11 +324,13 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
 
     def snapshot_begin(s: int) -> None:
         """The syncer's cut, at the start of syncer step ``s`` (a round boundary), and its
-        markers to every participant. Learners that are dead or still recovering are
-        excluded by policy (Decoupled DiLoCo): their state is not in the snapshot."""
+        markers to every participant. Learners that are dead or still recovering (not yet
+        joined) are excluded by policy (Decoupled DiLoCo): their state is not in it."""
         def compute() -> dict[str, Any]:
             dead_eps = set(detected)
-            parts = sorted((e for a, e in active.items() if a not in recovering and e not in dead_eps),
+            # a replacement that announced where it starts has its state and is in its loop:
+            # its recovery messages are done, so it can take part
+            parts = sorted((e for a, e in active.items() if (a not in recovering or a in joined) and e not in dead_eps),
                            key=lambda e: _order(actor_of(e)))
             inside = {actor_of(e) for e in parts}
             excluded = [[a, "recovering" if a in recovering else "dead"] for a in names if a not in inside]
@@ -423,7 +425,9 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
         key = f"s{s}"
         if snap and not (ctx.restore is not None and s == s0):
             snapshot_close(s, final=False)
-        if cfg.snapshot_every and s % cfg.snapshot_every == 0 and s > 0 and not snap:
+        # every snapshot_every syncer steps from step 1 (the earliest round boundary after a
+        # merge; one open snapshot at a time, so a step that finds one open takes none)
+        if cfg.snapshot_every and s % cfg.snapshot_every == 1 % cfg.snapshot_every and s > 0 and not snap:
             snapshot_begin(s)
         tape.begin_step(s)
         plan = tape.decide("sync", key, lambda: plan_now(s, p))

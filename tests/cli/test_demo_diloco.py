@@ -69,14 +69,23 @@ def test_demo_report_claims_hold(quick_demo: tuple[Path, str]) -> None:
     (n_events,) = _num(r"bit-identical yes \((\d+) events\)", text)
     assert int(n_events) == sum(1 for e in events if e.kind.name != "actor")
     assert check_tape(tape) == [] and "tape check: 0 violations" in text
-    ok, n = map(int, _num(r"checkpoints verified: (\d+)/(\d+)", text))
-    assert ok == n >= 1
+    ok, n, n_snap = map(int, _num(r"checkpoints verified: (\d+)/(\d+) \((\d+) DiLoCo snapshots", text))
+    assert ok == n >= 2
     import ckpt
 
+    snaps = sorted((out / "checkpoints").glob("step-*"))
     kept = sorted((out / "checkpoints" / "baseline").glob("step-*"))
-    assert len(kept) == n
-    for p in kept:
+    assert len(snaps) == n_snap >= 1 and len(kept) + len(snaps) == n
+    for p in [*snaps, *kept]:
         ckpt.open(p).verify()
+    # the snapshots are the chaos run's, committed and recorded on the tape
+    outcomes = {e.payload["snapshot_id"]: e.payload for e in events if e.kind.name == "snapshot_outcome"}
+    for p in snaps:
+        assert ckpt.open(p).meta["format"] == "replay-snapshot" and outcomes[p.name]["committed"]
+    # snapshot restore: computed by restoring the named snapshot and continuing under the tape
+    name, s, total = _num(r"snapshot restore: identical yes \(from (step-\d+): syncer step (\d+) of (\d+)", text)
+    assert (out / "checkpoints" / name).is_dir() and 0 < int(s) < int(total) == cfg.syncer_steps
+    assert not ckpt.open(out / "checkpoints" / name).meta["excluded"]
     png = out / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"loss curves: {png}" in text
     assert f"output directory: {out}" in text
