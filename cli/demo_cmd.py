@@ -1,7 +1,8 @@
 """``ckpt demo --out DIR``: the project's main job (see README).
 
 By default: the Decoupled-DiLoCo reference run under seeded chaos, a no-fault run, a
-synchronous elastic baseline, a forced replay and a tape check, then the report and a
+synchronous elastic baseline, a forced replay, a tape check and a snapshot restore
+continued under the tape, then the report and a
 PNG of the loss curves (``replay/diloco/demo.py``). ``--basic``: the single-process
 bit-exact resume check.
 """

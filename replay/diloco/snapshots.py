@@ -60,7 +60,8 @@ from replay.clock import VectorClock
 from replay.errors import SnapshotError
 
 __all__ = ["Snapshots", "snapshot_name", "snapshot_message", "message_from_snapshot", "list_snapshots",
-           "restore_run", "RestoreResult", "SNAPSHOT_FORMAT", "PART_FORMAT"]
+           "read_snapshot", "restore_run", "restore_syncer_endpoint", "RestoreResult", "SNAPSHOT_FORMAT",
+           "PART_FORMAT"]
 
 SNAPSHOT_FORMAT = "replay-snapshot"  # as replay.snapshot.agent: `ckpt inspect` renders it
 PART_FORMAT = "replay-snapshot-part"
@@ -287,7 +288,7 @@ def list_snapshots(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
 # -- restore ---------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RestoreResult:
     snapshot: str
     syncer_step: int  # the syncer step the run continued from
