@@ -49,8 +49,8 @@ def handle_errors(fn: F) -> F:
 
         try:
             return fn(*args, **kwargs)
-        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
-            raise  # click's own exits carry their code already
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, BrokenPipeError):
+            raise  # click's own exits carry their code already; cli.main handles a closed pipe
         except (CkptError, OSError) as e:
             from cli.main import fail
 

@@ -21,6 +21,13 @@ def _dir_size(path: str) -> int:
     return total
 
 
+def _holds_checkpoints(path: str) -> bool:
+    try:
+        return any(os.path.isfile(os.path.join(path, n, "MANIFEST")) for n in os.listdir(path))
+    except OSError:
+        return False
+
+
 def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
     from ckpt.errors import CkptError, IncompleteCheckpointError
     from ckpt.reader import TMP_PREFIX, CheckpointReader
@@ -33,6 +40,11 @@ def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"name": name, "step": None, "time": None, "bytes": _dir_size(p), "status": None, "problem": None}
         if name.startswith(TMP_PREFIX):
             row["status"] = "temporary"
+            rows.append(row)
+            continue
+        if not os.path.exists(os.path.join(p, "MANIFEST")) and _holds_checkpoints(p):
+            # A nested run directory (e.g. a baseline's checkpoints), not a torn save.
+            row["status"] = "run directory"
             rows.append(row)
             continue
         try:

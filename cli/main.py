@@ -91,8 +91,13 @@ def exit_code_for(exc: BaseException) -> int:
 def main(argv: list[str] | None = None) -> Any:
     try:
         return cli.main(args=argv, prog_name="ckpt", standalone_mode=True)
-    except SystemExit:
-        raise
+    except BrokenPipeError:
+        # `ckpt tape show T | head`: the reader left; stop quietly, as Unix tools do.
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(0)
 
 
 def fail(exc: BaseException) -> "click.exceptions.Exit":

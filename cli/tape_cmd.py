@@ -37,7 +37,7 @@ def handle_errors(fn: F) -> F:
 
         try:
             return fn(*args, **kwargs)
-        except (click.exceptions.Exit, click.ClickException):
+        except (click.exceptions.Exit, click.ClickException, BrokenPipeError):
             raise
         except (ReplayError, OSError) as e:
             raise fail(e) from None

@@ -91,6 +91,13 @@ def test_ls_reports_status(run_dir):
     assert lines["step-00000001"].endswith("valid")
     assert "temporary" in lines[".tmp-step-00000003-abcdef"]
     assert "incomplete" in lines["step-00000004"]
+    nested = run_dir / "baseline"
+    nested.mkdir()
+    import shutil
+
+    shutil.copytree(run_dir / "step-00000001", nested / "step-00000001")
+    lines = {line.split()[0]: line for line in _run("ls", str(run_dir)).output.splitlines()[1:]}
+    assert lines["baseline"].endswith("run directory")
     rows = json.loads(_run("ls", "--json", str(run_dir)).output)
     assert [r["status"] for r in rows if r["name"].startswith("step-00000001")] == ["valid"]
 
