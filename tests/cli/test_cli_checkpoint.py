@@ -129,6 +129,26 @@ def test_real_subprocess_inspect_verify_without_torch(run_dir):
     assert res.returncode == 0 and res.stdout.startswith("ok:")
 
 
+@pytest.mark.parametrize("args,code", [
+    (("verify", "{d}/step-00000002"), 0),
+    (("verify", "--quick", "{d}/step-00000002"), 0),
+    (("diff", "{d}/step-00000001", "{d}/step-00000002"), 6),
+    (("ls", "{d}"), 0),
+    (("inspect", "--json", "{d}/step-00000002"), 0),
+])
+def test_checkpoint_commands_do_not_import_torch(run_dir, args, code):
+    """inspect, verify, diff and ls answer from the files alone (issue: the CLI stays fast)."""
+    argv = [a.format(d=run_dir) for a in args]
+    probe = (
+        "import sys, runpy; sys.argv=['ckpt', *%r]\n"
+        "try:\n    runpy.run_module('cli', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('EXIT', code, 'TORCH' if 'torch' in sys.modules else 'NOTORCH')" % (argv,)
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == f"EXIT {code} NOTORCH", out.stdout + out.stderr
+
+
 def test_help_does_not_import_torch():
     probe = (
         "import sys\nfrom cli.main import cli\n"
