@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import msgpack
 
+from ckpt.format.codec import foreign_value
 from replay.clock import VectorClock
 from replay.errors import TapeFormatError
 
@@ -246,6 +247,9 @@ def _dec_msgpack(mv: memoryview, pos: int) -> tuple[Any, int]:
         v = msgpack.unpackb(bytes(mv[pos : pos + n]), raw=False, strict_map_key=False, ext_hook=_ext_refused)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise ValueError(f"bad msgpack: {e}") from None
+    bad = foreign_value(v)
+    if bad is not None:  # msgpack decodes ext -1 (Timestamp) without asking ext_hook
+        raise ValueError(f"msgpack extension value at {bad} is not allowed on a tape")
     return v, pos + n
 
 

@@ -14,13 +14,37 @@ import zstandard
 from ..errors import FormatError, LimitExceededError
 from ..knobs import knobs
 
-__all__ = ["packb", "unpackb", "zstd_compress", "zstd_decompress"]
+__all__ = ["packb", "unpackb", "zstd_compress", "zstd_decompress", "foreign_value"]
 
 
 def packb(obj: Any) -> bytes:
     # Callers hand in values already converted by format/tree.to_wire, which turns
     # tuples and library types into explicit extension types before packing.
     return msgpack.packb(obj, use_bin_type=True, strict_types=False)
+
+
+def foreign_value(obj: Any) -> str | None:
+    """The key path of the first value that plain msgpack data cannot hold, or None.
+
+    msgpack decodes extension type -1 (Timestamp) itself, without calling any
+    ``ext_hook``, and hands unknown extension types back as ``ExtType`` when no hook is
+    given. Neither is a value our formats write, so a document holding one is corrupt or
+    crafted; callers raise their own error naming the path. Iterative, so a deep
+    document cannot exhaust the stack."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        v, where = stack.pop()
+        t = type(v)
+        if t is msgpack.Timestamp or t is msgpack.ExtType:
+            return where or "/"
+        if t is dict:
+            for k, x in v.items():
+                if type(k) is msgpack.Timestamp or type(k) is msgpack.ExtType:
+                    return f"{where}/<key>"
+                stack.append((x, f"{where}/{k}"))
+        elif t is list or t is tuple:
+            stack.extend((x, f"{where}/{i}") for i, x in enumerate(v))
+    return None
 
 
 def unpackb(
@@ -48,13 +72,18 @@ def unpackb(
     if ext_hook is not None:
         kwargs["ext_hook"] = ext_hook
     try:
-        return msgpack.unpackb(data, **kwargs)
+        out = msgpack.unpackb(data, **kwargs)
     except (FormatError, RecursionError) as e:
         if isinstance(e, RecursionError):
             raise LimitExceededError(f"{what} nests too deeply", path=path, offset=offset) from None
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise FormatError(f"malformed {what}: {e}", path=path, offset=offset) from None
+    bad = foreign_value(out)
+    if bad is not None:
+        raise FormatError(f"{what} holds a msgpack extension value at {bad} (timestamp or unknown type)",
+                          path=path, offset=offset)
+    return out
 
 
 def zstd_compress(data: bytes, level: int | None = None) -> bytes:

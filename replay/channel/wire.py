@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import torch
 
+from ckpt.format.codec import foreign_value
 from replay.channel.base import MessageKind
 from replay.clock import VectorClock
 from replay.errors import ChannelError
@@ -165,6 +166,9 @@ def decode_meta(data: bytes, *, n_tensors: int, payload_len: int) -> MetaBlob:
                               max_array_len=len(data), max_map_len=len(data))
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise ChannelError(f"undecodable message metadata: {exc}") from exc
+    bad = foreign_value(obj)
+    if bad is not None:  # Timestamp or an unknown ext type: nothing a sender of ours writes
+        raise ChannelError(f"message metadata holds a msgpack extension value at {bad}")
     if not isinstance(obj, dict) or obj.get("v") != 1:
         raise ChannelError("message metadata is not a version-1 map")
     try:

@@ -38,6 +38,7 @@ import msgpack
 import xxhash
 import zstandard
 
+from ckpt.format.codec import foreign_value
 from replay.errors import TapeCorruptError, TapeFormatError, TapeLimitError, TapeTruncatedError
 
 __all__ = [
@@ -144,6 +145,9 @@ def decode_segment_header(buf: bytes | memoryview) -> SegmentHeader:
         raise TapeFormatError(f"segment metadata is not valid msgpack: {e}", offset=HEADER_FIXED) from None
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
         raise TapeFormatError("segment metadata must be a map with string keys", offset=HEADER_FIXED)
+    bad = foreign_value(meta)
+    if bad is not None:  # msgpack decodes ext -1 (Timestamp) without asking ext_hook
+        raise TapeFormatError(f"segment metadata holds a msgpack extension value at {bad}", offset=HEADER_FIXED)
     return SegmentHeader(run_id=bytes(run_id), salt=salt, segment=segment, first_seq=first_seq,
                          chain_prev=chain_prev, flags=flags, meta=meta, minor=minor, size=end + 8)
 

@@ -471,6 +471,14 @@ def build(out: Path) -> list[str]:
         bad("invalid-nested-tuple-bomb", tuple_bomb, "LimitExceededError", "verify",
             "A state file of 400 nested tuples (re-signed): above max_nesting.")
 
+        def timestamp_value(ck: Path) -> None:
+            raw = msgpack.packb({"state": {"when": msgpack.Timestamp(1, 0)}, "context": {}})
+            _reseal(ck, "rank-00000.state.msgpack.zst", zstd_compress(raw, 3), raw_size=len(raw))
+
+        bad("invalid-timestamp-ext", timestamp_value, "FormatError", "verify",
+            "A state file holding a msgpack timestamp (ext -1, re-signed): msgpack decodes it without an ext "
+            "hook, and a reader must still refuse it.")
+
         def zstd_lie(ck: Path) -> None:
             frame = struct.pack("<IBQ", 0xFD2FB528, 0b1110_0000, 1 << 29) + b"\x01\x00\x00"
             _reseal(ck, "rank-00000.state.msgpack.zst", frame, raw_size=1 << 29)

@@ -523,6 +523,9 @@ def _state_bomb(good: Path, raw: bytes) -> None:
         ("unknown ext", msgpack.packb({"state": {"x": msgpack.ExtType(99, b"")}, "context": {}}), FormatError),
         ("bad bigint", msgpack.packb({"state": {"x": msgpack.ExtType(EXT_BIGINT, b"12a")}, "context": {}}), FormatError),
         ("huge bigint", msgpack.packb({"state": {"x": msgpack.ExtType(EXT_BIGINT, b"9" * 5000)}, "context": {}}), FormatError),
+        # ext -1 is decoded by msgpack itself, never through our ext hook
+        ("timestamp value", msgpack.packb({"state": {"x": [1, msgpack.Timestamp(5, 0)]}, "context": {}}), FormatError),
+        ("timestamp in context", msgpack.packb({"state": {}, "context": {"t": msgpack.Timestamp(1, 2)}}), FormatError),
     ],
 )
 def test_msgpack_bombs_in_the_state_file(good: Path, what: str, raw: bytes, err: type) -> None:
@@ -578,8 +581,19 @@ def test_zstd_frame_claiming_a_huge_content_size(good: Path) -> None:
         ckpt.open(good)
 
 
+def test_manifest_body_with_a_timestamp_is_refused_by_name(good: Path) -> None:
+    body = raw_body(good)
+    body["meta"] = {"when": msgpack.Timestamp(1, 0)}
+    (good / MANIFEST_NAME).write_bytes(hand_manifest(body))
+    with pytest.raises(FormatError, match="extension value at /meta/when") as ei:
+        ckpt.open(good)
+    names_file(ei.value, MANIFEST_NAME)
+
+
 def test_manifest_body_bombs(good: Path) -> None:
-    for body_bytes in (b"\x91" * 100_000 + b"\xc0", b"\xdd\xff\xff\xff\xff", b"\xdf\x7f\xff\xff\xff" + b"\xc0" * 8, b"\xc1"):
+    stamped = msgpack.packb({"format": msgpack.Timestamp(0, 0)})  # ext -1: decoded by msgpack, not by our hook
+    for body_bytes in (b"\x91" * 100_000 + b"\xc0", b"\xdd\xff\xff\xff\xff", b"\xdf\x7f\xff\xff\xff" + b"\xc0" * 8, b"\xc1",
+                       stamped):
         (good / MANIFEST_NAME).write_bytes(hand_manifest(None, body_bytes=body_bytes))
         with Bounded(), pytest.raises(FormatError) as ei:
             ckpt.open(good)

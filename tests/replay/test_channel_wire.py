@@ -103,6 +103,8 @@ def _meta(**over):
         (_meta(tensors=[["F32", [1] * 33]]), 1, 4, "bad tensor shape"),
         (_meta(tensors=[["F32"]]), 1, 16, "bad tensor descriptor"),
         (_meta(clock=b"\x01\x00"), 1, 16, "bad vector clock"),
+        (_meta(meta={"at": msgpack.Timestamp(1, 0)}), 1, 16, "extension value at /meta/at"),
+        (_meta(meta={"x": msgpack.ExtType(7, b"")}), 1, 16, "extension value at /meta/x"),
     ],
 )
 def test_meta_refusals(blob, n, payload, message) -> None:

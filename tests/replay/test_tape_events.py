@@ -6,6 +6,7 @@ import math
 import struct
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from replay.clock import VectorClock
@@ -98,6 +99,10 @@ def test_decoders_are_strict() -> None:
     with pytest.raises(TapeFormatError, match="ext type"):
         KIND_BY_NAME["decision"].unpack(KIND_BY_NAME["note"].pack("a") + KIND_BY_NAME["note"].pack("b")
                                         + struct.pack("<I", 3) + b"\xd4\x05\x00")
+    stamp = msgpack.packb(msgpack.Timestamp(5, 0))  # ext -1 never reaches an ext_hook
+    with pytest.raises(TapeFormatError, match="extension value at /"):
+        KIND_BY_NAME["decision"].unpack(KIND_BY_NAME["note"].pack("a") + KIND_BY_NAME["note"].pack("b")
+                                        + struct.pack("<I", len(stamp)) + stamp)
     with pytest.raises(ValueError, match="digest must be 16 bytes"):
         KIND_BY_NAME["rng"].pack("torch", b"short")
     with pytest.raises(TypeError, match="takes 1 fields"):

@@ -6,6 +6,7 @@ import os
 import struct
 from pathlib import Path
 
+import msgpack
 import pytest
 import xxhash
 
@@ -267,6 +268,11 @@ def test_header_errors(tmp_path: Path) -> None:
     raw += struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(raw), 0))
     with pytest.raises(TapeFormatError, match="map with string keys"):
         fmt.decode_segment_header(bytes(raw))
+    # ext -1 (Timestamp) is decoded by msgpack without asking the ext hook: refused too
+    stamped = fmt.encode_segment_header(run_id=b"r" * 16, salt=1, segment=0, first_seq=0, chain_prev=0, flags=0,
+                                        meta={"at": msgpack.Timestamp(3, 0)})
+    with pytest.raises(TapeFormatError, match="extension value at /at"):
+        fmt.decode_segment_header(stamped)
 
 
 # -- segments ----------------------------------------------------------------------------------
