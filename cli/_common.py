@@ -65,9 +65,14 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def classify(entry_type: str) -> str:
-    """Which of the seven fields a top-level state entry belongs to, by its type."""
+def classify(entry_type: str, tensors: int | None = None) -> str:
+    """Which of the seven fields a top-level state entry belongs to, by its type.
+
+    A plain tree without a single tensor (counters, a loop position) is not weights:
+    it is shown as "other"."""
     t = entry_type.lower()
+    if t == "tree" and tensors == 0:
+        return "other"
     if "lr_scheduler" in t or "scheduler" in t:
         return "scheduler"
     if "gradscaler" in t:

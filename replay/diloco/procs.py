@@ -78,7 +78,8 @@ def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: di
     if snap_root is not None:
         from replay.diloco.snapshots import Snapshots
 
-        parts = Snapshots(snap_root, control=_control(), keep_last=cfg.snapshot_keep)
+        parts = Snapshots(snap_root, control=_control(), keep_last=cfg.snapshot_keep,
+                          config={"diloco": cfg.to_dict()})
     ctx = LearnerCtx(cfg, actor, inc, link, initial_state(cfg), schedule.for_learner(actor), die=sigkill_self,
                      remote=remote, parts=parts)
     out = run_learner(ctx)

@@ -186,7 +186,7 @@ def record(tape: str | os.PathLike[str], cfg: DiLoCoConfig, *, snapshot_dir: str
         from replay.diloco.snapshots import Snapshots
 
         root = Path(snapshot_dir) if snapshot_dir is not None else Path(tape).parent / "checkpoints"
-        kw["snapshots"] = Snapshots(root, keep_last=cfg.snapshot_keep)
+        kw["snapshots"] = Snapshots(root, keep_last=cfg.snapshot_keep, config={"diloco": cfg.to_dict()})
     with open_recorder(tape, cfg) as rec:
         hub = TapeHub(rec, wait_s=cfg.io_timeout_s)
         if cfg.transport == "gloo":

@@ -61,7 +61,7 @@ from replay.errors import SnapshotError
 
 __all__ = ["Snapshots", "snapshot_name", "snapshot_message", "message_from_snapshot", "list_snapshots",
            "read_snapshot", "restore_run", "restore_syncer_endpoint", "RestoreResult", "SNAPSHOT_FORMAT",
-           "PART_FORMAT"]
+           "PART_FORMAT", "part_entries", "join_part"]
 
 SNAPSHOT_FORMAT = "replay-snapshot"  # as replay.snapshot.agent: `ckpt inspect` renders it
 PART_FORMAT = "replay-snapshot-part"
@@ -97,6 +97,69 @@ def message_from_snapshot(d: Mapping[str, Any]) -> Message:
                    tensors=tuple(d["tensors"]))
 
 
+class _Held:
+    """A copy taken at the cut, handed to ``ckpt.write_part`` as a Stateful: its type
+    name is what ``ckpt inspect`` sorts an entry into the seven fields by."""
+
+    __slots__ = ("sd",)
+
+    def __init__(self, sd: Any) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> Any:
+        return self.sd
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.sd = sd
+
+
+class OptimizerState(_Held):
+    """A learner's inner AdamW state and LR schedule, or the syncer's outer momentum."""
+
+
+class LoaderState(_Held):
+    """A learner's data-loader state (ckpt's data-offsets field)."""
+
+
+def part_entries(actor: str, tree: Mapping[str, Any]) -> tuple[dict[str, Any], LoaderState | None]:
+    """The checkpoint entries of one actor's part (spec/snapshot-protocol.md §9a rule 7).
+
+    The in-memory part is one ``diloco`` tree; on disk its parameters are the ``model``
+    entry, its optimizer state the ``optim`` entry and a learner's loader state the
+    data field, so ``ckpt inspect`` shows each of the seven fields where it belongs.
+    What is left (counters, loop position, endpoint, boxed messages) stays ``diloco``."""
+    d = dict(tree["diloco"])
+    rest = {k: v for k, v in tree.items() if k != "diloco"}
+    if actor == "syncer":
+        model: dict[str, Any] = {"theta": d.pop("theta")}
+        optim = OptimizerState({"mom": d.pop("mom")})
+        return {"model": model, "optim": optim, "diloco": d, **rest}, None
+    core = dict(d["core"])
+    meta = dict(core.pop("meta"))
+    named = list(zip(meta["names"], core.pop("tensors")))
+    model = {n: t for n, t in named if n.startswith("model.")}
+    optim = OptimizerState({"tensors": {n: t for n, t in named if not n.startswith("model.")},
+                            "param_groups": meta.pop("param_groups"), "sched": meta.pop("sched")})
+    data = LoaderState(core.pop("loader"))
+    d["core"] = {**core, "meta": meta}
+    return {"model": model, "optim": optim, "diloco": d, **rest}, data
+
+
+def join_part(actor: str, entries: Mapping[str, Any], data: Any) -> dict[str, Any]:
+    """The inverse of :func:`part_entries`: the ``diloco`` tree restore works from."""
+    d = dict(entries["diloco"])
+    optim = dict(entries["optim"])
+    if actor == "syncer":
+        return {**d, "theta": entries["model"]["theta"], "mom": optim["mom"]}
+    core = dict(d["core"])
+    meta = dict(core["meta"])
+    model, inner = entries["model"], optim["tensors"]
+    tensors = [model[n] if n in model else inner[n] for n in meta["names"]]
+    meta.update(param_groups=optim["param_groups"], sched=optim["sched"])
+    d["core"] = {**core, "meta": meta, "tensors": tensors, "loader": data}
+    return d
+
+
 def _pack(x: Any) -> bytes:
     return msgpack.packb(x, use_bin_type=True)
 
@@ -115,7 +178,8 @@ class Snapshots:
     ``keep_best`` on the ``restorable_step`` metric.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, control: Any = None, keep_last: int = 2) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, control: Any = None, keep_last: int = 2,
+                 config: Mapping[str, Any] | None = None) -> None:
         from ckpt.manager import RetentionPolicy
         from replay.snapshot import CkptSnapshotStore, MemoryControl
 
@@ -128,6 +192,7 @@ class Snapshots:
         self._dead_seen: dict[tuple[str, str], float] = {}
         self.grace_s = 5.0
         self.outcomes: list[dict[str, Any]] = []
+        self.config = dict(config) if config is not None else None  # in every part, with its hash
 
     # -- learners --------------------------------------------------------------------------
     def begin(self, name: str) -> dict[str, str]:
@@ -145,8 +210,10 @@ class Snapshots:
         def run() -> None:
             self.control.set(f"{key}/writing/{actor}", b"1")
             try:
-                rec = self.store.write_part(Pending(str(pending["final"]), str(pending["tmp"])), actor, tree,
-                                            step=step, extra=_extra(name, actor), rng=None)
+                entries, data = part_entries(actor, tree)
+                rec = self.store.write_part(Pending(str(pending["final"]), str(pending["tmp"])), actor, entries,
+                                            step=step, extra=_extra(name, actor), rng=None, data=data,
+                                            config=self.config)
             except Exception as exc:  # reported to the coordinator, which aborts
                 self.control.set(f"{key}/failed/{actor}", _pack({"reason": f"part write failed: {exc}"}))
                 return
@@ -217,8 +284,9 @@ class Snapshots:
                               "box_refs": list(snap["box_refs"]), "lost": list(snap["lost"])}
         if not reason:
             try:
-                rec = self.store.write_part(pending, "syncer", {"diloco": staged, CHANNELS_KEY: channels}, step=s,
-                                            extra=_extra(name, "syncer"), rng=None)
+                entries, _ = part_entries("syncer", {"diloco": staged, CHANNELS_KEY: channels})
+                rec = self.store.write_part(pending, "syncer", entries, step=s, extra=_extra(name, "syncer"), rng=None,
+                                            config=self.config)
                 counts: dict[str, dict[str, int | None]] = {}
                 for e in part_eps:  # taped messages in flight to the syncer at the cut, per learner
                     seqs = [int(m["stamp"]["chan_seq"]) for m in [*snap["staged"]["box"], *snap["recording"][e]]
@@ -314,7 +382,9 @@ def read_snapshot(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[st
                             "cannot be continued from it exactly", snapshot=name, path=path)
     parts = {}
     for p in store.part_names(name):
-        tree = {"diloco": store.read_entry(name, p, "diloco")}
+        entries = {k: store.read_entry(name, p, k) for k in ("model", "optim", "diloco")}
+        data = store.read_entry(name, p, "@data") if p != "syncer" else None
+        tree = {"diloco": join_part(p, entries, data)}
         if p == "syncer":
             tree[CHANNELS_KEY] = store.read_entry(name, p, CHANNELS_KEY)
         parts[p] = tree

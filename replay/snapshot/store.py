@@ -47,8 +47,13 @@ class SnapshotStore(Protocol):
     def begin(self, name: str) -> Pending: ...
 
     def write_part(self, pending: Pending, part: str, state: Mapping[str, Any], *, step: int,
-                   extra: Mapping[str, Any], rng: Mapping[str, Any] | None) -> dict[str, Any]:
-        """Write one part durably; return its msgpack-able record for the coordinator."""
+                   extra: Mapping[str, Any], rng: Mapping[str, Any] | None, data: Any = None,
+                   config: Any = None) -> dict[str, Any]:
+        """Write one part durably; return its msgpack-able record for the coordinator.
+
+        ``data``: an object with ``state_dict()``, the part's data-loader state (read
+        back as the entry ``"@data"``); ``config``: the run's config (stored canonically
+        with its hash by the ckpt store)."""
 
     def commit(self, pending: Pending, records: Sequence[Mapping[str, Any]], *, step: int,
                meta: Mapping[str, Any]) -> None: ...
@@ -62,7 +67,8 @@ class SnapshotStore(Protocol):
     def read_extra(self, name: str, part: str) -> dict[str, Any]: ...
 
     def read_entry(self, name: str, part: str, key: str) -> Any:
-        """One top-level entry of a part as a plain tree of fresh tensors."""
+        """One top-level entry of a part as a plain tree of fresh tensors (``"@data"``:
+        the data-loader state)."""
 
     def load_into(self, name: str, part: str, state: Mapping[str, Any], *, restore_rng: bool) -> None:
         """Load the part's entries named in ``state`` in place."""
@@ -128,8 +134,12 @@ class MemorySnapshotStore:
             return Pending(name, tmp)
 
     def write_part(self, pending: Pending, part: str, state: Mapping[str, Any], *, step: int,
-                   extra: Mapping[str, Any], rng: Mapping[str, Any] | None) -> dict[str, Any]:
-        data = (_copy_tree(dict(state)), _copy_tree(dict(extra)))
+                   extra: Mapping[str, Any], rng: Mapping[str, Any] | None, data: Any = None,
+                   config: Any = None) -> dict[str, Any]:
+        plain = {k: v.state_dict() if callable(getattr(v, "state_dict", None)) else v for k, v in state.items()}
+        if data is not None:
+            plain["@data"] = data.state_dict()
+        data = (_copy_tree(plain), _copy_tree(dict(extra)))
         with self._lock:
             if pending.tmp_dir not in self._pending:
                 raise SnapshotError("the snapshot's temporary area is gone (aborted)", snapshot=pending.final)
@@ -176,7 +186,11 @@ class MemorySnapshotStore:
         return _copy_tree(self._part(name, part)[1])
 
     def read_entry(self, name: str, part: str, key: str) -> Any:
-        return _copy_tree(self._part(name, part)[0][key])
+        saved = self._part(name, part)[0]
+        if key not in saved:
+            what = "the part holds no data-loader state" if key == "@data" else "the part has no such entry"
+            raise SnapshotError(what, snapshot=name, part=part, key=key)
+        return _copy_tree(saved[key])
 
     def load_into(self, name: str, part: str, state: Mapping[str, Any], *, restore_rng: bool) -> None:
         saved = self._part(name, part)[0]
@@ -213,11 +227,12 @@ class CkptSnapshotStore:
         return PendingCheckpoint(final=pending.final, tmp_dir=pending.tmp_dir)
 
     def write_part(self, pending: Pending, part: str, state: Mapping[str, Any], *, step: int,
-                   extra: Mapping[str, Any], rng: Mapping[str, Any] | None) -> dict[str, Any]:
+                   extra: Mapping[str, Any], rng: Mapping[str, Any] | None, data: Any = None,
+                   config: Any = None) -> dict[str, Any]:
         import ckpt
 
         rec = ckpt.write_part(self._ckpt_pending(pending), part, state, step=step, extra=dict(extra),
-                              rng=rng if rng is not None else False)
+                              rng=rng if rng is not None else False, data=data, config=config)
         return rec.to_dict()
 
     def commit(self, pending: Pending, records: Sequence[Mapping[str, Any]], *, step: int,
@@ -259,7 +274,15 @@ class CkptSnapshotStore:
 
         r = self._reader(name)
         self._check_part(r, name, part)
-        saved = r.tree(part)["state"][key]
+        tree = r.tree(part)
+        if key == "@data":
+            saved = tree["context"].get("data")
+            if saved is None:
+                raise SnapshotError("the part holds no data-loader state", snapshot=name, part=part, key=key)
+        elif key in tree["state"]:
+            saved = tree["state"][key]
+        else:
+            raise SnapshotError("the part has no such entry", snapshot=name, part=part, key=key)
 
         # Resolve only this entry's tensors: the user state next to it may be large.
         def resolve(x: Any) -> Any:
