@@ -390,6 +390,12 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
                     # SIGKILL (a real crash would lose the tail; the replay needs it).
                     send_syncer({"kind": "dying"}, [], None, taped=False)
                     link.first_from(SYNCER, ("ack",))
+                if ctx.parts is not None:
+                    # An injected fault lands after a snapshot part this learner is still
+                    # writing is durable: otherwise whether the snapshot keeps this learner
+                    # would depend on disk speed, not on the seeded schedule. (A real crash
+                    # mid-write leaves the learner out; replay.snapshot's tests cover that.)
+                    ctx.parts.flush()
                 ctx.die()
                 return out
         if ctx.step_delay_s:
