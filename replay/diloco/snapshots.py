@@ -61,7 +61,7 @@ from replay.errors import SnapshotError
 
 __all__ = ["Snapshots", "snapshot_name", "snapshot_message", "message_from_snapshot", "list_snapshots",
            "read_snapshot", "restore_run", "restore_syncer_endpoint", "RestoreResult", "SNAPSHOT_FORMAT",
-           "PART_FORMAT", "part_entries", "join_part"]
+           "PART_FORMAT", "part_entries", "join_part", "continue_run", "copy_cut"]
 
 SNAPSHOT_FORMAT = "replay-snapshot"  # as replay.snapshot.agent: `ckpt inspect` renders it
 PART_FORMAT = "replay-snapshot-part"
@@ -193,6 +193,14 @@ class Snapshots:
         self.grace_s = 5.0
         self.outcomes: list[dict[str, Any]] = []
         self.config = dict(config) if config is not None else None  # in every part, with its hash
+        # snapshots already committed that a continued run restored from: they close again
+        # (the restored syncer re-runs the close decision) without writing anything
+        self._adopted: dict[str, dict[str, Any]] = {}
+
+    def adopt(self, path: str | os.PathLike[str], meta: Mapping[str, Any]) -> None:
+        """The committed snapshot at ``path`` is the one the run was restored from (see
+        :func:`continue_run`)."""
+        self._adopted[str(meta["snapshot"])] = {**meta, "path": str(Path(path).absolute())}
 
     # -- learners --------------------------------------------------------------------------
     def begin(self, name: str) -> dict[str, str]:
@@ -239,6 +247,9 @@ class Snapshots:
     def ready(self, snap: Mapping[str, Any], *, dead: set[str]) -> bool:
         from replay.diloco.tapeio import actor_of
 
+        if snap["name"] in self._adopted:
+            return True  # every part is in it: it is the snapshot the run was restored from
+
         for e in snap["participants"]:
             a = actor_of(e)
             st = self._status(snap["name"], a)
@@ -262,6 +273,12 @@ class Snapshots:
         from replay.snapshot import CHANNELS_KEY, Pending
 
         name, s = str(snap["name"]), int(snap["s"])
+        if name in self._adopted:
+            m = self._adopted[name]
+            out = {"close": True, "committed": True, "path": m["path"], "reason": "",
+                   "parts": list(m["parts"]), "excluded": list(m["excluded"])}
+            self.outcomes.append(out)
+            return out
         pending = Pending(str(snap["pending"]["final"]), str(snap["pending"]["tmp"]))
         parts: dict[str, dict[str, Any]] = {}
         excluded = [str(a) for a, _ in snap["excluded"]]
@@ -427,6 +444,107 @@ def restore_run(tape: str | os.PathLike[str], snapshot: str | os.PathLike[str], 
             raise
     return RestoreResult(name, int(meta["syncer_step"]), oracle.divergence is None, oracle.compared, res,
                          oracle.divergence)
+
+
+def copy_cut(parent: Any, name: str, rec: Any) -> int:
+    """Write onto ``rec``'s new tape the parent tape's history inside snapshot ``name``.
+
+    That is each actor's events up to and including its own ``snapshot`` event of
+    ``name`` (an actor with no cut, the chaos scheduler, up to the syncer's), verbatim
+    and in the parent's order, with the actors declared under the same ids. A snapshot
+    cut is consistent, so every receive in this prefix has its send in it. Each actor
+    then continues from its cut: clock, step and channel counters as its last event
+    left them (what ``Oracle(align_snapshot=)`` does in force mode). Returns the number
+    of events copied."""
+    from replay.events import KIND_BY_NAME
+    from replay.tape.reader import EVENT_HEAD, decode_event
+
+    actor_code, snap_code, send_code = (KIND_BY_NAME[k].code for k in ("actor", "snapshot", "send"))
+    names: list[str] = []
+    frames = []
+    for _seg, fr in parent.frames():
+        frames.append((fr.kind, bytes(fr.body), decode_event(fr, names)))
+    cut_at: dict[str, int] = {}
+    for i, (code, _body, ev) in enumerate(frames):
+        if code == snap_code and ev.payload["snapshot_id"] == name:
+            cut_at.setdefault(ev.actor, i)
+    if "syncer" not in cut_at:
+        raise SnapshotError("the tape holds no cut of the syncer for this snapshot", snapshot=name)
+    core = rec._core
+    writer = rec.writer
+    last: dict[str, Any] = {}
+    chan: dict[str, dict[str, int]] = {}
+    copied = 0
+    with core.lock:
+        for i, (code, body, ev) in enumerate(frames):
+            aid = EVENT_HEAD.unpack_from(body, 0)[1]
+            if code == actor_code:
+                if core.id_of(ev.actor) != aid:  # bodies name actors by id: the numbering must agree
+                    raise SnapshotError(f"actor {ev.actor!r} has id {aid} on the parent tape, "
+                                        f"{core.id_of(ev.actor)} on the new one", snapshot=name)
+                continue
+            if i > cut_at.get(ev.actor, cut_at["syncer"]):
+                continue
+            if core.top_step is None or ev.step > core.top_step:
+                core.top_step = ev.step
+                writer.note_step(ev.step)
+            writer.append(code, body)
+            copied += 1
+            last[ev.actor] = ev
+            if code == send_code:
+                p = ev.payload
+                chan.setdefault(ev.actor, {})[p["channel"]] = p["chan_seq"]
+        for a, ev in last.items():
+            act = rec.actor(a)
+            act._set_clock(ev.clock)
+            act.current_step = ev.step
+            act._chan_seq.update(chan.get(a, {}))
+    return copied
+
+
+def continue_run(parent_tape: str | os.PathLike[str], snapshot: str | os.PathLike[str],
+                 tape: str | os.PathLike[str], *, snapshot_dir: str | os.PathLike[str] | None = None,
+                 **kw: Any) -> Any:
+    """After a fault in the syncer: continue the run live from a committed snapshot.
+
+    Every actor starts from its part (as threads of this process, over the in-process
+    transport), the recorded in-flight messages are re-delivered first, and the run goes
+    on taking fresh decisions. The new ``tape`` starts with the parent's history inside
+    the cut (:func:`copy_cut`), so it reads as one run that never crashed: ``ckpt tape
+    check`` holds on it and ``ckpt replay TAPE --mode force`` re-executes it from step 0
+    bit-identically. Its header's lineage names the parent tape and the snapshot. New
+    snapshots go to ``snapshot_dir`` (default: ``checkpoints/`` next to the new tape),
+    which must not be the directory the restored snapshot lives in (names would clash).
+    ``kw`` goes to :func:`~replay.diloco.run.run_actors`. Returns its RunResult."""
+    from replay.diloco.config import DiLoCoConfig
+    from replay.diloco.run import open_recorder, run_actors
+    from replay.diloco.tapeio import TapeHub
+    from replay.tape import TapeReader
+
+    meta, parts = read_snapshot(snapshot)
+    name = str(meta["snapshot"])
+    parent = TapeReader(parent_tape)
+    cfg = DiLoCoConfig.from_dict(dict(parent.meta["config"]["diloco"]))
+    Path(tape).parent.mkdir(parents=True, exist_ok=True)
+    root = Path(snapshot_dir) if snapshot_dir is not None else Path(tape).parent / "checkpoints"
+    if root.absolute() == Path(snapshot).absolute().parent:
+        raise SnapshotError("continue into another snapshot directory: new snapshots would clash with the "
+                            "parent run's", snapshot=name, path=str(root))
+    if cfg.snapshot_every:
+        snaps = Snapshots(root, keep_last=cfg.snapshot_keep, config={"diloco": cfg.to_dict()})
+        kw["snapshots"] = snaps
+    else:
+        snaps = None
+    lineage = {"parent_tape": str(Path(parent_tape).absolute()), "parent_run": parent.run_id.hex(),
+               "snapshot": str(Path(snapshot).absolute()), "reason": "continued from a snapshot"}
+    with open_recorder(tape, cfg, lineage=lineage) as rec:
+        copy_cut(parent, name, rec)
+        if snaps is not None:
+            snaps.adopt(snapshot, meta)
+        hub = TapeHub(rec, wait_s=cfg.io_timeout_s)
+        res = run_actors(hub, cfg, restore=parts, **kw)
+    res.tape = str(tape)
+    return res
 
 
 def restore_syncer_endpoint(link: Any, hub: Any, parts: Mapping[str, Any]) -> dict[str, Any]:

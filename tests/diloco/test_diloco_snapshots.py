@@ -194,3 +194,57 @@ def _same_tree(a, b, where: str = "") -> None:
             _same_tree(x, y, f"{where}/{i}")
     else:
         assert a == b, where
+
+
+class _SyncerCrash(Exception):
+    pass
+
+
+def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) -> None:
+    """The one fault that costs a pause: the syncer dies mid-run. The run goes on from
+    the newest snapshot with every learner in it, taking fresh decisions, on a new tape
+    that holds the history inside the cut; that tape checks clean and a forced replay of
+    it from step 0 reproduces the continued run bit for bit."""
+    from replay.diloco.run import LAST_RESULT
+    from replay.diloco.snapshots import continue_run
+
+    cfg = _cfg()
+    crash_at = 14
+
+    def die(s: int, *_: object) -> None:
+        if s == crash_at:
+            raise _SyncerCrash(f"syncer died after step {s}")
+
+    with pytest.raises(_SyncerCrash):
+        record(tmp_path / "run1" / "tape", cfg, after_step=die)
+    whole = [k for k in list_snapshots(tmp_path / "run1" / "checkpoints") if not k["meta"]["excluded"]]
+    assert whole, "a snapshot with every learner in it was taken before the crash"
+    snap = whole[-1]
+    assert snap["step"] <= crash_at
+
+    with pytest.raises(SnapshotError, match="another snapshot directory"):
+        continue_run(tmp_path / "run1" / "tape", snap["path"], tmp_path / "run1" / "tape2")
+
+    new = tmp_path / "run2" / "tape"
+    res = continue_run(tmp_path / "run1" / "tape", snap["path"], new)
+    assert len(res.syncer.plans) == cfg.syncer_steps - snap["step"]  # every remaining step, none skipped
+    header = TapeReader(new).meta
+    assert header["lineage"]["snapshot"] == str(Path(snap["path"]).absolute())
+    assert header["lineage"]["parent_run"] == TapeReader(tmp_path / "run1" / "tape").run_id.hex()
+    outcomes = res.extra["snapshots"]
+    assert outcomes[0]["path"] == str(Path(snap["path"]).absolute()) and outcomes[0]["committed"]
+    assert any(o["committed"] for o in outcomes[1:]), "the continued run goes on taking snapshots"
+    for k in list_snapshots(tmp_path / "run2" / "checkpoints"):
+        ckpt.open(k["path"]).verify()
+
+    assert check_tape(new) == []
+    rr = replay(new, mode="force")
+    assert rr.identical, rr.divergence
+    again = LAST_RESULT["replay"]
+    _same(again.syncer.state, res.syncer.state)
+    # the replay ran from step 0; the continued run's validation losses are its tail
+    assert [v for v in again.syncer.val if v[0] >= snap["step"]] == res.syncer.val
+    mine, theirs = res.final_learner_states(), again.final_learner_states()
+    assert sorted(mine) == sorted(theirs)
+    for a in mine:
+        _same(theirs[a], mine[a])
