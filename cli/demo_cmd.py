@@ -1,8 +1,9 @@
 """``ckpt demo --out DIR``: the project's main job (see README).
 
 By default: the Decoupled-DiLoCo reference run under seeded chaos, a no-fault run, a
-synchronous elastic baseline, a forced replay, a tape check and a snapshot restore
-continued under the tape, then the report and a
+synchronous elastic baseline, a forced replay, a tape check, a snapshot restore
+continued under the tape, a syncer-fault drill (the run continued live from a
+snapshot on a new tape, which is checked and replayed), then the report and a
 PNG of the loss curves (``replay/diloco/demo.py``). ``--basic``: the single-process
 bit-exact resume check.
 """

@@ -105,6 +105,11 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
                                               chaos if chaos.learners or again is None else again)
     wall["restore"] = time.monotonic() - t0
 
+    echo("syncer fault: continue live from the newest full snapshot on a new tape, then replay that tape")
+    t0 = time.monotonic()
+    fault_line, fault_ok = _syncer_fault_check(tape, out, cfg)
+    wall["syncer_fault"] = time.monotonic() - t0
+
     events = list(TapeReader(tape).events())
     rep = build_report(cfg, chaos, nofault, base, events)
     rep.replay_identical = bool(rr.identical and same_syncer)
@@ -114,6 +119,7 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     rep.tape_check_violations = len(violations)
     rep.snapshot_restore = restore_line
     rep.snapshot_restore_identical = restore_ok
+    rep.syncer_fault, rep.syncer_fault_ok = fault_line, fault_ok
     from replay.diloco.snapshots import list_snapshots
 
     snaps = [k["path"] for k in list_snapshots(out / "checkpoints")]
@@ -161,6 +167,38 @@ def _restore_check(tape: Path, root: Path, chaos: Any) -> tuple[str, bool]:
     return (f"identical {word} (from {snap['name']}: syncer step {rr.syncer_step} of {chaos.cfg.syncer_steps}; "
             f"{rr.events_compared} events after the cuts matched the tape; final parameters, momentum and "
             f"post-cut losses equal)"), same
+
+
+def _syncer_fault_check(tape: Path, out: Path, cfg: Any) -> tuple[str, bool | None]:
+    """The one fault that costs a pause, as a drill: take the syncer as dead right after
+    the newest snapshot that has every learner in it, continue the run live from that
+    snapshot (``continue_run``) on ``out/continued/tape``, then check the new tape and
+    replay it in force mode from step 0; ok when it checks clean and the replay
+    reproduces the continued run's syncer state and validation losses bit for bit."""
+    from replay.check import check_tape
+    from replay.diloco.run import LAST_RESULT
+    from replay.diloco.snapshots import continue_run, list_snapshots
+    from replay.replayer import replay
+
+    ok = [k for k in list_snapshots(out / "checkpoints") if not k["meta"].get("excluded")]
+    if not ok:
+        return "NO (no kept snapshot has every learner in it)", False
+    snap = ok[-1]
+    new = out / "continued" / "tape"
+    t0 = time.monotonic()
+    first: list[float] = []
+    res = continue_run(tape, snap["path"], new, on_step=lambda s, plan: first or first.append(time.monotonic()))
+    pause = (first[0] if first else time.monotonic()) - t0
+    violations = check_tape(new)
+    rr = replay(new, mode="force")
+    again = LAST_RESULT.get("replay")
+    same = bool(rr.identical and again is not None and _same(again.syncer.state, res.syncer.state)
+                and [v for v in again.syncer.val if v[0] >= snap["step"]] == res.syncer.val)
+    steps = len(res.syncer.plans)
+    return (f"continued live from {snap['name']} (taken as if the syncer died right after it) on {new}: "
+            f"{steps} syncer steps to the end, pause {pause:.2f} s to the first merge; tape check "
+            f"{len(violations)} violations; force replay from step 0 bit-identical {'yes' if same else 'NO'} "
+            f"({rr.events_compared} events)"), same and not violations and steps == cfg.syncer_steps - snap["step"]
 
 
 def _same(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> bool:

@@ -103,6 +103,8 @@ class Report:
     wall_s: dict[str, float] = field(default_factory=dict)
     snapshot_restore: str = "not run"
     snapshot_restore_identical: bool | None = None
+    syncer_fault: str = "not run"
+    syncer_fault_ok: bool | None = None
     snapshots_kept: int = 0
 
     @property
@@ -120,7 +122,7 @@ class Report:
     def ok(self) -> bool:
         return (self.zero_downtime and all(f.absorbed for f in self.faults) and self.loss_ok
                 and self.replay_identical is not False and not self.tape_check_violations
-                and self.snapshot_restore_identical is not False
+                and self.snapshot_restore_identical is not False and self.syncer_fault_ok is not False
                 and all(v for _, v in self.checkpoints_verified))
 
     def format(self) -> str:
@@ -146,6 +148,8 @@ class Report:
         if self.tape_check_violations is not None:
             lines.append(f"tape check: {self.tape_check_violations} violations")
         lines.append(f"snapshot restore: {self.snapshot_restore}")
+        if self.syncer_fault_ok is not None:
+            lines.append(f"syncer fault: {self.syncer_fault}")
         if self.checkpoints_verified:
             n_ok = sum(1 for _, v in self.checkpoints_verified if v)
             lines.append(f"checkpoints verified: {n_ok}/{len(self.checkpoints_verified)} "

@@ -86,6 +86,20 @@ def test_demo_report_claims_hold(quick_demo: tuple[Path, str]) -> None:
     name, s, total = _num(r"snapshot restore: identical yes \(from (step-\d+): syncer step (\d+) of (\d+)", text)
     assert (out / "checkpoints" / name).is_dir() and 0 < int(s) < int(total) == cfg.syncer_steps
     assert not ckpt.open(out / "checkpoints" / name).meta["excluded"]
+    # syncer fault: the run continued from that snapshot on its own tape, which checks
+    # clean, starts with the parent's history inside the cut and names it as its parent
+    fname, steps, n_ev = _num(r"syncer fault: continued live from (step-\d+) .* (\d+) syncer steps to the end, .*"
+                              r"tape check 0 violations; force replay from step 0 bit-identical yes \((\d+) events\)",
+                              text)
+    cont = out / "continued" / "tape"
+    assert fname == name and int(steps) == cfg.syncer_steps - int(s) and check_tape(cont) == []
+    lineage = TapeReader(cont).meta["lineage"]
+    assert lineage["snapshot"] == str(out / "checkpoints" / name)
+    assert lineage["parent_run"] == TapeReader(tape).run_id.hex()
+    cont_events = list(TapeReader(cont).events())
+    assert int(n_ev) == sum(1 for e in cont_events if e.kind.name != "actor")
+    cut = [e for e in cont_events if e.kind.name == "snapshot" and e.payload["snapshot_id"] == name]
+    assert {e.actor for e in cut} >= {"syncer"} and len(cut) == len(ckpt.open(out / "checkpoints" / name).parts)
     png = out / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"loss curves: {png}" in text
     assert f"output directory: {out}" in text
