@@ -15,7 +15,9 @@ $(BIN)/.installed: pyproject.toml
 .PHONY: venv demo test bench clean
 venv: $(BIN)/.installed
 
+# the demo refuses a used directory (it never overwrites a tape): start demo-out afresh
 demo: venv
+	rm -rf demo-out
 	$(BIN)/ckpt demo --out demo-out
 
 test: venv
