@@ -102,8 +102,10 @@ def show_cmd(path: str, actors: tuple[str, ...], kinds: tuple[str, ...], from_st
     if not as_json:
         m = r.meta
         click.echo(f"tape {path}  run {r.run_id.hex()}  entry {m.get('entry_point')}  config {m.get('config_hash')}")
-        if m.get("lineage"):
-            click.echo(f"forked from {m['lineage'].get('parent_tape')} (run {m['lineage'].get('parent_run_id')})")
+        lin = m.get("lineage")
+        if lin:
+            how = f"continued from snapshot {lin['from_snapshot']} of" if lin.get("from_snapshot") else "forked from"
+            click.echo(f"{how} {lin.get('parent_tape')} (run {lin.get('parent_run_id')})")
         click.echo(f"{'seq':>7} {'step':>6}  {'actor':<12} {'kind':<15} {'clock':<24} payload")
     shown = 0
     for ev in r.events(from_step=from_step):

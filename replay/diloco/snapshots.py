@@ -535,8 +535,10 @@ def continue_run(parent_tape: str | os.PathLike[str], snapshot: str | os.PathLik
         kw["snapshots"] = snaps
     else:
         snaps = None
-    lineage = {"parent_tape": str(Path(parent_tape).absolute()), "parent_run": parent.run_id.hex(),
-               "snapshot": str(Path(snapshot).absolute()), "reason": "continued from a snapshot"}
+    # the keys of a fork's lineage (replay.replayer), plus the snapshot it continued from
+    lineage = {"parent_run_id": parent.run_id.hex(), "parent_tape": str(Path(parent_tape).absolute()),
+               "parent_config_hash": parent.meta.get("config_hash"), "from_checkpoint": None,
+               "from_snapshot": str(Path(snapshot).absolute()), "changes": {}}
     with open_recorder(tape, cfg, lineage=lineage) as rec:
         copy_cut(parent, name, rec)
         if snaps is not None:

@@ -94,8 +94,8 @@ def test_demo_report_claims_hold(quick_demo: tuple[Path, str]) -> None:
     cont = out / "continued" / "tape"
     assert fname == name and int(steps) == cfg.syncer_steps - int(s) and check_tape(cont) == []
     lineage = TapeReader(cont).meta["lineage"]
-    assert lineage["snapshot"] == str(out / "checkpoints" / name)
-    assert lineage["parent_run"] == TapeReader(tape).run_id.hex()
+    assert lineage["from_snapshot"] == str(out / "checkpoints" / name)
+    assert lineage["parent_run_id"] == TapeReader(tape).run_id.hex()
     cont_events = list(TapeReader(cont).events())
     assert int(n_ev) == sum(1 for e in cont_events if e.kind.name != "actor")
     cut = [e for e in cont_events if e.kind.name == "snapshot" and e.payload["snapshot_id"] == name]

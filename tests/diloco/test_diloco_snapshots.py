@@ -229,8 +229,8 @@ def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) ->
     res = continue_run(tmp_path / "run1" / "tape", snap["path"], new)
     assert len(res.syncer.plans) == cfg.syncer_steps - snap["step"]  # every remaining step, none skipped
     header = TapeReader(new).meta
-    assert header["lineage"]["snapshot"] == str(Path(snap["path"]).absolute())
-    assert header["lineage"]["parent_run"] == TapeReader(tmp_path / "run1" / "tape").run_id.hex()
+    assert header["lineage"]["from_snapshot"] == str(Path(snap["path"]).absolute())
+    assert header["lineage"]["parent_run_id"] == TapeReader(tmp_path / "run1" / "tape").run_id.hex()
     outcomes = res.extra["snapshots"]
     assert outcomes[0]["path"] == str(Path(snap["path"]).absolute()) and outcomes[0]["committed"]
     assert any(o["committed"] for o in outcomes[1:]), "the continued run goes on taking snapshots"
