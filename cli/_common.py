@@ -65,12 +65,16 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def classify(entry_type: str, tensors: int | None = None) -> str:
+def classify(entry_type: str, tensors: int | None = None, name: str = "") -> str:
     """Which of the seven fields a top-level state entry belongs to, by its type.
 
-    A plain tree without a single tensor (counters, a loop position) is not weights:
-    it is shown as "other"."""
+    Messages an actor holds (a snapshot's recorded channel states, the reserved entry
+    ``replay.channels``, or an entry whose type names messages) are "messages", and a
+    plain tree without a single tensor (counters, a loop position) is "other": neither
+    is weights."""
     t = entry_type.lower()
+    if name == "replay.channels" or t.endswith("messages"):
+        return "messages"
     if t == "tree" and tensors == 0:
         return "other"
     if "lr_scheduler" in t or "scheduler" in t:

@@ -23,7 +23,7 @@ def manifest_summary(r: Any) -> dict[str, Any]:
                 "name": p.name,
                 "files": [{"name": f.name, "role": f.role, "bytes": f.size, "chunks": len(f.digests) // 16} for f in p.files],
                 "entries": {
-                    k: {**v, "field": classify(v.get("type", ""), v.get("tensors"))} for k, v in (s.get("entries") or {}).items()
+                    k: {**v, "field": classify(v.get("type", ""), v.get("tensors"), k)} for k, v in (s.get("entries") or {}).items()
                 },
                 "tensors": [{"name": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for t in p.tensors],
                 "rng": s.get("rng"),
@@ -96,6 +96,8 @@ def render(s: dict[str, Any], *, tensors: bool = True, max_tensors: int = 50) ->
         out.append(f"    config     {p.get('config_hash') or '-'}")
         out.append(f"    topology   {_topo_line(p.get('topology'))}")
         out.append(f"    commit     {_commit_line(p.get('commit'))}")
+        if by_field.get("messages"):  # not one of the seven: messages held at a snapshot's cut
+            out.append(f"  messages     {'; '.join(by_field['messages'])}")
         if by_field.get("other"):  # not one of the seven: plain values next to them
             out.append(f"  other state  {'; '.join(by_field['other'])}")
         env = p.get("env") or {}

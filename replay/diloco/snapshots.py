@@ -121,19 +121,26 @@ class LoaderState(_Held):
     """A learner's data-loader state (ckpt's data-offsets field)."""
 
 
+class Messages(_Held):
+    """Messages an actor holds at its cut: the syncer's inbox not yet merged, a learner's
+    outbox not yet sent and the state requests it has not served."""
+
+
 def part_entries(actor: str, tree: Mapping[str, Any]) -> tuple[dict[str, Any], LoaderState | None]:
     """The checkpoint entries of one actor's part (spec/snapshot-protocol.md §9a rule 7).
 
     The in-memory part is one ``diloco`` tree; on disk its parameters are the ``model``
-    entry, its optimizer state the ``optim`` entry and a learner's loader state the
-    data field, so ``ckpt inspect`` shows each of the seven fields where it belongs.
-    What is left (counters, loop position, endpoint, boxed messages) stays ``diloco``."""
+    entry, its optimizer state the ``optim`` entry, the messages it holds the
+    ``messages`` entry and a learner's loader state the data field, so ``ckpt inspect``
+    shows each of the seven fields where it belongs. What is left (counters, loop
+    position, endpoint sequence numbers) stays ``diloco``."""
     d = dict(tree["diloco"])
     rest = {k: v for k, v in tree.items() if k != "diloco"}
     if actor == "syncer":
         model: dict[str, Any] = {"theta": d.pop("theta")}
         optim = OptimizerState({"mom": d.pop("mom")})
-        return {"model": model, "optim": optim, "diloco": d, **rest}, None
+        held = Messages({"box": d.pop("box")})
+        return {"model": model, "optim": optim, "messages": held, "diloco": d, **rest}, None
     core = dict(d["core"])
     meta = dict(core.pop("meta"))
     named = list(zip(meta["names"], core.pop("tensors")))
@@ -142,21 +149,26 @@ def part_entries(actor: str, tree: Mapping[str, Any]) -> tuple[dict[str, Any], L
                             "param_groups": meta.pop("param_groups"), "sched": meta.pop("sched")})
     data = LoaderState(core.pop("loader"))
     d["core"] = {**core, "meta": meta}
-    return {"model": model, "optim": optim, "diloco": d, **rest}, data
+    loop = dict(d["loop"])
+    held = Messages({"outbox": loop.pop("outbox"), "pending": loop.pop("pending")})
+    d["loop"] = loop
+    return {"model": model, "optim": optim, "messages": held, "diloco": d, **rest}, data
 
 
 def join_part(actor: str, entries: Mapping[str, Any], data: Any) -> dict[str, Any]:
     """The inverse of :func:`part_entries`: the ``diloco`` tree restore works from."""
     d = dict(entries["diloco"])
     optim = dict(entries["optim"])
+    held = dict(entries["messages"])
     if actor == "syncer":
-        return {**d, "theta": entries["model"]["theta"], "mom": optim["mom"]}
+        return {**d, "theta": entries["model"]["theta"], "mom": optim["mom"], "box": held["box"]}
     core = dict(d["core"])
     meta = dict(core["meta"])
     model, inner = entries["model"], optim["tensors"]
     tensors = [model[n] if n in model else inner[n] for n in meta["names"]]
     meta.update(param_groups=optim["param_groups"], sched=optim["sched"])
     d["core"] = {**core, "meta": meta, "tensors": tensors, "loader": data}
+    d["loop"] = {**d["loop"], "outbox": held["outbox"], "pending": held["pending"]}
     return d
 
 
@@ -399,7 +411,7 @@ def read_snapshot(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[st
                             "cannot be continued from it exactly", snapshot=name, path=path)
     parts = {}
     for p in store.part_names(name):
-        entries = {k: store.read_entry(name, p, k) for k in ("model", "optim", "diloco")}
+        entries = {k: store.read_entry(name, p, k) for k in ("model", "optim", "messages", "diloco")}
         data = store.read_entry(name, p, "@data") if p != "syncer" else None
         tree = {"diloco": join_part(p, entries, data)}
         if p == "syncer":

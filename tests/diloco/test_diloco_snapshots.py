@@ -162,7 +162,9 @@ def test_snapshot_parts_show_each_field_where_it_belongs(snap_run) -> None:
     assert len(cfg_hash) == 1 and None not in cfg_hash  # one config, in every part
     for name, p in parts.items():
         fields = {e: v["field"] for e, v in p["entries"].items()}
-        assert fields["model"] == "weights" and fields["optim"] == "optimizer"
+        assert fields["model"] == "weights" and fields["optim"] == "optimizer" and fields["messages"] == "messages"
+        assert set(fields.values()) <= {"weights", "optimizer", "messages", "other"}
+        assert [e for e, f in fields.items() if f == "weights"] == ["model"]  # nothing else passes for weights
         assert p["entries"]["model"]["tensors"] > 0 and p["entries"]["optim"]["tensors"] > 0
         if name == "syncer":
             assert p["data"] is None
