@@ -395,7 +395,7 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
                     # writing is durable: otherwise whether the snapshot keeps this learner
                     # would depend on disk speed, not on the seeded schedule. (A real crash
                     # mid-write leaves the learner out; replay.snapshot's tests cover that.)
-                    ctx.parts.flush()
+                    ctx.parts.flush(actor=ctx.actor)
                 ctx.die()
                 return out
         if ctx.step_delay_s:

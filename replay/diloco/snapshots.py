@@ -200,7 +200,9 @@ class Snapshots:
         self.control = control if control is not None else MemoryControl()
         self.retention = RetentionPolicy(keep_last=keep_last, keep_best=1, best_metric="restorable_step",
                                          best_mode="max")
-        self._writers: list[threading.Thread] = []
+        # (actor, writer thread); learner threads share this object in threads mode
+        self._writers: list[tuple[str, threading.Thread]] = []
+        self._writers_lock = threading.Lock()
         self._dead_seen: dict[tuple[str, str], float] = {}
         self.grace_s = 5.0
         self.outcomes: list[dict[str, Any]] = []
@@ -240,11 +242,15 @@ class Snapshots:
             self.control.set(f"{key}/part/{actor}", _pack({"record": rec, "clock": clock, "step": step}))
 
         t = threading.Thread(target=run, name=f"snap-part-{actor}", daemon=True)
-        self._writers.append(t)
-        t.start()
+        with self._writers_lock:  # listed only once started: flush() may join it at once
+            t.start()
+            self._writers.append((actor, t))
 
-    def flush(self, timeout: float = 60.0) -> None:
-        for t in self._writers:
+    def flush(self, timeout: float = 60.0, *, actor: str | None = None) -> None:
+        """Wait for the part writers started so far (of ``actor`` only, if given)."""
+        with self._writers_lock:
+            todo = [t for a, t in self._writers if actor is None or a == actor]
+        for t in todo:
             t.join(timeout)
 
     # -- the syncer (coordinator) ---------------------------------------------------------------
