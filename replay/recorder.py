@@ -37,7 +37,7 @@ import contextlib
 import struct
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
 
@@ -159,6 +159,20 @@ class Actor:
     def _set_clock(self, clock: VectorClock) -> None:
         self._counter = clock[self.name]
         self._others = {self._core.id_of(a): c for a, c in clock.entries if a != self.name}
+
+    def _continue_after(self, history: Sequence[Event], *, set_step: bool = True) -> None:
+        """This actor's next event follows ``history``, its own taped events (a resume or a
+        snapshot restore): its clock is the last one's, its channel counters the last
+        sends', and its step the last one's unless the caller is about to set it."""
+        if not history:
+            return
+        self._set_clock(history[-1].clock)
+        if set_step:
+            self.current_step = history[-1].step
+        for ev in history:
+            if ev.kind.code == _SEND.code:
+                p = ev.payload
+                self._chan_seq[p["channel"]] = p["chan_seq"]
 
     def _merge(self, clock: VectorClock) -> None:
         for a, c in clock.entries:
@@ -425,6 +439,37 @@ class Recorder(Actor):
     def replaying(self) -> bool:
         """True in verify and force mode: skip side effects (saving checkpoints), keep the events."""
         return self.mode != "record"
+
+    def append_history(self, frames: Iterable[tuple[int, bytes, Event]]) -> int:
+        """Record already-taped events verbatim on this (new) tape, then let every actor
+        continue after its own: a run continued from a snapshot starts its tape with the
+        history inside the cut (``replay.diloco.snapshots.copy_cut``). ``frames`` are
+        ``(kind code, body, decoded event)`` in tape order, actor declarations included;
+        actors must be declared in the same order as on the source tape, since bodies
+        name them by id. Returns the number of events written."""
+        core = self._core
+        w = self.writer
+        if w is None:
+            raise ValueError("append_history records: this recorder replays")
+        own: dict[str, list[Event]] = {}
+        n = 0
+        with core.lock:
+            for code, body, ev in frames:
+                aid = EVENT_HEAD.unpack_from(body, 0)[1]
+                if code == _ACTOR.code:
+                    if core.id_of(ev.actor) != aid:
+                        raise ValueError(f"actor {ev.actor!r} has id {aid} on the source tape, "
+                                         f"{core.id_of(ev.actor)} on this one")
+                    continue
+                if core.top_step is None or ev.step > core.top_step:  # as _emit: the step index
+                    core.top_step = ev.step
+                    w.note_step(ev.step)
+                w.append(code, body)
+                own.setdefault(ev.actor, []).append(ev)
+                n += 1
+            for name, history in own.items():
+                self.actor(name)._continue_after(history)
+        return n
 
     def actor(self, name: str) -> Actor:
         """The actor called ``name`` (created on first use; same object afterwards)."""

@@ -42,7 +42,6 @@ __all__ = ["replay", "record", "fork", "load_entry_point", "ReplayResult", "Dive
 
 _ACTOR_CODE = KIND_BY_NAME["actor"].code
 _PARAMS_CODE = KIND_BY_NAME["params"].code
-_SEND_CODE = KIND_BY_NAME["send"].code
 _SNAPSHOT_CODE = KIND_BY_NAME["snapshot"].code
 _BEGIN_CODE = KIND_BY_NAME["step_begin"].code
 
@@ -265,13 +264,8 @@ class Oracle:
             if e.code == code and e.step == step:
                 break
             skipped.append(self._next(actor._id, consume=True))  # type: ignore[arg-type]
-        if skipped:
-            last = self._decode(skipped[-1])
-            actor._set_clock(last.clock)
-            for s in skipped:
-                if s.code == _SEND_CODE:
-                    p = self._decode(s).payload
-                    actor._chan_seq[p["channel"]] = p["chan_seq"]
+        # the run resumes at a step it has just set itself
+        actor._continue_after([self._decode(s) for s in skipped], set_step=False)
 
     def _cut_index(self, aid: int) -> int | None:
         """Index in ``aid``'s queue of its ``snapshot`` event for ``align_snapshot``."""
@@ -292,14 +286,8 @@ class Oracle:
                                   actor.clock, None, None))
         q = self.queues[actor._id]
         skipped = [q.popleft() for _ in range(i + 1)]  # type: ignore[operator]
-        cut = self._decode(skipped[-1])
-        actor._set_clock(cut.clock)
-        if code != _BEGIN_CODE:  # a step_begin has just set the step it begins
-            actor.current_step = cut.step
-        for s in skipped:
-            if s.code == _SEND_CODE:
-                p = self._decode(s).payload
-                actor._chan_seq[p["channel"]] = p["chan_seq"]
+        # a step_begin has just set the step it begins
+        actor._continue_after([self._decode(s) for s in skipped], set_step=code != _BEGIN_CODE)
 
     def peek_decision(self, actor: Actor, code: int) -> dict[str, Any]:
         self.before(actor, code)

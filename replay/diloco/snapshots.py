@@ -469,55 +469,28 @@ def copy_cut(parent: Any, name: str, rec: Any) -> int:
 
     That is each actor's events up to and including its own ``snapshot`` event of
     ``name`` (an actor with no cut, the chaos scheduler, up to the syncer's), verbatim
-    and in the parent's order, with the actors declared under the same ids. A snapshot
-    cut is consistent, so every receive in this prefix has its send in it. Each actor
-    then continues from its cut: clock, step and channel counters as its last event
-    left them (what ``Oracle(align_snapshot=)`` does in force mode). Returns the number
+    and in the parent's order (:meth:`Recorder.append_history`, which also lets each
+    actor continue from its cut as a force-mode restore lines it up). A snapshot cut is
+    consistent, so every receive in this prefix has its send in it. Returns the number
     of events copied."""
     from replay.events import KIND_BY_NAME
-    from replay.tape.reader import EVENT_HEAD, decode_event
+    from replay.tape.reader import decode_event
 
-    actor_code, snap_code, send_code = (KIND_BY_NAME[k].code for k in ("actor", "snapshot", "send"))
+    actor_code, snap_code = KIND_BY_NAME["actor"].code, KIND_BY_NAME["snapshot"].code
     names: list[str] = []
-    frames = []
-    for _seg, fr in parent.frames():
-        frames.append((fr.kind, bytes(fr.body), decode_event(fr, names)))
+    frames = [(fr.kind, bytes(fr.body), decode_event(fr, names)) for _seg, fr in parent.frames()]
     cut_at: dict[str, int] = {}
     for i, (code, _body, ev) in enumerate(frames):
         if code == snap_code and ev.payload["snapshot_id"] == name:
             cut_at.setdefault(ev.actor, i)
     if "syncer" not in cut_at:
         raise SnapshotError("the tape holds no cut of the syncer for this snapshot", snapshot=name)
-    core = rec._core
-    writer = rec.writer
-    last: dict[str, Any] = {}
-    chan: dict[str, dict[str, int]] = {}
-    copied = 0
-    with core.lock:
-        for i, (code, body, ev) in enumerate(frames):
-            aid = EVENT_HEAD.unpack_from(body, 0)[1]
-            if code == actor_code:
-                if core.id_of(ev.actor) != aid:  # bodies name actors by id: the numbering must agree
-                    raise SnapshotError(f"actor {ev.actor!r} has id {aid} on the parent tape, "
-                                        f"{core.id_of(ev.actor)} on the new one", snapshot=name)
-                continue
-            if i > cut_at.get(ev.actor, cut_at["syncer"]):
-                continue
-            if core.top_step is None or ev.step > core.top_step:
-                core.top_step = ev.step
-                writer.note_step(ev.step)
-            writer.append(code, body)
-            copied += 1
-            last[ev.actor] = ev
-            if code == send_code:
-                p = ev.payload
-                chan.setdefault(ev.actor, {})[p["channel"]] = p["chan_seq"]
-        for a, ev in last.items():
-            act = rec.actor(a)
-            act._set_clock(ev.clock)
-            act.current_step = ev.step
-            act._chan_seq.update(chan.get(a, {}))
-    return copied
+    inside = [f for i, f in enumerate(frames)
+              if f[0] == actor_code or i <= cut_at.get(f[2].actor, cut_at["syncer"])]
+    try:
+        return int(rec.append_history(inside))
+    except ValueError as exc:
+        raise SnapshotError(f"cannot continue this tape: {exc}", snapshot=name) from None
 
 
 def continue_run(parent_tape: str | os.PathLike[str], snapshot: str | os.PathLike[str],
