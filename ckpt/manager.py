@@ -119,10 +119,9 @@ from .errors import (
     IncompleteCheckpointError,
     IntegrityError,
 )
-from .format.manifest import MANIFEST_NAME, decode_manifest
+from .format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest
 from .reader import CheckpointReader
 from .storage import Storage, local
-from .writer import TMP_PREFIX
 
 __all__ = [
     "CheckpointManager",
@@ -132,6 +131,7 @@ __all__ = [
     "ResumeFallbackWarning",
     "list_checkpoints",
     "plan_retention",
+    "apply_retention",
     "checkpoint_name",
 ]
 
@@ -693,23 +693,33 @@ class CheckpointManager:
         return tuple(removed)
 
     def _apply_retention(self) -> tuple[str, ...]:
-        records = list_checkpoints(self.run_dir, with_metrics=bool(self.retention.keep_best))
-        keep = plan_retention(records, self.retention)
-        deleted = []
-        for r in records:
-            if not r.committed or r.name in keep:
-                continue
-            # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
-            trash = os.path.join(self.run_dir, f"{TMP_PREFIX}del-{r.name}-{secrets.token_hex(4)}")
-            try:
-                self._storage.rename_dir(r.path, trash)
-            except FileNotFoundError:
-                continue
-            self._storage.remove_tree(trash)
-            deleted.append(r.name)
-        if deleted:
-            self._storage.fsync_dir(self.run_dir)
-        return tuple(deleted)
+        return apply_retention(self.run_dir, self.retention, storage=self._storage)
+
+
+def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage = local
+                    ) -> tuple[str, ...]:
+    """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
+    (:func:`plan_retention`); returns their names. The manager runs this after each
+    commit; anything else that commits checkpoints into a directory (a snapshotter) runs
+    it too, so that there is one retention routine."""
+    run_dir = os.fspath(run_dir)
+    records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best))
+    keep = plan_retention(records, policy)
+    deleted = []
+    for r in records:
+        if not r.committed or r.name in keep:
+            continue
+        # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
+        trash = os.path.join(run_dir, f"{TMP_PREFIX}del-{r.name}-{secrets.token_hex(4)}")
+        try:
+            storage.rename_dir(r.path, trash)
+        except FileNotFoundError:
+            continue
+        storage.remove_tree(trash)
+        deleted.append(r.name)
+    if deleted:
+        storage.fsync_dir(run_dir)
+    return tuple(deleted)
 
 
 def _with_stall(report: SaveReport, stall: float) -> SaveReport:

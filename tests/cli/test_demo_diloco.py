@@ -35,8 +35,8 @@ def _num(pattern: str, text: str) -> list[str]:
 
 def test_demo_report_claims_hold(quick_demo: tuple[Path, str]) -> None:
     from replay.check import check_tape
-    from replay.diloco.demo import demo_config
-    from replay.diloco.report import LOSS_TOLERANCE
+    from runs.diloco.demo import demo_config
+    from runs.diloco.report import LOSS_TOLERANCE
     from replay.tape import TapeReader
 
     out, text = quick_demo
