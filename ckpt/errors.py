@@ -6,6 +6,7 @@ keeps working for callers who do not know this package::
 
     CkptError
     ├── CheckpointNotFoundError      (FileNotFoundError)  no such checkpoint
+    │   └── CheckpointVanishedError                      removed (e.g. by retention) while read
     ├── IncompleteCheckpointError    (CkptError)          uncommitted / temporary dir
     ├── FormatError                  (ValueError)         bytes that do not parse
     │   ├── UnsupportedVersionError                       unknown major version
@@ -33,6 +34,7 @@ from typing import Any
 __all__ = [
     "CkptError",
     "CheckpointNotFoundError",
+    "CheckpointVanishedError",
     "IncompleteCheckpointError",
     "FormatError",
     "UnsupportedVersionError",
@@ -93,6 +95,12 @@ def _rebuild(cls, message, path, offset, key, context):  # pragma: no cover - tr
 
 class CheckpointNotFoundError(CkptError, FileNotFoundError):
     exit_code = 5
+
+
+class CheckpointVanishedError(CheckpointNotFoundError):
+    """The checkpoint was there when opened and is gone now: another process (retention,
+    a user) removed it while this reader was reading. Not corruption: the bytes read so
+    far were valid; a resume falls back to an older checkpoint."""
 
 
 class IncompleteCheckpointError(CkptError):

@@ -19,6 +19,8 @@ from ._pipeline import OrderedFeeder
 from .errors import (
     ChecksumMismatchError,
     CheckpointNotFoundError,
+    CheckpointVanishedError,
+    CkptError,
     FormatError,
     IncompleteCheckpointError,
     LimitExceededError,
@@ -29,7 +31,8 @@ from .errors import (
 )
 from .format.codec import zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
-from .format.manifest import MANIFEST_NAME, content_id, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
+from .format.context import check_context, check_entry_names
+from .format.manifest import MANIFEST_NAME, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
 from .format.safetensors import check_against_manifest, parse_header
 from .format.tree import decode_tree
 from .knobs import knobs
@@ -52,12 +55,16 @@ class VerifyReport:
 class _ChunkVerifier:
     """Compares each chunk's digest as soon as the chunk is complete."""
 
-    def __init__(self, path: str, entry: FileEntry) -> None:
+    def __init__(self, path: str, entry: FileEntry, *, first: int = 0, key: str | None = None) -> None:
+        """``first``: the chunk the fed bytes start at (a range, not the whole file)."""
         self.path = path
         self.entry = entry
+        self.first = first
+        self.key = key
         self.hasher = ChunkHasher(entry.chunk_size, self._check)
 
     def _check(self, idx: int, digest: bytes) -> None:
+        idx += self.first
         want = self.entry.digests[idx * DIGEST_SIZE : (idx + 1) * DIGEST_SIZE]
         if digest != want:
             cs = self.entry.chunk_size
@@ -66,6 +73,7 @@ class _ChunkVerifier:
                 f"chunk {idx} (bytes {lo}..{hi}) does not match its digest",
                 path=self.path,
                 offset=lo,
+                key=self.key,
                 chunk=idx,
                 byte_range=(lo, hi),
             )
@@ -78,6 +86,8 @@ class _ChunkVerifier:
 
 
 _PIPELINE_MIN_BYTES = 32 << 20
+#: the most a verifying read holds beside its destination (verify, lazy tensor reads)
+_VERIFY_PIECE = 8 << 20
 
 
 class _PipelinedVerifier:
@@ -169,13 +179,27 @@ class CheckpointReader:
         limit = knobs().max_manifest_bytes + 64
         if mst.st_size > limit:
             raise LimitExceededError(f"MANIFEST is {mst.st_size} bytes, above the limit", path=mpath)
-        manifest = decode_manifest(self._storage.read(mpath, 0, mst.st_size), path=mpath)
-        if content_id(manifest.parts) != manifest.id:
-            # The manifest digest covers the id, so this only trips on a writer bug or a
-            # hand-edited manifest that was re-signed: either way not what was written.
-            raise ChecksumMismatchError("manifest id does not match the digest of its parts", path=mpath, key="id")
-        self._check_files(manifest)
+        try:
+            data = self._storage.read(mpath, 0, mst.st_size)
+        except FileNotFoundError:
+            raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
+        manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
+        try:
+            self._check_files(manifest)
+        except MissingFileError:
+            self._raise_if_vanished()
+            raise
         return manifest
+
+    def _raise_if_vanished(self) -> None:
+        """Retention and replacement rename a checkpoint away before deleting it, so a
+        path that stops existing under a reader means "removed", not "corrupt"."""
+        try:
+            self._storage.lstat(os.path.join(self.path, MANIFEST_NAME))
+        except FileNotFoundError:
+            raise CheckpointVanishedError(
+                "the checkpoint was removed while it was being read (e.g. by retention)", path=self.path
+            ) from None
 
     def _check_files(self, m: Manifest) -> None:
         expected = {MANIFEST_NAME}
@@ -219,9 +243,23 @@ class CheckpointReader:
     def _fp(self, f: FileEntry) -> str:
         return os.path.join(self.path, f.name)
 
+    def _open_fd(self, fp: str) -> int:
+        try:
+            return os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
     # -- structure files ------------------------------------------------------------------
+    def _read(self, fp: str, offset: int, size: int) -> bytes:
+        try:
+            return self._storage.read(fp, offset, size)
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
     def _read_verified(self, f: FileEntry, verify: bool) -> bytes:
-        data = self._storage.read(self._fp(f), 0, f.size)
+        data = self._read(self._fp(f), 0, f.size)
         if len(data) != f.size:
             raise SizeMismatchError(f"read {len(data)} of {f.size} bytes", path=self._fp(f), offset=len(data))
         if verify:
@@ -242,6 +280,8 @@ class CheckpointReader:
             tree = decode_tree(raw, path=self._fp(f))
             if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
                 raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
+            check_entry_names(tree["state"], path=self._fp(f))
+            check_context(tree["context"], path=self._fp(f))
             self._trees[pe.name] = tree
         return self._trees[pe.name]
 
@@ -257,9 +297,9 @@ class CheckpointReader:
         if f is None or pe.name in self._headers:
             return
         fp = self._fp(f)
-        prefix = self._storage.read(fp, 0, 8)
+        prefix = self._read(fp, 0, 8)
         n, _ = parse_header(prefix, f.size, path=fp)
-        full = self._storage.read(fp, 0, 8 + n)
+        full = self._read(fp, 0, 8 + n)
         n, header = parse_header(full, f.size, path=fp)
         check_against_manifest(header, n, f.size, pe.tensors, path=fp)
         self._headers[pe.name] = (n, header)
@@ -287,24 +327,36 @@ class CheckpointReader:
         if last < first:
             return
         lo, hi = first * cs, min((last + 1) * cs, f.size)
-        # Read whole chunks into a scratch buffer (a lazy read of one tensor touches at
-        # most two extra partial chunks), verify, then copy out.
-        buf = bytearray(hi - lo)
-        got = self._storage.pread_into(fp, lo, memoryview(buf))
-        if got != hi - lo:
-            raise SizeMismatchError("file ended inside a tensor", path=fp, offset=lo + got, key=t.key)
-        view = memoryview(buf)
-        for idx in range(first, last + 1):
-            a, b = idx * cs - lo, min((idx + 1) * cs, f.size) - lo
-            if _digest(view[a:b]) != f.digests[idx * DIGEST_SIZE : (idx + 1) * DIGEST_SIZE]:
-                raise ChecksumMismatchError(
-                    f"chunk {idx} (bytes {lo + a}..{lo + b}) does not match its digest",
-                    path=fp,
-                    offset=lo + a,
-                    key=t.key,
-                    chunk=idx,
-                )
-        dst[:] = view[t.offset - lo : t.offset - lo + t.nbytes]
+        # Hash the chunks the tensor overlaps in pieces of at most _VERIFY_PIECE bytes,
+        # copying the tensor's bytes out as they pass: memory is the tensor plus one
+        # piece, never a whole declared chunk (a MANIFEST may declare 1 GiB chunks).
+        # When the chunks fit one piece (the usual case: 4 MiB chunks, small tensors),
+        # dst is written only after every chunk it overlaps has matched; a longer range
+        # is copied as it is verified, so after an error dst may hold part of the bytes.
+        if dst.format != "B" or dst.ndim != 1:
+            dst = dst.cast("B")
+        try:
+            whole = hi - lo <= _VERIFY_PIECE
+            scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
+            verifier = _ChunkVerifier(fp, f, first=first, key=t.key)
+            pos = lo
+            while pos < hi:
+                n = min(len(scratch), hi - pos)
+                piece = scratch[:n]
+                got = self._storage.pread_into(fp, pos, piece)
+                if got != n:
+                    raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got, key=t.key)
+                verifier.update(piece)
+                a, b = max(pos, t.offset), min(pos + n, t.offset + t.nbytes)
+                if a < b and not whole:
+                    dst[a - t.offset : b - t.offset] = piece[a - pos : b - pos]
+                pos += n
+            verifier.finish()
+            if whole:
+                dst[:] = scratch[t.offset - lo : t.offset - lo + t.nbytes]
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
 
     def stream_part_into(
         self,
@@ -326,7 +378,7 @@ class CheckpointReader:
         self._header(pe)
         n, _ = self._headers[pe.name]
         fp = self._fp(f)
-        fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        fd = self._open_fd(fp)
         verifier: _ChunkVerifier | _PipelinedVerifier | None = None
         try:
             if verify:
@@ -373,21 +425,25 @@ class CheckpointReader:
                     continue
                 fp = self._fp(f)
                 v = _ChunkVerifier(fp, f)
-                fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+                fd = self._open_fd(fp)
                 try:
-                    buf = bytearray(f.chunk_size)
-                    mv = memoryview(buf)
-                    for idx in range(chunk_count(f.size, f.chunk_size)):
-                        want = min(f.chunk_size, f.size - idx * f.chunk_size)
-                        got = preadv_full(fd, mv[:want], idx * f.chunk_size)
+                    # The buffer follows the bytes read, never the declared chunk size: a
+                    # MANIFEST may declare 1 GiB chunks for a 4 KiB file (§12).
+                    step = min(f.chunk_size, f.size, _VERIFY_PIECE) or 1
+                    mv = memoryview(bytearray(step))
+                    pos = 0
+                    while pos < f.size:
+                        want = min(step, f.size - pos)
+                        got = preadv_full(fd, mv[:want], pos)
                         if got != want:
-                            raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=idx * f.chunk_size + got)
+                            raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
                         v.update(mv[:want])
-                        report.chunks += 1
+                        pos += want
                         report.bytes += want
                         if progress is not None:
                             progress(want)
                     v.finish()
+                    report.chunks += chunk_count(f.size, f.chunk_size)
                 finally:
                     os.close(fd)
         return report
@@ -415,12 +471,6 @@ class CheckpointReader:
         from ._torchio import materialize_state
 
         return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
-
-
-def _digest(b: Any) -> bytes:
-    from .format.digest import digest_bytes
-
-    return digest_bytes(b)
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, storage: Storage = local) -> CheckpointReader:
