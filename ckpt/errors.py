@@ -16,6 +16,8 @@ keeps working for callers who do not know this package::
     │   ├── ChecksumMismatchError                         a chunk or manifest digest differs
     │   ├── SizeMismatchError                             truncated or extended file
     │   ├── MissingFileError                              a file the manifest names is absent
+    │   ├── CheckpointChangedError                        a file changed between the two passes
+    │   │                                                 of an in-place load (targets may be mixed)
     │   └── UnexpectedFileError                           a file the manifest does not name
     ├── CheckpointExistsError        (FileExistsError)    refusing to replace a checkpoint
     ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
@@ -44,6 +46,7 @@ __all__ = [
     "ChecksumMismatchError",
     "SizeMismatchError",
     "MissingFileError",
+    "CheckpointChangedError",
     "UnexpectedFileError",
     "CheckpointExistsError",
     "StateMismatchError",
@@ -147,6 +150,16 @@ class MissingFileError(IntegrityError):
 
 class UnexpectedFileError(IntegrityError):
     pass
+
+
+class CheckpointChangedError(IntegrityError):
+    """A committed file changed under an in-place load after its verifying pass.
+
+    Every chunk had matched in the first pass, so the file was modified in place while
+    the load copied it (the format forbids that; a media fault can do it). Unlike every
+    other load error, the targets may now hold a mix of old and new values: load a
+    checkpoint again (``CheckpointManager.resume`` does) before using them.
+    """
 
 
 class CheckpointExistsError(CkptError, FileExistsError):

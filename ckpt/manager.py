@@ -33,9 +33,12 @@ raised as ``BackgroundSaveError`` by the next call into the manager (``after_ste
 ``save``, ``wait``, ``resume`` or ``close``), never swallowed.
 
 **Latest valid.** ``resume()`` lists committed ``step-*`` directories (``.tmp-*`` are
-never candidates), newest first, verifies each in full and loads the first that
-verifies. Each one skipped is named in a ``ResumeFallbackWarning`` with the error that
-disqualified it (file, chunk, offset).
+never candidates), newest first, and loads the first that loads: every chunk verified
+and every check passed before any target is written (``ckpt.load`` is all or nothing),
+so it falls back past a checkpoint that fails *for any reason* (corrupt, content load
+cannot take, state that does not fit); only the strict exactness gate propagates. Each
+one skipped is named in a ``ResumeFallbackWarning`` with the error that disqualified it
+(file, chunk, offset).
 
 **Retention.** ``RetentionPolicy``: keep the last K, keep every step divisible by N, keep
 the best M by a metric passed to ``after_step(metrics=...)`` (stored in the manifest's
@@ -113,11 +116,8 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from .errors import (
     BackgroundSaveError,
-    CheckpointNotFoundError,
     CkptError,
-    FormatError,
-    IncompleteCheckpointError,
-    IntegrityError,
+    EnvironmentMismatchError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .reader import CheckpointReader
@@ -251,9 +251,11 @@ def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy)
     return {k: tuple(v) for k, v in keep.items()}
 
 
-# Errors that mean "this checkpoint is not usable": fall back to an older one. Other
-# errors (the state does not fit, strict environment gate) are the caller's to see.
-_UNUSABLE = (IntegrityError, FormatError, IncompleteCheckpointError, CheckpointNotFoundError)
+# resume() falls back past a checkpoint that fails to load for any reason (corrupt,
+# re-signed with content load cannot take, state that does not fit, vanished). Only
+# the caller's own refusal propagates: the strict exactness gate, which every older
+# checkpoint of the run would fail too (falling back would silently start afresh).
+_REFUSALS: tuple[type[BaseException], ...] = (EnvironmentMismatchError,)
 
 
 @dataclass(slots=True)
@@ -479,42 +481,71 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failure()
-        from ._torchio import load_into
+        from ._torchio import prepare_load
 
-        choice = ""
+        names: list[str] = []
         if self.rank == 0:
             for rec in reversed(list_checkpoints(self.run_dir)):
                 if not rec.committed:
                     warnings.warn(f"skipping {rec.path}: no MANIFEST, the save never committed", ResumeFallbackWarning, stacklevel=2)
                     continue
-                try:
-                    CheckpointReader(rec.path, storage=self._storage).verify()
-                except _UNUSABLE as e:
-                    warnings.warn(f"skipping {rec.path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=2)
-                    continue
-                choice = rec.name
-                break
+                names.append(rec.name)
         if self._ctl is not None:
-            choice = self._ctl.broadcast_bytes(choice.encode() if self.rank == 0 else None).decode()
-        if not choice:
-            return None
-        path = os.path.join(self.run_dir, choice)
-        reader = CheckpointReader(path, storage=self._storage)
-        part = None
-        if len(reader.parts) > 1 or self._dist is not None:
-            from .writer import part_name_for_rank
+            payload = "\n".join(names).encode() if self.rank == 0 else None
+            names = [n for n in self._ctl.broadcast_bytes(payload).decode().split("\n") if n]
+        changed: Exception | None = None  # an apply failed: targets stay unusable until a load succeeds
+        result = None
+        for choice in names:
+            path = os.path.join(self.run_dir, choice)
+            prepared = None
+            error: BaseException | None = None
+            try:
+                reader = CheckpointReader(path, storage=self._storage)
+                part = None
+                if len(reader.parts) > 1 or self._dist is not None:
+                    from .writer import part_name_for_rank
 
-            part = part_name_for_rank(self.rank)
-        result = load_into(
-            reader,
-            self.state,
-            part=part,
-            data=self.data,
-            generators=self.generators or None,
-            restore_rng_state=not defer_rng,
-            verify=self.rank != 0,  # rank 0 has just verified every byte
-            exactness=exactness or self.exactness,
-        )
+                    part = part_name_for_rank(self.rank)
+                # Every check and the hash of every chunk, before any target is written.
+                prepared = prepare_load(
+                    reader,
+                    self.state,
+                    part=part,
+                    data=self.data,
+                    generators=self.generators or None,
+                    restore_rng_state=not defer_rng,
+                    verify=True,
+                    exactness=exactness or self.exactness,
+                )
+            except _REFUSALS:
+                raise
+            except Exception as e:  # any reason: this checkpoint cannot be loaded here
+                error = e
+            failed = error is not None
+            if self._ctl is not None:  # all ranks load the same checkpoint or none does
+                failed = bool(self._ctl.all_reduce_max([int(failed)])[0])
+            if failed:
+                if prepared is not None:
+                    prepared.close()
+                why = f"{type(error).__name__}: {error}" if error is not None else "another rank could not load it"
+                warnings.warn(f"skipping {path}: {why}", ResumeFallbackWarning, stacklevel=2)
+                continue
+            assert prepared is not None
+            try:
+                result = prepared.apply()
+            except Exception as e:  # a file changed between the passes, a Stateful refused
+                if self._ctl is not None:
+                    raise  # ranks cannot agree on a fallback after some applied theirs
+                # The targets may be mixed now: only a complete load of an older
+                # checkpoint (which rewrites every target) makes them usable again.
+                changed = e
+                warnings.warn(f"skipping {path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=2)
+                continue
+            break
+        if result is None:
+            if changed is not None:
+                raise changed
+            return None
         if defer_rng:
             self._deferred_rng = result.context.get("rng")
         lineage = result.context.get("lineage") or {}
