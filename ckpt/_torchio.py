@@ -93,28 +93,40 @@ class _Plan:
         self.map_location = map_location
         self.cast = cast
         self.path = path
-        self.cpu_dest: dict[str, torch.Tensor] = {}  # key -> CPU tensor the bytes land in
-        self.final: dict[str, torch.Tensor] = {}  # key -> tensor that appears in the result
+        # Keyed by (part, tensor key): tensor keys are unique within a part only (a
+        # replicated entry's keys may repeat another part's).
+        self.cpu_dest: dict[tuple[str, str], torch.Tensor] = {}  # where the bytes land (CPU)
+        self.final: dict[tuple[str, str], torch.Tensor] = {}  # what appears in the result
         self.copy_after: list[tuple[torch.Tensor, torch.Tensor]] = []  # (src cpu, dst)
-        self.targets: set[str] = set()  # keys whose bytes land in memory the caller holds
+        self.targets: set[tuple[str, str]] = set()  # bytes that land in memory the caller holds
         self.in_place = 0
         self.fresh = 0
-        self._fresh_keys: list[str] = []
+        self._fresh_keys: list[tuple[str, str]] = []
 
-    def walk(self, saved: Any, cur: Any, entries: Mapping[str, TensorEntry], where: str) -> None:
+    def walk(self, saved: Any, cur: Any, pe: PartEntry, where: str) -> None:
+        self._walk(saved, cur, pe.name, {t.key: t for t in pe.tensors}, where)
+
+    def _walk(self, saved: Any, cur: Any, part: str, entries: Mapping[str, TensorEntry], where: str) -> None:
         if isinstance(saved, TensorRef):
-            self._tensor(saved.key, cur, entries, where)
+            self._tensor((part, saved.key), cur, entries, where)
         elif isinstance(saved, dict):
             for k, v in saved.items():
-                self.walk(v, _lookup(cur, k), entries, f"{where}/{k}")
+                self._walk(v, _lookup(cur, k), part, entries, f"{where}/{k}")
         elif isinstance(saved, (list, tuple)):
             for i, v in enumerate(saved):
-                self.walk(v, _lookup(cur, i), entries, f"{where}/{i}")
+                self._walk(v, _lookup(cur, i), part, entries, f"{where}/{i}")
 
-    def _tensor(self, key: str, cur: Any, entries: Mapping[str, TensorEntry], where: str) -> None:
+    def tensors_of(self, part: str) -> dict[str, torch.Tensor]:
+        """The result tensors of one part, by tensor key (what ``resolve`` looks up)."""
+        return {k: t for (p, k), t in self.final.items() if p == part}
+
+    def dest(self, part: str) -> Any:
+        return lambda t: tensor_memoryview(self.cpu_dest[(part, t.key)])
+
+    def _tensor(self, key: tuple[str, str], cur: Any, entries: Mapping[str, TensorEntry], where: str) -> None:
         if key in self.final:
             return  # an alias of a tensor already planned
-        e = entries[key]
+        e = entries[key[1]]
         want = dtypes.torch_dtype(e.dtype)
         if isinstance(cur, torch.Tensor) and cur.layout == torch.strided:
             if tuple(cur.shape) != e.shape or (cur.dtype != want and not self.cast):
@@ -239,6 +251,7 @@ class _Entry:
     saved: Any
     cur: Any
     via_load_state_dict: bool
+    part: str  # the part that holds the entry's bytes (a replica's source)
 
 
 @dataclass
@@ -278,13 +291,13 @@ class PreparedLoad:
             try:
                 if r.whole:
                     self.reader.stream_part_into(
-                        r.pe, lambda t: tensor_memoryview(plan.cpu_dest[t.key]), verify=self.verify, fd=r.fd
+                        r.pe, plan.dest(r.pe.name), verify=self.verify, fd=r.fd
                     )
                 else:
                     for t in r.pe.tensors:
                         if t.key in r.wanted:
                             self.reader.read_tensor_bytes_into(
-                                r.pe, t, tensor_memoryview(plan.cpu_dest[t.key]), verify=self.verify, fd=r.fd
+                                r.pe, t, plan.dest(r.pe.name)(t), verify=self.verify, fd=r.fd
                             )
             except (CkptError, OSError) as e:
                 raise CheckpointChangedError(
@@ -304,7 +317,7 @@ class PreparedLoad:
         reader, plan, ctx = self.reader, self.plan, self.ctx
         plan.finish()
         for name, ent in self.entries.items():
-            result = resolve(ent.saved, plan.final, reader.path)
+            result = resolve(ent.saved, plan.tensors_of(ent.part), reader.path)
             if not _stateful(ent.obj):
                 _assign(ent.obj, result, name, reader.path)
             elif not (isinstance(ent.obj, torch.nn.Module) and not ent.via_load_state_dict and _all_in_place(result, ent.cur)):
@@ -315,7 +328,7 @@ class PreparedLoad:
                 except (RuntimeError, KeyError, ValueError, TypeError) as e:
                     raise StateMismatchError(f"load_state_dict of {name!r} failed: {e}", path=reader.path, key=name) from None
         if self.data is not None:
-            self.data.load_state_dict(resolve(ctx["data"], plan.final, reader.path))
+            self.data.load_state_dict(resolve(ctx["data"], plan.tensors_of(self.pe.name), reader.path))
         restored: list[str] = []
         # RNG last: nothing above may consume a draw after the streams are restored. A
         # restore that fails halfway is rolled back to the streams as they were.
@@ -326,7 +339,7 @@ class PreparedLoad:
             except BaseException:
                 restore_rng(before, self.generators, path=reader.path)
                 raise
-        extra = resolve(ctx.get("extra"), plan.final, reader.path) if ctx.get("extra") is not None else None
+        extra = resolve(ctx.get("extra"), plan.tensors_of(self.pe.name), reader.path) if ctx.get("extra") is not None else None
         return LoadResult(
             path=reader.path,
             id=reader.manifest.id,  # type: ignore[attr-defined]
@@ -437,18 +450,18 @@ def prepare_load(
                 )
         elif not stateful:
             _check_assign(obj, saved, name, reader.path)
-        plan.walk(saved, cur, {t.key: t for t in src_pe.tensors}, name)
-        entries[name] = _Entry(obj, saved, cur, via_lsd)
+        plan.walk(saved, cur, src_pe, name)
+        entries[name] = _Entry(obj, saved, cur, via_lsd, src_pe.name)
     if data is not None:
         if ctx.get("data") is None:
             raise StateMismatchError("checkpoint holds no data-loader state", path=reader.path, key="@data")
-        plan.walk(ctx["data"], None, {t.key: t for t in pe.tensors}, "@data")
+        plan.walk(ctx["data"], None, pe, "@data")
     _check_rng_targets(reader, ctx, generators, restore_rng_state)
 
     prepared = PreparedLoad(reader, pe, ctx, plan, entries, [], data, generators, restore_rng_state, verify, diffs)
     try:
         for p in parts.values():
-            wanted = {t.key for t in p.tensors} & set(plan.cpu_dest)
+            wanted = {t.key for t in p.tensors if (p.name, t.key) in plan.cpu_dest}
             if not wanted:
                 continue
             opened = reader.open_tensor_file(p)
@@ -457,7 +470,7 @@ def prepare_load(
             fd, f = opened
             r = _Read(p, fd, f, wanted, whole=len(wanted) == len(p.tensors))
             prepared.reads.append(r)
-            if not wanted & plan.targets:
+            if not any((p.name, k) in plan.targets for k in wanted):
                 # Nothing here lands in a target: read it (verified) now, once.
                 _read_now(reader, r, plan, verify)
                 r.done = True
@@ -477,11 +490,11 @@ def prepare_load(
 
 def _read_now(reader: TensorSource, r: _Read, plan: _Plan, verify: bool) -> None:
     if r.whole:
-        reader.stream_part_into(r.pe, lambda t: tensor_memoryview(plan.cpu_dest[t.key]), verify=verify, fd=r.fd)
+        reader.stream_part_into(r.pe, plan.dest(r.pe.name), verify=verify, fd=r.fd)
         return
     for t in r.pe.tensors:
         if t.key in r.wanted:
-            reader.read_tensor_bytes_into(r.pe, t, tensor_memoryview(plan.cpu_dest[t.key]), verify=verify, fd=r.fd)
+            reader.read_tensor_bytes_into(r.pe, t, plan.dest(r.pe.name)(t), verify=verify, fd=r.fd)
 
 
 def load_into(reader: TensorSource, state: Mapping[str, Any] | None, **options: Any) -> LoadResult:
