@@ -10,6 +10,7 @@ time: ``ckpt inspect`` and ``ckpt verify`` use it without torch.
 from __future__ import annotations
 
 import os
+import queue
 import stat
 import threading
 from dataclasses import dataclass, field
@@ -475,18 +476,54 @@ class CheckpointReader:
         try:
             # The buffer follows the bytes read, never the declared chunk size: a
             # MANIFEST may declare 1 GiB chunks for a 4 KiB file (§12).
-            step = min(cs, end - pos, _VERIFY_PIECE) or 1
-            mv = memoryview(bytearray(step))
             start = pos
-            while pos < end:
-                want = min(step, end - pos)
-                got = preadv_full(fd, mv[:want], pos)
-                if got != want:
-                    raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
-                v.update(mv[:want])
-                pos += want
-                if progress is not None:
-                    progress(want)
+            if end - pos >= _PIPELINE_MIN_BYTES:
+                # Two half pieces: one is hashed on a second thread while the next is read
+                # (preadv and xxh3 release the GIL); memory stays one _VERIFY_PIECE.
+                step = _VERIFY_PIECE // 2
+                free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+                for _ in range(2):
+                    free.put(memoryview(bytearray(step)))
+                failed: list[BaseException] = []
+
+                def consume(item: tuple[memoryview, int]) -> None:
+                    buf, n = item
+                    try:
+                        if not failed:
+                            v.update(buf[:n])
+                    except BaseException as e:  # re-raised on the reading thread
+                        failed.append(e)
+                    finally:
+                        free.put(buf)  # always returned, or the reader would wait forever
+
+                feeder = OrderedFeeder(consume, "ckpt-verify")
+                try:
+                    while pos < end and not failed:
+                        want = min(step, end - pos)
+                        mv = free.get()
+                        got = preadv_full(fd, mv[:want], pos)
+                        if got != want:
+                            raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                        feeder.feed((mv, want))
+                        pos += want
+                        if progress is not None:
+                            progress(want)
+                finally:
+                    feeder.finish()
+                if failed:
+                    raise failed[0]
+            else:
+                step = min(cs, end - pos, _VERIFY_PIECE) or 1
+                mv = memoryview(bytearray(step))
+                while pos < end:
+                    want = min(step, end - pos)
+                    got = preadv_full(fd, mv[:want], pos)
+                    if got != want:
+                        raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                    v.update(mv[:want])
+                    pos += want
+                    if progress is not None:
+                        progress(want)
             v.finish()
         finally:
             if own_fd:
