@@ -102,7 +102,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import threading
 import time
@@ -118,11 +117,13 @@ from .errors import (
     FormatError,
     IncompleteCheckpointError,
     IntegrityError,
+    RunDirLockedError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .reader import CheckpointReader
-from .storage import Storage, local
-from .writer import TMP_PREFIX
+from .runlock import RunLock
+from .storage import Storage, is_space_error, local
+from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
     "CheckpointManager",
@@ -334,6 +335,7 @@ class CheckpointManager:
         self._failed: _Job | None = None
         self._deferred_rng: dict[str, Any] | None = None
         self._closed = False
+        self._space_short = False
         #: reports of completed saves, oldest first
         self.reports: list[SaveReport] = []
 
@@ -360,13 +362,30 @@ class CheckpointManager:
         if missing := [k for k in self.replicated if k not in self.state]:
             raise ValueError(f"replicated entries {missing} are not in the state")
 
+        # One writer per run directory: rank 0 holds the lock for the whole job, taken
+        # before orphan cleanup (which would otherwise delete a live writer's saves).
+        self._lock: RunLock | None = None
+        self.removed_orphans: tuple[str, ...] = ()
+        #: (temporary name, step name) of complete copies put back after a crash
+        self.restored_orphans: tuple[tuple[str, str], ...] = ()
+        refusal: BaseException | None = None
         if self.rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.removed_orphans = self._remove_orphans()
-        else:
-            self.removed_orphans = ()
+            try:
+                os.makedirs(self.run_dir, exist_ok=True)
+                self._lock = RunLock.acquire(self.run_dir, owner={"run_id": self.run_id, "world_size": self.world_size})
+                rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
+                self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
+            except BaseException as e:  # noqa: BLE001 - every rank must hear about it
+                refusal = e
         if self._ctl is not None:
-            self._ctl.barrier()
+            # Every rank raises together rather than waiting at a barrier rank 0 never reaches.
+            msg = None if self.rank != 0 else (b"" if refusal is None else f"{type(refusal).__name__}: {refusal}".encode())
+            why = self._ctl.broadcast_bytes(msg).decode()
+            if why and refusal is None:
+                refusal = RunDirLockedError(f"rank 0 could not open the run directory: {why}", path=self.run_dir)
+        if refusal is not None:
+            self._release_lock()
+            raise refusal
 
         self._old_handlers: dict[int, Any] = {}
         if signals and threading.current_thread() is threading.main_thread():
@@ -400,7 +419,14 @@ class CheckpointManager:
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the save happens at the next step boundary, in the loop's thread.
-        self._signal = signum
+        if not self._closed:
+            self._signal = signum
+        # Chain: the handler installed before ours still runs (a user's logging, a
+        # launcher's cleanup). SIG_DFL/SIG_IGN are not called: the default action of
+        # SIGTERM would kill the process before the save this handler exists for.
+        prev = self._old_handlers.get(signum)
+        if callable(prev):
+            prev(signum, frame)
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """What the signal handler does; for tests and for cooperative preemption."""
@@ -456,12 +482,21 @@ class CheckpointManager:
             self._closed = True
             for sig, old in self._old_handlers.items():
                 try:
-                    signal.signal(sig, old)
+                    # Only if ours is still installed: a handler installed after ours
+                    # (which may chain to ours) is not overwritten. Ours stays in its
+                    # chain, closed: it only forwards to the previous handler.
+                    if signal.getsignal(sig) == self._on_signal:
+                        signal.signal(sig, old)
                 except (ValueError, TypeError):  # pragma: no cover - not main thread
                     pass
-            self._old_handlers = {}
             if self._staging is not None:
                 self._staging.release()
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -634,7 +669,12 @@ class CheckpointManager:
         from .writer import abort, begin, commit, write_part
 
         t0 = time.perf_counter()
+        freed: tuple[str, ...] = ()
         try:
+            if self._space_short and self.rank == 0:
+                # The disk filled up before: retention after a commit can never run
+                # again if no commit fits, so delete now what the commit would delete.
+                freed = self._apply_retention(upcoming=job.step)
             if self._dist is not None:
                 self._dist.save(
                     job.path,
@@ -672,11 +712,15 @@ class CheckpointManager:
                 except BaseException:
                     abort(pending, storage=self._storage)
                     raise
-            deleted = self._apply_retention() if self.rank == 0 else ()
+            deleted = freed + (self._apply_retention() if self.rank == 0 else ())
             job.report = SaveReport(job.step, job.path, job.asynchronous, job.stall_s, time.perf_counter() - t0, job.nbytes, deleted)
             self.reports.append(job.report)
         except BaseException as e:  # noqa: BLE001 - surfaced at the next call
             job.error = e
+            if is_space_error(e):
+                # Sticky for this manager: on a disk that filled up once, every later
+                # save makes room first (never below the newest valid checkpoint).
+                self._space_short = True
         finally:
             # Drop references to staged tensors and frozen trees as soon as possible.
             job.state = {}
@@ -684,23 +728,24 @@ class CheckpointManager:
             job.done.set()
 
     # -- housekeeping ------------------------------------------------------------------
-    def _remove_orphans(self) -> tuple[str, ...]:
-        removed = []
-        for name in sorted(os.listdir(self.run_dir)):
-            if name.startswith(TMP_PREFIX):
-                self._storage.remove_tree(os.path.join(self.run_dir, name))
-                removed.append(name)
-        return tuple(removed)
-
-    def _apply_retention(self) -> tuple[str, ...]:
+    def _apply_retention(self, *, upcoming: int | None = None) -> tuple[str, ...]:
+        """Delete what the policy does not keep. With ``upcoming`` (a save about to be
+        written on a full disk), plan as if it had committed, but never delete the
+        newest checkpoint that verifies: if the save fails, that is the resume point."""
         records = list_checkpoints(self.run_dir, with_metrics=bool(self.retention.keep_best))
+        protect: set[str] = set()
+        if upcoming is not None:
+            protect = self._newest_valid(records)
+            if not any(r.step == upcoming for r in records):
+                name = checkpoint_name(upcoming)
+                records = sorted([*records, CheckpointRecord(name, os.path.join(self.run_dir, name), upcoming, True)], key=lambda r: r.step)
         keep = plan_retention(records, self.retention)
         deleted = []
         for r in records:
-            if not r.committed or r.name in keep:
+            if not r.committed or r.name in keep or r.name in protect or r.step == upcoming:
                 continue
             # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
-            trash = os.path.join(self.run_dir, f"{TMP_PREFIX}del-{r.name}-{secrets.token_hex(4)}")
+            trash = os.path.join(self.run_dir, tmp_name(r.name, DEL_SUFFIX))
             try:
                 self._storage.rename_dir(r.path, trash)
             except FileNotFoundError:
@@ -710,6 +755,19 @@ class CheckpointManager:
         if deleted:
             self._storage.fsync_dir(self.run_dir)
         return tuple(deleted)
+
+    def _newest_valid(self, records: Sequence[CheckpointRecord]) -> set[str]:
+        """Names of the committed checkpoints from the newest down to the newest one that
+        verifies in full (all of them if none does): none of these may be deleted."""
+        out: set[str] = set()
+        for r in reversed([r for r in records if r.committed]):
+            out.add(r.name)
+            try:
+                CheckpointReader(r.path, storage=self._storage).verify()
+            except (CkptError, OSError):
+                continue
+            break
+        return out
 
 
 def _with_stall(report: SaveReport, stall: float) -> SaveReport:
