@@ -73,16 +73,6 @@ OLD_SUFFIX = ".old"
 #: suffix of a checkpoint being deleted on purpose (retention)
 DEL_SUFFIX = ".del"
 
-# Tests set this to a callable taking the name of a point in the commit sequence
-# ("manifest-written", "exchanged", "moved-aside", ...) to kill the process there.
-_commit_hook: Callable[[str], None] | None = None
-
-
-def _point(name: str) -> None:
-    if _commit_hook is not None:
-        _commit_hook(name)
-
-
 @dataclass(frozen=True, slots=True)
 class PendingCheckpoint:
     """A checkpoint being written. Rebuild it in another process from the two paths
@@ -397,7 +387,6 @@ def commit(
         sink.discard()
         raise
     storage.fsync_dir(pending.tmp_dir)
-    _point("manifest-written")
     _publish(pending, storage)
     return manifest
 
@@ -415,17 +404,13 @@ def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
                 path=final,
             ) from None
     else:
-        _point("renamed")
         storage.fsync_dir(parent)
         return
     # overwrite: the final name holds the old checkpoint.
     if storage.exchange(tmp, final):
         # One atomic swap: the final name always holds a complete copy (old, then new).
-        _point("exchanged")
         storage.fsync_dir(parent)
-        _point("parent-synced")
         storage.remove_tree(tmp)  # now the old checkpoint
-        _point("old-removed")
         storage.fsync_dir(parent)
         return
     # No exchange on this filesystem: move the old aside, then the new into place. A
@@ -433,7 +418,6 @@ def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
     # one back (spec §10), so cleanup never deletes the only complete copy.
     aside = os.path.join(parent, tmp_name(os.path.basename(final), OLD_SUFFIX))
     storage.rename_dir(final, aside)
-    _point("moved-aside")
     try:
         storage.rename_noreplace(tmp, final)
     except BaseException:
@@ -443,11 +427,8 @@ def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
         except OSError:
             pass
         raise
-    _point("replaced")
     storage.fsync_dir(parent)
-    _point("parent-synced")
     storage.remove_tree(aside)
-    _point("old-removed")
     storage.fsync_dir(parent)
 
 
