@@ -9,8 +9,10 @@ file races with a process about to lock it).
 
 ``flock`` locks belong to the open file description: a second open of the file in the
 same process conflicts too, so two managers in one process are refused like two
-processes. A child made by ``fork`` shares the description and so the lock; the
-descriptor is ``O_CLOEXEC``, so programs started by ``exec`` do not. On NFS, Linux maps
+processes. A child made by ``fork`` (DataLoader workers) would share the description
+and keep the lock alive after its parent was SIGKILLed, so the descriptor is closed in
+every child right after ``os.fork`` (``os.register_at_fork``) and is ``O_CLOEXEC`` for
+programs started by ``exec``. On NFS, Linux maps
 ``flock`` to POSIX byte-range locks, held by the server (NFSv4 leases expire when the
 client dies).
 """
@@ -41,6 +43,15 @@ class RunLock:
         self._fd = fd
         # If the owner is dropped without release(), the descriptor (and lock) goes too.
         self._finalizer = weakref.finalize(self, os.close, fd)
+        _held.add(self)
+
+    def _drop_in_child(self) -> None:
+        # The child's copy of the descriptor only: the parent keeps its lock.
+        if self._finalizer.detach() is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
 
     @classmethod
     def acquire(cls, run_dir: str, *, owner: dict[str, object] | None = None) -> RunLock:
@@ -90,6 +101,17 @@ class RunLock:
         except OSError:
             pass
         self._finalizer()  # closes the descriptor: the kernel drops the lock
+
+
+_held: weakref.WeakSet[RunLock] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_held):
+        lock._drop_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _read_holder(fd: int) -> dict[str, object]:

@@ -93,6 +93,38 @@ def test_second_manager_is_refused_naming_pid_and_host_and_sigkill_leaves_no_sta
     assert [c.name for c in list_checkpoints(run)] == ["step-00000007"]
 
 
+HOLD_AND_FORK = """
+import os, sys
+from ckpt.manager import CheckpointManager
+mgr = CheckpointManager(sys.argv[1], {"counters": {"n": 1}}, signals=())
+child = os.fork()
+if child == 0:             # lingers like a DataLoader worker whose parent was killed
+    sys.stdin.readline()
+    os._exit(0)
+print("READY", os.getpid(), child, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_forked_child_outliving_a_killed_holder_does_not_keep_the_lock(tmp_path):
+    run = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD_AND_FORK), run], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ready, _, child = p.stdout.readline().split()
+    assert ready == "READY"
+    try:
+        assert "locked" in _last_json(_py(TRY, run).stdout)
+        p.kill()
+        p.wait(timeout=HANG)
+        os.kill(int(child), 0)  # the child is still alive, holding a copy of every fd
+        assert _last_json(_py(TRY, run).stdout) == {"saved": True}
+    finally:
+        p.stdin.close()
+        try:
+            os.kill(int(child), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_lock_is_held_for_the_lifetime_and_released_by_close_and_context_exit(tmp_path):
     run = tmp_path / "run"
     a = CheckpointManager(run, {"c": {"n": 1}}, signals=())
