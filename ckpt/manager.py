@@ -41,10 +41,24 @@ disqualified it (file, chunk, offset).
 the best M by a metric passed to ``after_step(metrics=...)`` (stored in the manifest's
 ``meta``). The sets are computed separately and united; anything else is deleted, but
 only after a new checkpoint has committed, and never the newest committed checkpoint
-(the one a crash would resume from). Deletion renames into a ``.tmp-`` name first, so a
-crash mid-delete leaves a directory no reader accepts rather than a torn checkpoint.
-Orphaned ``.tmp-*`` directories of crashed saves are removed when the manager starts.
-One manager (one job) writes a run directory at a time.
+(the one a crash would resume from). Deletion renames into a ``.tmp-<step>-<hex>.del`` name first,
+so a crash mid-delete leaves a directory no reader accepts rather than a torn checkpoint.
+**Full disk:** once a save has failed for space (ENOSPC/EDQUOT), every later save of
+this manager first deletes what its own commit would delete (planning as if it had
+committed), so the run does not wedge; the checkpoints from the newest down to the
+newest one that verifies in full are never deleted for this.
+
+**One writer per run directory.** The manager holds an exclusive ``flock`` on
+``<run_dir>/.ckpt-writer.lock`` from construction to ``close()`` (``ckpt.runlock``; rank 0
+holds it for a distributed job). A second manager, in this process or another, gets
+``RunDirLockedError`` naming the holder's pid and host; the kernel drops the lock when
+the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
+cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
+by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+
+**Signals.** The SIGTERM/SIGUSR1 handlers chain: the handler installed before the
+manager's is still called (after the flag is set), and ``close()`` puts it back unless
+someone installed another handler after the manager's.
 
 **Lineage.** Every checkpoint records ``run_id`` (kept across resumes: a resumed run is
 the same run) and ``resumed_from`` (the content id and name of the checkpoint this
