@@ -217,7 +217,7 @@ def test_save_under_a_process_group_refuses_and_one_rank_locks_for_the_job(tmp_p
 
 
 RACE = """
-import json, os, sys
+import json, os, sys, time
 import torch
 import ckpt
 from ckpt.errors import CheckpointExistsError
@@ -231,8 +231,8 @@ class MeetBeforePublish(LocalStorage):
         super().fsync_dir(p)
         if os.path.basename(p).startswith(".tmp-") and os.path.exists(os.path.join(p, "MANIFEST")):
             open(os.path.join(meet, me), "w").close()
-            while len(os.listdir(meet)) < 2:
-                os.sched_yield()
+            while len(os.listdir(meet)) < 2:   # waits for the other writer, however late
+                time.sleep(0.005)
 
 try:
     ckpt.save(path, {"who": torch.tensor([int(me)])}, step=1, storage=MeetBeforePublish(renameat2=use_rename2))
@@ -371,16 +371,18 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_retention_frees_space_before_the_next_save_after_enospc(small_tmpfs):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_retention_frees_space_before_the_next_save_after_enospc(small_tmpfs, async_save):
     # 2.8 MB of weights per checkpoint on an 8 MiB filesystem: two fit, a third does not.
     run = small_tmpfs / "run"
     w = {"w": torch.zeros(700_000)}
-    mgr = CheckpointManager(run, w, retention=RetentionPolicy(keep_last=2), signals=())
+    mgr = CheckpointManager(run, w, retention=RetentionPolicy(keep_last=2), async_save=async_save, signals=())
     outcome = {}
     for step in range(1, 9):
         w["w"].fill_(float(step))
         try:
             mgr.save(step)
+            mgr.wait()  # an async save's failure surfaces here
             outcome[step] = "ok"
         except ckpt.errors.BackgroundSaveError as e:
             assert isinstance(e.__cause__, OSError) and "No space left" in str(e.__cause__)
@@ -398,6 +400,7 @@ def test_retention_frees_space_before_the_next_save_after_enospc(small_tmpfs):
     (run / "step-00000008" / "rank-00000.safetensors").write_bytes(bytes(raw))
     with pytest.raises(ckpt.errors.BackgroundSaveError):
         mgr.save(9)
+        mgr.wait()
     assert [c.name for c in list_checkpoints(run)] == ["step-00000007", "step-00000008"]
     mgr.close()
     w2 = {"w": torch.zeros(700_000)}
@@ -409,7 +412,7 @@ def test_retention_frees_space_before_the_next_save_after_enospc(small_tmpfs):
 # --- 13. signal handlers are chained and restored --------------------------------------
 
 SIG = """
-import json, os, signal, sys
+import json, os, signal, sys, time
 import torch
 from ckpt.manager import CheckpointManager
 sig = getattr(signal, sys.argv[2])
@@ -420,9 +423,10 @@ signal.signal(sig, user_handler)
 mgr = CheckpointManager(sys.argv[1], {"w": torch.ones(3)}, signals=(signal.SIGTERM, signal.SIGUSR1))
 print("READY", flush=True)
 step = 0
-while not mgr.should_stop and step < 10_000_000:
+while not mgr.should_stop:   # ends once the signal has arrived, whenever that is
     step += 1
-    mgr.after_step(step)     # saves once the signal has arrived, then should_stop
+    mgr.after_step(step)     # saves at the boundary after the signal, then should_stop
+    time.sleep(0.01)
 mgr.close()
 print(json.dumps({"seen": seen, "stopped": mgr.should_stop, "saved": [r.step for r in mgr.reports],
                   "restored": signal.getsignal(sig) is user_handler,
