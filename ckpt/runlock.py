@@ -27,7 +27,7 @@ import socket
 import time
 import weakref
 
-from .errors import RunDirLockedError
+from .errors import CkptError, RunDirLockedError
 
 __all__ = ["RunLock", "LOCK_NAME"]
 
@@ -74,6 +74,11 @@ class RunLock:
                 path=path,
                 holder=holder,
             ) from None
+        except OSError as e:
+            os.close(fd)
+            # ENOLCK/EOPNOTSUPP: a filesystem without flock; writing unlocked is what
+            # let two jobs destroy each other's checkpoints, so refuse.
+            raise CkptError(f"cannot lock the run directory ({e.strerror}); use a filesystem with flock(2)", path=path) from e
         except BaseException:
             os.close(fd)
             raise
