@@ -396,7 +396,8 @@ class CheckpointManager:
             msg = None if self.rank != 0 else (b"" if refusal is None else f"{type(refusal).__name__}: {refusal}".encode())
             why = self._ctl.broadcast_bytes(msg).decode()
             if why and refusal is None:
-                refusal = RunDirLockedError(f"rank 0 could not open the run directory: {why}", path=self.run_dir)
+                cls = RunDirLockedError if why.startswith(RunDirLockedError.__name__ + ":") else CkptError
+                refusal = cls(f"rank 0 could not open the run directory: {why}", path=self.run_dir)
         if refusal is not None:
             self._release_lock()
             raise refusal
