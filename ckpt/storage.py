@@ -176,8 +176,6 @@ class LocalStorage:
         # Fallback: rename(2) of a directory fails onto a non-empty directory
         # (ENOTEMPTY/EEXIST) or a file (ENOTDIR). A committed checkpoint always holds a
         # MANIFEST, so only an empty directory could be replaced here, never a checkpoint.
-        if os.path.lexists(dst) and not os.path.isdir(dst):
-            raise FileExistsError(errno.EEXIST, "target exists", dst)
         try:
             os.rename(src, dst)
         except OSError as e:
