@@ -122,7 +122,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from .errors import (
     BackgroundSaveError,
@@ -147,6 +147,7 @@ __all__ = [
     "ResumeFallbackWarning",
     "list_checkpoints",
     "plan_retention",
+    "apply_retention",
     "checkpoint_name",
 ]
 
@@ -747,29 +748,11 @@ class CheckpointManager:
         """Delete what the policy does not keep. With ``upcoming`` (a save about to be
         written on a full disk), plan as if it had committed, but never delete the
         newest checkpoint that verifies: if the save fails, that is the resume point."""
-        records = list_checkpoints(self.run_dir, with_metrics=bool(self.retention.keep_best))
         protect: set[str] = set()
         if upcoming is not None:
-            protect = self._newest_valid(records)
-            if not any(r.step == upcoming for r in records):
-                name = checkpoint_name(upcoming)
-                records = sorted([*records, CheckpointRecord(name, os.path.join(self.run_dir, name), upcoming, True)], key=lambda r: r.step)
-        keep = plan_retention(records, self.retention)
-        deleted = []
-        for r in records:
-            if not r.committed or r.name in keep or r.name in protect or r.step == upcoming:
-                continue
-            # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
-            trash = os.path.join(self.run_dir, tmp_name(r.name, DEL_SUFFIX))
-            try:
-                self._storage.rename_dir(r.path, trash)
-            except FileNotFoundError:
-                continue
-            self._storage.remove_tree(trash)
-            deleted.append(r.name)
-        if deleted:
-            self._storage.fsync_dir(self.run_dir)
-        return tuple(deleted)
+            protect = self._newest_valid(list_checkpoints(self.run_dir))
+        return apply_retention(self.run_dir, self.retention, storage=self._storage,
+                               protect=protect, upcoming=upcoming)
 
     def _newest_valid(self, records: Sequence[CheckpointRecord]) -> set[str]:
         """Names of the committed checkpoints from the newest down to the newest one that
@@ -783,6 +766,39 @@ class CheckpointManager:
                 continue
             break
         return out
+
+
+def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage = local,
+                    protect: Iterable[str] = (), upcoming: int | None = None) -> tuple[str, ...]:
+    """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
+    (:func:`plan_retention`); returns their names. The manager runs this after each
+    commit; anything else that commits checkpoints into a directory (a snapshotter) runs
+    it too, so that there is one retention routine. Names in ``protect`` are never
+    deleted; ``upcoming`` plans as if that step had already committed (freeing space
+    before a save on a full disk) and is itself never deleted."""
+    run_dir = os.fspath(run_dir)
+    protected = set(protect)
+    records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best))
+    if upcoming is not None and not any(r.step == upcoming for r in records):
+        name = checkpoint_name(upcoming)
+        records = sorted([*records, CheckpointRecord(name, os.path.join(run_dir, name), upcoming, True)],
+                         key=lambda r: r.step)
+    keep = plan_retention(records, policy)
+    deleted = []
+    for r in records:
+        if not r.committed or r.name in keep or r.name in protected or r.step == upcoming:
+            continue
+        # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
+        trash = os.path.join(run_dir, tmp_name(r.name, DEL_SUFFIX))
+        try:
+            storage.rename_dir(r.path, trash)
+        except FileNotFoundError:
+            continue
+        storage.remove_tree(trash)
+        deleted.append(r.name)
+    if deleted:
+        storage.fsync_dir(run_dir)
+    return tuple(deleted)
 
 
 def _with_stall(report: SaveReport, stall: float) -> SaveReport:

@@ -40,6 +40,7 @@ from .format import dtypes
 from .format.codec import packb, zstd_compress
 from .format.manifest import (
     MANIFEST_NAME,
+    TMP_PREFIX,
     FileEntry,
     Manifest,
     PartEntry,
@@ -67,7 +68,6 @@ __all__ = [
     "Recovery",
 ]
 
-TMP_PREFIX = ".tmp-"
 #: suffix of a replaced checkpoint moved aside (fallback overwrite, §10)
 OLD_SUFFIX = ".old"
 #: suffix of a checkpoint being deleted on purpose (retention)
@@ -354,14 +354,18 @@ def _preview(wire: Any) -> Any:
 
 def commit(
     pending: PendingCheckpoint,
-    parts: Sequence[PartEntry],
+    parts: Sequence[PartEntry | Mapping[str, Any]],
     *,
     kind: str = "checkpoint",
     step: int | None = None,
     meta: Mapping[str, Any] | None = None,
     storage: Storage = local,
 ) -> Manifest:
-    """Write MANIFEST last, fsync, and rename the temporary directory into place."""
+    """Write MANIFEST last, fsync, and rename the temporary directory into place.
+
+    ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
+    crosses process boundaries as plain data)."""
+    parts = [p if isinstance(p, PartEntry) else PartEntry.from_dict(dict(p)) for p in parts]
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
         raise CkptError(f"duplicate part names {names}", path=pending.final)
