@@ -8,9 +8,11 @@ difference, ``tape check`` found violations. No torch at import time.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
+import stat
 from typing import Any, Callable, TypeVar
 
 import click
@@ -131,9 +133,12 @@ def show_cmd(path: str, actors: tuple[str, ...], kinds: tuple[str, ...], from_st
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @handle_errors
 def verify_cmd(path: str, as_json: bool) -> None:
-    """Check framing, checksums, sequence numbers, hash chain and event encoding.
+    """Check framing, checksums, sequence numbers, hash chain, every event and payload,
+    the step index against the records, and that the tape was closed.
 
-    Exit 0 valid; 3 corrupt (offset and seq named); 4 torn tail (repairable)."""
+    Exit 0 valid and closed; 3 corrupt (offset and seq named; a step index that disagrees
+    with the records too); 4 incomplete: a torn tail (repairable) or a tape that was never
+    closed (its writer died, or its end was cut off at a record boundary)."""
     from replay.tape import TapeReader
 
     r = TapeReader(path)
@@ -144,10 +149,14 @@ def verify_cmd(path: str, as_json: bool) -> None:
     else:
         feats = ", ".join(f for f, on in (("hash chain", r.header.chain), ("zstd blocks", r.header.zstd)) if on)
         click.echo(f"ok: {path}: {rep.events} events (seq 0..{rep.last_seq}) in {rep.segments} segment(s), "
-                   f"{rep.valid_bytes} bytes{' (' + feats + ')' if feats else ''}")
+                   f"{rep.valid_bytes} bytes{' (' + feats + ')' if feats else ''}, step index {rep.index}")
     if rep.dropped_bytes:
         click.echo(f"torn tail: {rep.dropped_bytes} bytes after the last valid record ({rep.torn_reason}); "
                    f"`ckpt tape repair {path}` truncates them", err=True)
+    if not rep.closed:
+        click.echo(f"not closed (ends at seq {rep.last_seq}): the tape has no close record, so its writer never "
+                   "finished or its end (records or segments) is missing", err=True)
+    if rep.dropped_bytes or not rep.closed:
         raise click.exceptions.Exit(4)
 
 
@@ -250,7 +259,9 @@ def _order(pair: tuple[Any, Any]) -> tuple[int, int]:
 def repair_cmd(path: str, dry_run: bool, salvage: bool) -> None:
     """Truncate a torn tail (explicitly, reporting the bytes), then rebuild the step index.
 
-    A corrupt middle record is refused (exit 3) unless --salvage is given."""
+    A corrupt middle record is refused (exit 3) unless --salvage is given. Never follows a
+    symlink: a segment that is one is refused, the index is replaced, not written through.
+    A repaired tape is still not closed (`tape verify` says so): what was lost stays lost."""
     from replay.tape import TapeReader
 
     r = TapeReader(path)
@@ -258,7 +269,8 @@ def repair_cmd(path: str, dry_run: bool, salvage: bool) -> None:
         for _ in r.frames(salvage=True):
             pass
     else:
-        r.verify()  # raises on a corrupt middle record
+        for _ in r.frames():  # raises on a corrupt middle record
+            pass
     seg, end = r.valid_end
     cuts: list[tuple[str, int, int]] = []  # (file, old size, new size)
     for i, p in enumerate(r.segment_paths):
@@ -277,16 +289,32 @@ def repair_cmd(path: str, dry_run: bool, salvage: bool) -> None:
         click.echo(f"{verb} {f}: {what}")
         if not dry_run:
             if new == 0 and f != str(r.segment_paths[0]):
-                os.remove(f)
+                os.remove(f)  # removes a link itself, never its target
             else:
-                with open(f, "r+b") as fh:
-                    fh.truncate(new)
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                _truncate_no_follow(f, new)
     click.echo(f"{'would drop' if dry_run else 'dropped'} {dropped} bytes ({r.torn_reason or 'torn tail'}); "
                f"{r.records} records kept")
     if not dry_run:
         TapeReader(path).rebuild_index()
+
+
+def _truncate_no_follow(path: str, size: int) -> None:
+    """Truncate a segment in place, refusing a symlink (it could point outside the tape)."""
+    from replay.errors import TapeFormatError
+
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TapeFormatError("segment is a symbolic link; repair never writes through one", path=path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TapeFormatError("segment is not a regular file", path=path)
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
