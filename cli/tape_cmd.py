@@ -339,20 +339,46 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
               help="verify: tape is the oracle; force: also take taped decisions; fork: record a new tape.")
 @click.option("--out", type=click.Path(path_type=str), default=None, help="fork: the new tape.")
 @click.option("--set", "sets", multiple=True, help="fork: change a config value, KEY=JSON (repeatable).")
-@click.option("--entry-point", default=None, help="Override the taped module:function.")
+@click.option("--entry-point", default=None,
+              help="Run this module:function (or file.py:function) instead of the taped one; naming it yourself "
+                   "counts as trusting it.")
+@click.option("--trust", is_flag=True,
+              help="Run the entry point the tape names. Without it (or the CKPT_REPLAY_TRUST allow-list) ckpt replay "
+                   "prints the entry point and the file it resolves to, and stops (exit 2).")
+@click.option("--import-path", "import_path", multiple=True, type=click.Path(file_okay=False, path_type=str),
+              help="Directory to import the entry point from (repeatable). The current directory is never added "
+                   "implicitly.")
 @click.option("--reference", type=click.Path(exists=True, path_type=str), default=None,
               help="A .safetensors file of the original run's tensors at the divergence step (max abs diffs).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
 @handle_errors
 def replay_cmd(path: str, from_checkpoint: str | None, until: int | None, mode: str, out: str | None,
-               sets: tuple[str, ...], entry_point: str | None, reference: str | None, as_json: bool) -> None:
-    """Re-execute the run recorded on a tape. Exit 0 identical, 6 diverged, 3 corrupt tape."""
-    from replay.replayer import replay
+               sets: tuple[str, ...], entry_point: str | None, trust: bool, import_path: tuple[str, ...],
+               reference: str | None, as_json: bool) -> None:
+    """Re-execute the run recorded on a tape. Exit 0 identical, 6 diverged, 3 corrupt tape.
+
+    Replaying imports and runs the tape's entry point: code, exactly like running the
+    training script. A tape from someone else can name any module or file, so by default
+    ckpt replay only prints the entry point and the file it resolves to, and exits 2.
+    Run it with --trust, or list its directory in CKPT_REPLAY_TRUST (directories
+    separated by the OS path separator). --entry-point names the code yourself. The
+    current directory is never put on sys.path; use --import-path DIR."""
+    from replay.replayer import TRUST_ENV, replay, resolve_entry_point, trusted_by_env
+    from replay.tape import TapeReader
 
     if mode == "fork" and not out:
         raise click.BadParameter("fork writes a new tape: give --out", param_hint="--out")
     if sets and mode != "fork":
         raise click.BadParameter("--set changes the run: use --mode fork", param_hint="--set")
+    spec = entry_point or TapeReader(path).meta.get("entry_point")
+    if spec:
+        ep = resolve_entry_point(str(spec), search_path=import_path)
+        click.echo(f"entry point: {ep.spec}\n  resolves to: {ep.file if ep.file is not None else '(not found)'}",
+                   err=True)
+        if not (trust or entry_point or trusted_by_env(ep)):
+            click.echo(f"refusing to run code named by the tape {path}: replaying runs it. Pass --trust if you "
+                       f"trust this tape, or list the file's directory in {TRUST_ENV}.", err=True)
+            raise click.exceptions.Exit(2)
     ref = None
     if reference is not None:
         from safetensors.torch import load_file
@@ -360,7 +386,8 @@ def replay_cmd(path: str, from_checkpoint: str | None, until: int | None, mode: 
         tensors = load_file(reference)
         ref = lambda step: tensors  # noqa: E731 - one file, whatever the step
     result = replay(path, mode=mode, from_checkpoint=from_checkpoint, until=until, reference=ref,
-                    entry_point=entry_point, out=out, config_overrides=_parse_set(sets) or None)
+                    entry_point=entry_point, out=out, config_overrides=_parse_set(sets) or None,
+                    search_path=import_path)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2, default=str))
     else:
