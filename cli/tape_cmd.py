@@ -8,11 +8,8 @@ difference, ``tape check`` found violations. No torch at import time.
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
-import os
-import stat
 from typing import Any, Callable, TypeVar
 
 import click
@@ -262,59 +259,17 @@ def repair_cmd(path: str, dry_run: bool, salvage: bool) -> None:
     A corrupt middle record is refused (exit 3) unless --salvage is given. Never follows a
     symlink: a segment that is one is refused, the index is replaced, not written through.
     A repaired tape is still not closed (`tape verify` says so): what was lost stays lost."""
-    from replay.tape import TapeReader
+    from replay import repair_tape
 
-    r = TapeReader(path)
-    if salvage:
-        for _ in r.frames(salvage=True):
-            pass
-    else:
-        for _ in r.frames():  # raises on a corrupt middle record
-            pass
-    seg, end = r.valid_end
-    cuts: list[tuple[str, int, int]] = []  # (file, old size, new size)
-    for i, p in enumerate(r.segment_paths):
-        size = p.stat().st_size
-        if i == seg and size > end:
-            cuts.append((str(p), size, end))
-        elif i > seg:
-            cuts.append((str(p), size, 0))
-    if not cuts:
-        click.echo(f"ok: {path}: nothing to repair ({r.records} records)")
+    rep = repair_tape(path, dry_run=dry_run, salvage=salvage)
+    if not rep.cuts:
+        click.echo(f"ok: {path}: nothing to repair ({rep.records} records)")
         return
-    dropped = sum(old - new for _, old, new in cuts)
-    for f, old, new in cuts:
+    for c in rep.cuts:
         verb = "would truncate" if dry_run else "truncated"
-        what = "remove" if new == 0 and f != str(r.segment_paths[0]) else f"{old} -> {new} bytes"
-        click.echo(f"{verb} {f}: {what}")
-        if not dry_run:
-            if new == 0 and f != str(r.segment_paths[0]):
-                os.remove(f)  # removes a link itself, never its target
-            else:
-                _truncate_no_follow(f, new)
-    click.echo(f"{'would drop' if dry_run else 'dropped'} {dropped} bytes ({r.torn_reason or 'torn tail'}); "
-               f"{r.records} records kept")
-    if not dry_run:
-        TapeReader(path).rebuild_index()
-
-
-def _truncate_no_follow(path: str, size: int) -> None:
-    """Truncate a segment in place, refusing a symlink (it could point outside the tape)."""
-    from replay.errors import TapeFormatError
-
-    try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise TapeFormatError("segment is a symbolic link; repair never writes through one", path=path) from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise TapeFormatError("segment is not a regular file", path=path)
-        os.ftruncate(fd, size)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        click.echo(f"{verb} {c.file}: {'remove' if c.remove else f'{c.old_size} -> {c.new_size} bytes'}")
+    click.echo(f"{'would drop' if dry_run else 'dropped'} {rep.dropped_bytes} bytes ({rep.reason}); "
+               f"{rep.records} records kept")
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ bytes are reproduced exactly, so a format change cannot slip in unnoticed).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
@@ -15,13 +16,12 @@ from typing import Any
 
 import msgpack
 import pytest
-import xxhash
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from replay.digest import config_hash  # noqa: E402
+from ckpt.context.config import config_hash  # noqa: E402
 from replay.errors import TapeCorruptError, TapeFormatError, TapeTruncatedError  # noqa: E402
 from replay.events import FIELD_TYPES, KIND_BY_NAME, KINDS  # noqa: E402
 from replay.tape.index import IndexEntry, encode_entry, encode_index_header  # noqa: E402
@@ -191,9 +191,8 @@ def test_config_hash_vectors() -> None:
     assert [c["config"] for c in cases] == [c["config"] for c in CONFIG_HASH_CASES]
     for c in cases:
         assert config_hash(c["config"]) == c["config_hash"]
-    # One reading (§4): the hash of the canonical form, spelled out here by hand.
-    canon = [["a", 1]]
-    assert config_hash({"a": 1}) == xxhash.xxh3_128_hexdigest(msgpack.packb(canon))
+    # One reading (§4 -> checkpoint-format.md §8.2), spelled out here by hand.
+    assert config_hash({"b": 1, "a": 2.5}) == "sha256:" + hashlib.sha256(msgpack.packb({"a": 2.5, "b": 1})).hexdigest()
 
 
 def _section(title: str) -> str:
