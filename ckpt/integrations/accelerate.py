@@ -62,7 +62,10 @@ def _state(acc: Accelerator) -> dict[str, Any]:
     for i, s in enumerate(acc._schedulers):
         state[f"scheduler_{i}"] = _inner(s, "scheduler")
     for i, d in enumerate(acc._dataloaders):
-        if not (callable(getattr(d, "state_dict", None)) and callable(getattr(d, "load_state_dict", None))):
+        # Accelerate's DataLoaderShard always has state_dict(); it works only when it
+        # wraps a StatefulDataLoader (use_stateful_dataloader=True).
+        stateful = getattr(d, "use_stateful_dataloader", True) is not False
+        if not (stateful and callable(getattr(d, "state_dict", None)) and callable(getattr(d, "load_state_dict", None))):
             raise UnsupportedValueError(
                 f"prepared dataloader {i} ({type(d).__name__}) has no state_dict(): its position cannot be saved. "
                 "Use Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))",
@@ -124,6 +127,10 @@ def resumed_iter(loader: Any, result: Any) -> Iterator[Any]:
     random augmentation in the main process; workers get their seeds from the new base
     seed, so random augmentation inside workers is not exact: use
     ``ckpt.data.ResumableLoader``).
+
+    Not exact yet for a prepared ``StatefulDataLoader`` checkpointed right after the last
+    batch of an epoch: its resumed iterator starts the next epoch drawing fewer seeds from
+    the global RNG than the saved run's fresh iterator did (measured; mid-epoch is exact).
     """
     it = iter(loader)
     try:

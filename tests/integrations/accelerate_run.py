@@ -20,6 +20,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 import ckpt  # noqa: E402
+from ckpt.data import ResumableLoader  # noqa: E402
 from ckpt.integrations.accelerate import CkptAccelerator  # noqa: E402
 from ckpt.manager import checkpoint_name, list_checkpoints  # noqa: E402
 
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--loader", choices=("resumable", "stateful"), default="resumable")
     a = p.parse_args()
     torch.set_num_threads(1)
     set_seed(0)
@@ -51,9 +53,14 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     g = torch.Generator().manual_seed(7)
     data = torch.utils.data.TensorDataset(torch.randn(44, 6, generator=g), torch.randn(44, 1, generator=g))
-    loader = StatefulDataLoader(data, batch_size=4, shuffle=True)  # 11 micro-batches per epoch
-    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     counters = Counters()
+    if a.loader == "stateful":  # prepared by Accelerate: its position is saved as dataloader_0
+        loader = StatefulDataLoader(data, batch_size=4, shuffle=True)  # 11 micro-batches per epoch
+        model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    else:  # ckpt's loader shards by rank itself: registered, not prepared
+        loader = ResumableLoader(data, seed=3, global_batch_size=4 * acc.num_processes, drop_last=False)
+        model, opt, sched = acc.prepare(model, opt, sched)
+        acc.register_for_checkpointing(loader)
     acc.register_for_checkpointing(counters)
 
     done = [r for r in list_checkpoints(a.run_dir) if r.committed]
