@@ -156,3 +156,18 @@ def test_torchdata_stateful_dataloader_resumes_mid_epoch_exactly(tmp_path: Path,
     tail, wr = _sdl_run(tmp_path / "b", 25, with_generator=with_generator)
     assert tail == straight[12:]
     assert ws.keys() == wr.keys() and all(torch.equal(ws[k], wr[k]) for k in ws)
+
+
+def test_import_ckpt_never_imports_the_integrations_or_their_libraries() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ckpt, ckpt.integrations; from ckpt import CheckpointManager; import ckpt.data; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('transformers', 'lightning', 'pytorch_lightning', 'accelerate', 'torchdata') "
+        "or m.startswith('ckpt.integrations.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"
