@@ -171,3 +171,14 @@ def test_import_ckpt_never_imports_the_integrations_or_their_libraries() -> None
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]"
+
+
+def test_the_spec_worked_example_of_a_config_with_int_keys() -> None:
+    import re
+
+    spec = (Path(__file__).resolve().parents[2] / "spec" / "checkpoint-format.md").read_text(encoding="utf-8")
+    m = re.search(r"config\s+`(\{.*?\})` has `canonical` \(hex\)\s+`([0-9a-f]+)` and `hash`\s+`(sha256:[0-9a-f]+)`", spec, re.S)
+    assert m is not None
+    cfg = {"n_layer": 2, "id2label": {1: "B", 0: "A"}}
+    assert m.group(1) == '{"n_layer": 2, "id2label": {1: "B", 0: "A"}}'
+    assert canonical_config(cfg).hex() == m.group(2) and config_hash(cfg) == m.group(3)
