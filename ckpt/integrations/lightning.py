@@ -19,15 +19,20 @@ Lightning itself does not save. Loading reads it back verified.
 
 Why a callback too: Lightning loads the checkpoint before it creates the data iterator,
 and creating it draws from the global RNG. ``io.rng_callback`` restores the saved streams
-at the first ``on_train_batch_start`` after a load, when the iterator exists and the
-batch is fetched: for a checkpoint taken mid-epoch this is where the saved run stood.
+at the first ``on_train_epoch_start`` or ``on_train_batch_start`` after a load, whichever
+comes first: resumed mid-epoch, Lightning skips the epoch-start hook and the iterator
+exists by the first batch, which is where the saved run stood; resumed at an epoch
+boundary, the next epoch's iterator is created after its epoch-start hook, as in the
+saved run.
 
 Checkpoint names may hold only ``A-Z a-z 0-9 . _ -`` (Lightning's default
 ``epoch=0-step=5.ckpt`` has ``=``): give ``ModelCheckpoint`` a filename as above.
 
 Exact (tested in fresh processes): model, optimizer, scheduler, loop state, data position
 (``torchdata.stateful_dataloader.StatefulDataLoader``), RNG, for a checkpoint taken
-mid-epoch. Not supported yet: ``ckpt_path="last"``/``"hpc"`` lookups (pass the path),
+mid-epoch. Not exact yet: a checkpoint taken at the last batch of an epoch (Lightning
+resumes the exhausted ``StatefulDataLoader`` as one extra, empty epoch; data order and
+RNG match, but ``current_epoch`` and per-epoch schedules run one ahead). Not supported yet: ``ckpt_path="last"``/``"hpc"`` lookups (pass the path),
 ``storage_options``, async checkpointing, sharded strategies (FSDP/DeepSpeed), more than
 one process.
 """
@@ -50,13 +55,19 @@ class _RestoreRNG(Callback):
     def __init__(self, io: CkptCheckpointIO) -> None:
         self._io = io
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def _restore(self) -> None:
         from ..context.rng import restore_rng
 
         pending, self._io._pending_rng = self._io._pending_rng, None
         if pending is not None:
             rng, path = pending
             restore_rng(rng, None, path=path)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._restore()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._restore()
 
 
 class CkptCheckpointIO(CheckpointIO):
