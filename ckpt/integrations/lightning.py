@@ -30,9 +30,10 @@ Checkpoint names may hold only ``A-Z a-z 0-9 . _ -`` (Lightning's default
 
 Exact (tested in fresh processes): model, optimizer, scheduler, loop state, data position
 (``torchdata.stateful_dataloader.StatefulDataLoader``), RNG, for a checkpoint taken
-mid-epoch. Not exact yet: a checkpoint taken at the last batch of an epoch (Lightning
-resumes the exhausted ``StatefulDataLoader`` as one extra, empty epoch; data order and
-RNG match, but ``current_epoch`` and per-epoch schedules run one ahead). Not supported yet: ``ckpt_path="last"``/``"hpc"`` lookups (pass the path),
+mid-epoch. Not exact yet: a checkpoint taken at the last batch of an epoch. The epoch
+count and the data order are right (the exhausted loader state is marked finished on
+load), but the global torch RNG ends one draw short: Lightning creates the next epoch's
+iterator (one base-seed draw) before any hook a callback can restore in. Not supported yet: ``ckpt_path="last"``/``"hpc"`` lookups (pass the path),
 ``storage_options``, async checkpointing, sharded strategies (FSDP/DeepSpeed), more than
 one process.
 """
@@ -68,6 +69,30 @@ class _RestoreRNG(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._restore()
+
+
+def _mark_exhausted_loader_state(checkpoint: dict[str, Any]) -> bool:
+    """Mark the data-loader state of a checkpoint taken at the last batch of an epoch as
+    finished.
+
+    Lightning's prefetching fetcher has not seen ``StopIteration`` when it saves after the
+    epoch's last batch, so a ``StatefulDataLoader`` state says "all batches yielded" but
+    not "finished". Restored as is, the next iterator replays the empty remainder and
+    Lightning counts one extra, empty epoch. Marked finished, the next iterator starts the
+    next epoch with the sampler's generator continued, as in the saved run.
+    """
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not isinstance(fit, dict):
+        return False
+    progress = fit.get("epoch_loop.batch_progress")
+    states = (fit.get("state_dict") or {}).get("combined_loader")
+    if not (isinstance(progress, dict) and progress.get("is_last_batch") and isinstance(states, list) and states):
+        return False
+    if all(isinstance(s, dict) and "_iterator_finished" in s for s in states):
+        for s in states:
+            s["_iterator_finished"] = True
+        return True
+    return False
 
 
 class CkptCheckpointIO(CheckpointIO):
@@ -114,7 +139,9 @@ class CkptCheckpointIO(CheckpointIO):
                            restore_rng_state=False, exactness=self.exactness)
         rng = result.context.get("rng")
         self._pending_rng = (rng, result.path) if rng is not None else None
-        return target["checkpoint"]
+        checkpoint = target["checkpoint"]
+        _mark_exhausted_loader_state(checkpoint)
+        return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
         p = os.fspath(path)
