@@ -20,7 +20,9 @@ keeps working for callers who do not know this package::
     ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
     ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
-    └── BackgroundSaveError          (RuntimeError)       an async save failed earlier
+    ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
+    ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
+    └── DistributedUsageError        (RuntimeError)       single-process API under a process group
 
 Every instance carries ``path`` (the file), and where known ``offset`` (a byte offset
 in that file) or ``key`` (a key path in the state tree); ``str(err)`` names them.
@@ -48,6 +50,8 @@ __all__ = [
     "EnvironmentMismatchError",
     "UnsupportedValueError",
     "BackgroundSaveError",
+    "RunDirLockedError",
+    "DistributedUsageError",
 ]
 
 
@@ -161,3 +165,11 @@ class UnsupportedValueError(CkptError, TypeError):
 
 class BackgroundSaveError(CkptError, RuntimeError):
     """An asynchronous save failed; raised at the next call into the manager."""
+
+
+class RunDirLockedError(CkptError, BlockingIOError):
+    """Another live process holds the run directory's writer lock (its pid and host named)."""
+
+
+class DistributedUsageError(CkptError, RuntimeError):
+    """A single-process API called under a multi-rank process group; use the distributed one."""
