@@ -132,6 +132,7 @@ from .errors import (
     CkptError,
     EnvironmentMismatchError,
     RunDirLockedError,
+    UnsupportedValueError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .reader import CheckpointReader
@@ -326,6 +327,7 @@ class CheckpointManager:
             raise ValueError(f"every_seconds must be > 0 or None, got {every_seconds}")
         if exactness not in ("strict", "warn", "off"):
             raise ValueError(f"exactness must be 'strict', 'warn' or 'off', not {exactness!r}")
+        _check_data_source(data)
         self.run_dir = os.path.abspath(os.fspath(run_dir))
         self.state = dict(state)
         self.data = data
@@ -563,7 +565,8 @@ class CheckpointManager:
                     self.state,
                     part=part,
                     data=self.data,
-                    generators=self.generators or None,
+                    # deferred: restore_rng() restores the generators with the other streams
+                    generators=None if defer_rng else (self.generators or None),
                     restore_rng_state=not defer_rng,
                     verify=True,
                     exactness=exactness or self.exactness,
@@ -830,6 +833,22 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
     if deleted:
         storage.fsync_dir(run_dir)
     return tuple(deleted)
+
+
+def _check_data_source(data: Any) -> None:
+    """Refuse, at construction, a ``data=`` that cannot be saved: the first save would
+    otherwise fail many steps into the run (a plain DataLoader has no position)."""
+    if data is None:
+        return
+    missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(data, m, None))]
+    if missing:
+        t = type(data)
+        raise UnsupportedValueError(
+            f"data= must have state_dict() and load_state_dict(); {t.__module__}.{t.__qualname__} has no "
+            f"{' or '.join(m + '()' for m in missing)}. A plain torch DataLoader keeps no position: use "
+            "ckpt.data.ResumableLoader or torchdata.stateful_dataloader.StatefulDataLoader",
+            key="@data",
+        )
 
 
 def _with_stall(report: SaveReport, stall: float) -> SaveReport:
