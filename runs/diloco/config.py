@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 __all__ = ["DiLoCoConfig"]
 
+MERGES = ("mean", "rda")
+
 
 @dataclass(frozen=True, slots=True)
 class DiLoCoConfig:
@@ -43,6 +45,9 @@ class DiLoCoConfig:
     warmup: int = 8
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # how the learners' outer gradients are averaged: "mean" (token-weighted) or "rda"
+    # (radial-directional: norms and directions averaged separately; merge.py)
+    merge: str = "mean"
     # adaptive grace window, "Eq. 3": gamma * (tau * xi_step - xi_quorum - xi_sync), in [0, cap]
     grace_gamma: float = 1.0
     overlap_tau: int = 2
@@ -100,7 +105,10 @@ class DiLoCoConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown DiLoCo config keys: {unknown}")
-        return cls(**dict(d))
+        cfg = cls(**dict(d))
+        if cfg.merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, got {cfg.merge!r}")
+        return cfg
 
     def with_(self, **changes: Any) -> "DiLoCoConfig":
         return replace(self, **changes)

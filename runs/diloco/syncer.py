@@ -38,6 +38,7 @@ from runs.diloco.chaos import Schedule
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
 from runs.diloco.link import Link
+from runs.diloco.merge import average
 from runs.diloco.model import build_model, eval_loss
 from runs.diloco.tapeio import LocalTape, LogApplier, MsgRef, actor_of
 from runs.diloco.snapshots import message_from_snapshot, snapshot_message, snapshot_name
@@ -63,12 +64,20 @@ class SyncerCore:
         if not contribs or total <= 0.0:
             return [t.clone() for t in self.theta[p]]
         mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        rda = None
+        if self.cfg.merge == "rda":
+            # the learners' outer gradients (theta - learner), averaged radially-directionally
+            rda = average("rda", [[cur.to(torch.float64) - c[j].to(torch.float64)
+                                   for j, cur in enumerate(self.theta[p])] for c in contribs], weights)
         new = []
         for j, cur in enumerate(self.theta[p]):
-            acc = torch.zeros(cur.shape, dtype=torch.float64)
-            for w, c in zip(weights, contribs):
-                acc += (w / total) * c[j].to(torch.float64)
-            delta = cur.to(torch.float64) - acc
+            if rda is not None:
+                delta = rda[j]
+            else:
+                acc = torch.zeros(cur.shape, dtype=torch.float64)
+                for w, c in zip(weights, contribs):
+                    acc += (w / total) * c[j].to(torch.float64)
+                delta = cur.to(torch.float64) - acc
             v = mu * self.mom[p][j].to(torch.float64) + delta
             self.mom[p][j] = v.to(torch.float32)
             upd = cur.to(torch.float64) - lr * (delta + mu * v)
