@@ -21,6 +21,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
+from ckpt import PendingCheckpoint
 from replay.errors import SnapshotError
 
 __all__ = [
@@ -35,12 +36,9 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Pending:
-    """A snapshot being written; two strings, so markers can carry it to every process."""
-
-    final: str
-    tmp_dir: str
+# A snapshot being written is a checkpoint being written: ckpt's record of it (two
+# strings, final and tmp_dir, so markers can carry it to every process).
+Pending = PendingCheckpoint
 
 
 class SnapshotStore(Protocol):
@@ -217,21 +215,14 @@ class CkptSnapshotStore:
     def begin(self, name: str) -> Pending:
         import ckpt
 
-        p = ckpt.begin(self.path(name))
-        return Pending(p.final, p.tmp_dir)
-
-    @staticmethod
-    def _ckpt_pending(pending: Pending) -> Any:
-        import ckpt
-
-        return ckpt.PendingCheckpoint(final=pending.final, tmp_dir=pending.tmp_dir)
+        return ckpt.begin(self.path(name))
 
     def write_part(self, pending: Pending, part: str, state: Mapping[str, Any], *, step: int,
                    extra: Mapping[str, Any], rng: Mapping[str, Any] | None, data: Any = None,
                    config: Any = None) -> dict[str, Any]:
         import ckpt
 
-        rec = ckpt.write_part(self._ckpt_pending(pending), part, state, step=step, extra=dict(extra),
+        rec = ckpt.write_part(pending, part, state, step=step, extra=dict(extra),
                               rng=rng if rng is not None else False, data=data, config=config)
         return rec.to_dict()
 
@@ -239,13 +230,13 @@ class CkptSnapshotStore:
                meta: Mapping[str, Any]) -> None:
         import ckpt
 
-        ckpt.commit(self._ckpt_pending(pending), [dict(r) for r in records], kind="snapshot", step=step,
+        ckpt.commit(pending, [dict(r) for r in records], kind="snapshot", step=step,
                     meta=dict(meta))
 
     def abort(self, pending: Pending) -> None:
         import ckpt
 
-        ckpt.abort(self._ckpt_pending(pending))
+        ckpt.abort(pending)
 
     def _reader(self, name: str) -> Any:
         import ckpt
