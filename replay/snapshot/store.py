@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
 import torch
