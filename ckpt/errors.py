@@ -20,7 +20,10 @@ keeps working for callers who do not know this package::
     ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
     ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
-    └── BackgroundSaveError          (RuntimeError)       an async save failed earlier
+    ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
+    ├── TapeDataError                (FormatError)        tape bytes (ckpt.tape framing)
+    │   ├── TapeCorruptError / TapeTruncatedError / TapeFormatError / TapeLimitError
+    └── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
 
 Every instance carries ``path`` (the file), and where known ``offset`` (a byte offset
 in that file) or ``key`` (a key path in the state tree); ``str(err)`` names them.
@@ -48,6 +51,12 @@ __all__ = [
     "EnvironmentMismatchError",
     "UnsupportedValueError",
     "BackgroundSaveError",
+    "TapeDataError",
+    "TapeCorruptError",
+    "TapeTruncatedError",
+    "TapeFormatError",
+    "TapeLimitError",
+    "ResumeDivergedError",
 ]
 
 
@@ -161,3 +170,34 @@ class UnsupportedValueError(CkptError, TypeError):
 
 class BackgroundSaveError(CkptError, RuntimeError):
     """An asynchronous save failed; raised at the next call into the manager."""
+
+
+class TapeDataError(FormatError):
+    """Tape bytes (spec/tape-format.md) that do not decode. ``reason`` is one of
+    ``corrupt``, ``truncated``, ``format``, ``limit`` (§7); ``replay`` raises its own
+    ``TapeError`` subclass for each, this class is what the pure framing in
+    ``ckpt.tape`` raises so that ``ckpt`` can read a ledger tape without ``replay``."""
+
+    reason = "format"
+
+
+class TapeCorruptError(TapeDataError):
+    reason = "corrupt"
+
+
+class TapeTruncatedError(TapeDataError):
+    reason = "truncated"
+
+
+class TapeFormatError(TapeDataError):
+    reason = "format"
+
+
+class TapeLimitError(TapeDataError):
+    reason = "limit"
+
+
+class ResumeDivergedError(CkptError, RuntimeError):
+    """A resumed run re-executed a step differently from the step ledger (policy ``strict``)."""
+
+    exit_code = 6
