@@ -312,6 +312,17 @@ KINDS: tuple[Kind, ...] = (
                                   ("parts", "strs"), ("excluded", "strs"), ("reason", "str")),
          "The coordinator committed (1) or aborted (0) a distributed snapshot: parts are the actors whose state "
          "it holds, excluded the failed ones left out, reason why it aborted (the writer fsyncs the tape here)."),
+    Kind(22, "ledger_open", (("run_id", "str"), ("start_step", "i64"), ("source", "str"), ("rng", "digests")),
+         "A process starts its step ledger (ckpt.ledger) at start_step; source names the checkpoint it resumed "
+         "from (empty for a fresh start); rng holds the digest of each RNG stream right after that."),
+    Kind(23, "ledger_step", (("has", "u32"), ("batch", "d128"), ("loss", "f64"), ("rng", "digests"),
+                             ("params", "d128")),
+         "One optimizer step of the ledger: has bit 0 batch, bit 1 loss, bit 2 params say which fields were "
+         "recorded (the others are zero); batch digests every tensor the step consumed; rng is each stream's "
+         "digest after the step."),
+    Kind(24, "resume_check", (("verdict", "str"), ("first", "i64"), ("last", "i64"), ("report", "str")),
+         "The verification of a resume against the ledger: verdict exact, diverged or skipped over steps "
+         "first..last, with the full report text."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
