@@ -39,6 +39,8 @@ __all__ = [
     "RetentionPolicy",
     "errors",
     "data",
+    "rng",
+    "ledger",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,7 +119,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{mod}", __name__), attr)
         globals()[name] = value
         return value
-    if name in ("errors", "data"):
+    if name in ("errors", "data", "rng", "ledger"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -93,7 +93,7 @@ def compare_step(expected: LedgerStep, actual: LedgerStep, compared: set[str] | 
         if name not in exp or name not in act:
             nc.append(f"rng {name} (recorded on one side only)")
         elif compared is not None and name not in compared:
-            nc.append(f"rng {name} (unused, not compared)")
+            nc.append(f"rng {name} (unused)")
         elif exp[name] != act[name]:
             rng.append(name)
     loss = None
