@@ -237,7 +237,7 @@ class Ledger:
             if self._checked >= self._first:
                 self._finish(self._exact(self._checked))
             else:
-                self._finish(ResumeReport("skipped", reason=f"the run stopped before step {self._first}"), warn=True)
+                self._finish(ResumeReport("skipped", reason=f"the run stopped before step {self._first}"), warn=False)
         if self._writer is not None:
             self._writer.close()
         return self.report
