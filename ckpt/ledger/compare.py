@@ -16,13 +16,21 @@ from typing import Iterable, Mapping, Sequence
 
 from .record import LedgerOpen, LedgerStep
 
-__all__ = ["StepDiff", "ResumeReport", "CAUSES", "used_streams", "compare_step", "likely_cause", "compare_runs"]
+__all__ = ["StepDiff", "ResumeReport", "CAUSES", "used_streams", "compare_step", "likely_cause", "compare_runs",
+           "find_batch"]
 
 #: The documented cause table (README "Porting a training script"): what diverged -> likely cause.
 CAUSES: dict[str, str] = {
+    "batch-shift": "the batch is the one the first run consumed at step {other}: the data position is "
+                   "{ahead} at the resume (a batch prefetched before the step boundary and not saved? an "
+                   "iterator restarted?); put in-flight state into the checkpoint",
     "batch": "the batch differs: the data position was not captured at the checkpoint (a batch prefetched "
              "before the step boundary and not saved? an iterator recreated on resume?); put in-flight state "
              "into the checkpoint",
+    "rng-batch": "RNG stream(s) {streams} differ, and the batch drawn from them is one the first run never "
+                 "consumed: something drew from them outside the checkpointed state between the checkpoint and "
+                 "this step (an evaluation or sampling run again on resume? an augmentation?); run it inside "
+                 "ckpt.rng.isolated()",
     "rng": "RNG stream(s) {streams} differ while the batch is equal: something drew from them outside the "
            "checkpointed state between the checkpoint and this step (an evaluation or sampling run again on "
            "resume? an augmentation?); run it inside ckpt.rng.isolated()",
@@ -103,7 +111,23 @@ def compare_step(expected: LedgerStep, actual: LedgerStep, compared: set[str] | 
     return StepDiff(expected.step, batch, tuple(rng), loss, params, tuple(nc))
 
 
-def likely_cause(d: StepDiff, env_diffs: Sequence[str] = ()) -> str:
+def find_batch(expected: Mapping[int, LedgerStep], batch: bytes | None, step: int) -> int | None:
+    """The step nearest to ``step`` whose recorded batch equals ``batch`` (None if none)."""
+    if batch is None:
+        return None
+    hits = [k for k, v in expected.items() if v.batch == batch and k != step]
+    return min(hits, key=lambda k: (abs(k - step), k)) if hits else None
+
+
+def likely_cause(d: StepDiff, env_diffs: Sequence[str] = (), *, batch_seen_at: int | None = None) -> str:
+    """The row of ``CAUSES`` for a divergence. ``batch_seen_at``: the step whose batch in
+    the expected run equals this step's batch, if any (a shifted data position)."""
+    if d.batch and batch_seen_at is not None:
+        k = batch_seen_at - d.step
+        ahead = f"{k} batch{'es' if abs(k) != 1 else ''} ahead" if k > 0 else f"{-k} batch{'es' if k != -1 else ''} behind"
+        return CAUSES["batch-shift"].format(other=batch_seen_at, ahead=ahead)
+    if d.batch and d.rng:
+        return CAUSES["rng-batch"].format(streams=", ".join(d.rng))
     if d.batch:
         return CAUSES["batch"]
     if d.rng:
@@ -171,5 +195,6 @@ def compare_runs(expected: Mapping[int, LedgerStep], actual: Mapping[int, Ledger
     for s in steps:
         d = compare_step(expected[s], actual[s], compared)
         if d.differs:
-            return ResumeReport("diverged", steps[0], s, d, likely_cause(d, env_diffs), unused=unused, label=label)
+            cause = likely_cause(d, env_diffs, batch_seen_at=find_batch(expected, actual[s].batch, s))
+            return ResumeReport("diverged", steps[0], s, d, cause, unused=unused, label=label)
     return ResumeReport("exact", steps[0], steps[-1], unused=unused, label=label)

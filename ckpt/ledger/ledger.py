@@ -26,7 +26,7 @@ import warnings
 from typing import Any, Callable, Iterable, Literal, Mapping
 
 from ..errors import ResumeDivergedError
-from .compare import ResumeReport, compare_step, likely_cause, used_streams
+from .compare import ResumeReport, compare_step, find_batch, likely_cause, used_streams
 from .digest import batch_digest, params_digest, rng_digests
 from .record import LedgerOpen, LedgerStep, ResumeCheck
 from .tapefile import LedgerTapeWriter, read_ledger_dir
@@ -95,6 +95,7 @@ class Ledger:
         self._used: set[str] = set()
         # resume verification state
         self._expected: dict[int, LedgerStep] = {}
+        self._expected_all: dict[int, LedgerStep] = {}  # every step the earlier tapes hold
         self._expected_used: set[str] = set()
         self._env_diffs: list[str] = []
         self._first = 0
@@ -148,6 +149,7 @@ class Ledger:
                     problems.append(f"{t.path}: no ledger_open event (torn before its first record)")
                     continue
                 for s in t.steps:
+                    self._expected_all[s.step] = s
                     if s.step > step:
                         expected[s.step] = s
                 self._expected_used |= used_streams(t.opens, t.steps)
@@ -210,7 +212,9 @@ class Ledger:
             return
         d = compare_step(exp, rec, self._expected_used | self._used)
         if d.differs:
-            self._finish(ResumeReport("diverged", self._first, rec.step, d, likely_cause(d, self._env_diffs)))
+            seen = find_batch(self._expected_all, rec.batch, rec.step) if d.batch else None
+            self._finish(ResumeReport("diverged", self._first, rec.step, d,
+                                      likely_cause(d, self._env_diffs, batch_seen_at=seen)))
         elif rec.step >= self._last:
             self._finish(self._exact(rec.step))
 
