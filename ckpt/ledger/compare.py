@@ -27,10 +27,11 @@ CAUSES: dict[str, str] = {
     "batch": "the batch differs: the data position was not captured at the checkpoint (a batch prefetched "
              "before the step boundary and not saved? an iterator recreated on resume?); put in-flight state "
              "into the checkpoint",
-    "rng-batch": "RNG stream(s) {streams} differ, and the batch drawn from them is one the first run never "
-                 "consumed: something drew from them outside the checkpointed state between the checkpoint and "
-                 "this step (an evaluation or sampling run again on resume? an augmentation?); run it inside "
-                 "ckpt.rng.isolated()",
+    "rng-batch": "the batch and RNG stream(s) {streams} differ, and the batch is none the first run consumed: "
+                 "a draw outside the checkpointed state moved the stream the batch is drawn from (an evaluation "
+                 "or sampling run again on resume? an augmentation? run it inside ckpt.rng.isolated()), and/or "
+                 "the data position was not captured (a batch prefetched before the step boundary and not saved? "
+                 "put in-flight state into the checkpoint)",
     "rng": "RNG stream(s) {streams} differ while the batch is equal: something drew from them outside the "
            "checkpointed state between the checkpoint and this step (an evaluation or sampling run again on "
            "resume? an augmentation?); run it inside ckpt.rng.isolated()",

@@ -74,7 +74,7 @@ def test_rng_drawn_outside_is_named_and_strict_raises(tmp_path):
     # the batch is drawn from the shifted stream, so it differs too, but it is no batch the first
     # run consumed: the cause is the draw outside the checkpointed state, not the data position
     assert rep.verdict == "diverged" and rep.divergence.rng == ("torch_cpu",) and rep.divergence.batch
-    assert "one the first run never consumed: something drew from them outside" in rep.cause
+    assert "none the first run consumed: a draw outside the checkpointed state" in rep.cause
     Loop(tmp_path / "s" / "run", verify_resume="strict").run(12, stop_at=7)
     with pytest.raises(ResumeDivergedError, match="resume diverged at step 5"):
         Loop(tmp_path / "s" / "run", verify_resume="strict").run(12, draw_outside=True)
@@ -207,3 +207,34 @@ def test_diff_does_not_compare_streams_unused_in_both_runs(tmp_path):
     r = CliRunner().invoke(cli, ["diff", a, b, "--ignore", "env"])
     assert r.exit_code == 0, r.output
     assert "rng numpy, python: unused in both runs (step ledger), not compared" in r.output
+
+
+def _st(step, batch, rng=0, loss=1.0, params=None):
+    from ckpt.ledger import LedgerStep
+
+    return LedgerStep(step, (("torch_cpu", bytes([rng]) * 16), ("python", bytes(16))), bytes([batch]) * 16, loss,
+                      params)
+
+
+@pytest.mark.parametrize("actual, cause", [
+    ({5: _st(5, 6), 6: _st(6, 7)}, "the batch is the one the first run consumed at step 6: the data position is 1 batch ahead"),
+    ({5: _st(5, 1), 6: _st(6, 1)}, "the batch is the one the first run consumed at step 1: the data position is 4 batches behind"),
+    ({5: _st(5, 99), 6: _st(6, 98)}, "the batch differs: the data position was not captured"),
+    ({5: _st(5, 99, rng=3)}, "the batch and RNG stream(s) torch_cpu differ, and the batch is none the first run consumed"),
+    ({5: _st(5, 5, rng=3)}, "RNG stream(s) torch_cpu differ while the batch is equal"),
+    ({5: _st(5, 5, loss=2.0)}, "batch and RNG streams are equal but the loss differs"),
+    ({5: _st(5, 5, loss=-0.0), 6: _st(6, 6)}, "batch and RNG streams are equal but the loss differs"),  # bits, not ==
+])
+def test_cause_table(actual, cause):
+    from ckpt.ledger import compare_runs
+
+    expected = {s: _st(s, s) for s in range(1, 9)}
+    expected[5] = _st(5, 5, loss=1.0 if cause != "x" else 0.0)
+    if actual.get(5) is not None and actual[5].loss == -0.0:
+        expected[5] = _st(5, 5, loss=0.0)
+    rep = compare_runs({s: expected[s] for s in actual}, actual, expected_used={"torch_cpu"}, actual_used=set(),
+                       env_diffs=["torch: '2.12' -> '2.13'"])
+    rep_all = compare_runs(expected, actual, expected_used={"torch_cpu"}, actual_used=set())
+    assert rep.verdict == rep_all.verdict == "diverged" and rep.divergence.step == 5
+    assert rep_all.cause.startswith(cause), rep_all.cause
+    assert "rng python (unused)" in rep.divergence.not_compared

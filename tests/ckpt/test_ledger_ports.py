@@ -55,7 +55,10 @@ def test_naive_port_is_caught_at_the_first_resumed_step_naming_the_batch(tmp_pat
     res = _check_resume(tmp_path)
     assert res.returncode == 6, res.stdout + res.stderr
     assert res.stdout.rstrip().endswith("DIFFERENT")
-    assert "likely cause: the batch differs: the data position was not captured" in res.stdout
+    # both faults of the naive port are named: the lost prefetched batch and the evaluation re-run
+    assert "likely cause: the batch and RNG stream(s) torch_cpu differ" in res.stdout
+    assert "the data position was not captured (a batch prefetched" in res.stdout
+    assert "ckpt.rng.isolated()" in res.stdout
     (check,) = _checks(tmp_path / "resumed")
     assert check.verdict == "diverged" and check.first == 7
     assert check.report.startswith("resume diverged at step 7 (first compared step 7): batch differs")
