@@ -41,6 +41,7 @@ __all__ = [
     "data",
     "rng",
     "ledger",
+    "diff",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,7 +120,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{mod}", __name__), attr)
         globals()[name] = value
         return value
-    if name in ("errors", "data", "rng", "ledger"):
+    if name in ("errors", "data", "rng", "ledger", "diff"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

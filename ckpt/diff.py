@@ -14,9 +14,11 @@ plus rendering; the tensor byte comparison here is the one the repository uses.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-__all__ = ["diff_checkpoints", "rng_streams", "tensors_equal", "max_abs_diff", "CATEGORIES", "ledger_unused_streams"]
+__all__ = ["diff_checkpoints", "rng_streams", "tensor_diff", "TensorDelta", "max_abs_diff", "CATEGORIES",
+           "ledger_unused_streams"]
 
 CATEGORIES = ("tensors", "rng", "data", "config", "commit", "topology", "env")
 
@@ -67,17 +69,6 @@ def max_abs_diff(a: bytes, b: bytes, dtype: str) -> float | None:
         return float((x - y).abs().max()) if x.numel() else 0.0
     except Exception:
         return None
-
-
-def tensors_equal(x: Any, y: Any) -> bool:
-    """Bit equality of two torch tensors: dtype, shape and bytes (NaN payloads and -0.0 count)."""
-    import torch
-
-    if x.dtype != y.dtype or x.shape != y.shape:
-        return False
-    xb = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    yb = y.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return torch.equal(xb, yb)
 
 
 def rng_streams(rng: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -204,3 +195,50 @@ def diff_checkpoints(a_path: str, b_path: str, *, ignore: Iterable[str] = (), un
     report["differs"] += [c for c in CATEGORIES if c in differs]
     report["identical"] = not report["differs"]
     return report
+
+
+_INT_VIEW = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDelta:
+    """How two tensors differ, bit for bit. ``differing``: elements whose bits differ
+    (all of them when dtype or shape differ); ``first``: the first such element (flat
+    index); ``max_abs``: max |x - y| over the elements, None when not numeric or shapes differ."""
+
+    equal: bool
+    differing: int | None = None
+    first: int | None = None
+    max_abs: float | None = None
+    reason: str = ""
+
+
+def tensor_diff(x: Any, y: Any, *, max_abs: bool = True) -> TensorDelta:
+    """The one tensor comparison: ``ckpt diff`` (through :func:`max_abs_diff` on bytes),
+    ``ckpt check-resume`` and ``ckpt replay`` all use it. NaN payloads and -0.0 count."""
+    import torch
+
+    a, b = x.detach().cpu(), y.detach().cpu()
+    if a.shape != b.shape:
+        return TensorDelta(False, int(max(a.numel(), b.numel())), 0, None,
+                           f"dtype/shape {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        mad = float((a.double() - b.double()).abs().max().item()) if max_abs and a.numel() else None
+        return TensorDelta(False, int(a.numel()), 0, mad, f"dtype/shape {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}")
+    es = a.element_size()
+    view = getattr(torch, _INT_VIEW.get(es, "uint8"))
+    if es not in _INT_VIEW:  # complex128 and such: compare bytes, count elements
+        view = torch.uint8
+    ab = a.contiguous().reshape(-1).view(view)
+    bb = b.contiguous().reshape(-1).view(view)
+    ne = ab != bb
+    if ne.dim() and es not in _INT_VIEW:
+        ne = ne.reshape(-1, es).any(dim=1)
+    n = int(ne.sum().item())
+    if n == 0:
+        return TensorDelta(True, 0, None, 0.0 if max_abs else None)
+    first = int(ne.nonzero()[0].item())
+    mad = None
+    if max_abs and not a.is_complex() and a.dtype != torch.bool:
+        mad = float((a.double() - b.double()).abs().max().item())
+    return TensorDelta(False, n, first, mad)

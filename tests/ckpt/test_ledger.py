@@ -238,3 +238,25 @@ def test_cause_table(actual, cause):
     assert rep.verdict == rep_all.verdict == "diverged" and rep.divergence.step == 5
     assert rep_all.cause.startswith(cause), rep_all.cause
     assert "rng python (unused)" in rep.divergence.not_compared
+
+
+def test_ckpt_encoder_writes_the_bytes_of_the_event_table():
+    """ckpt.ledger encodes its three kinds itself (ckpt cannot import replay); the bytes
+    must be exactly what replay's table encodes for the same fields."""
+    from ckpt.ledger import LedgerOpen, LedgerStep, ResumeCheck
+    from ckpt.ledger.record import encode_event
+    from replay.events import kind
+
+    D = bytes(range(16))
+    cases = [
+        (LedgerOpen("0123456789abcdef", 40, "step-00000040", (("python", D), ("torch_cpu", D[::-1]))),
+         ("ledger_open", ("0123456789abcdef", 40, "step-00000040", [("python", D), ("torch_cpu", D[::-1])]))),
+        (LedgerStep(41, (("torch_cpu", D),), D, -0.0, None), ("ledger_step", (3, D, -0.0, [("torch_cpu", D)], bytes(16)))),
+        (ResumeCheck("exact", 41, 47, "resume verified exact over steps 41..47"),
+         ("resume_check", ("exact", 41, 47, "resume verified exact over steps 41..47"))),
+    ]
+    for rec, (name, fields) in cases:
+        code, body = encode_event(rec, 1, step=47)
+        k = kind(name)
+        assert code == k.code
+        assert body[22:] == k.pack(*fields)  # after the 12-byte head and one 10-byte clock entry
