@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from .errors import CkptError  # noqa: E402
+from .format.manifest import TMP_PREFIX  # noqa: E402
 from .reader import CheckpointReader  # noqa: E402
 from .stateful import Stateful  # noqa: E402
 
@@ -31,12 +32,17 @@ __all__ = [
     "write_part",
     "commit",
     "abort",
+    "PendingCheckpoint",
     "Stateful",
     "CheckpointReader",
     "CkptError",
     "LoadResult",
     "CheckpointManager",
     "RetentionPolicy",
+    "apply_retention",
+    "list_checkpoints",
+    "checkpoint_name",
+    "TMP_PREFIX",
     "errors",
     "data",
     "rng",
@@ -46,8 +52,8 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._torchio import LoadResult
-    from .manager import CheckpointManager, RetentionPolicy
-    from .writer import abort, begin, commit, save, write_part
+    from .manager import CheckpointManager, RetentionPolicy, apply_retention, checkpoint_name, list_checkpoints
+    from .writer import PendingCheckpoint, abort, begin, commit, save, write_part
 
 
 def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001 - mirrors the builtin on purpose
@@ -106,9 +112,13 @@ _LAZY = {
     "write_part": ("writer", "write_part"),
     "commit": ("writer", "commit"),
     "abort": ("writer", "abort"),
+    "PendingCheckpoint": ("writer", "PendingCheckpoint"),
     "LoadResult": ("_torchio", "LoadResult"),
     "CheckpointManager": ("manager", "CheckpointManager"),
     "RetentionPolicy": ("manager", "RetentionPolicy"),
+    "apply_retention": ("manager", "apply_retention"),
+    "list_checkpoints": ("manager", "list_checkpoints"),
+    "checkpoint_name": ("manager", "checkpoint_name"),
 }
 
 

@@ -21,6 +21,8 @@ keeps working for callers who do not know this package::
     ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
+    ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
+    ├── DistributedUsageError        (RuntimeError)       single-process API under a process group
     ├── TapeDataError                (FormatError)        tape bytes (ckpt.tape framing)
     │   ├── TapeCorruptError / TapeTruncatedError / TapeFormatError / TapeLimitError
     └── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
@@ -57,6 +59,8 @@ __all__ = [
     "TapeFormatError",
     "TapeLimitError",
     "ResumeDivergedError",
+    "RunDirLockedError",
+    "DistributedUsageError",
 ]
 
 
@@ -170,6 +174,14 @@ class UnsupportedValueError(CkptError, TypeError):
 
 class BackgroundSaveError(CkptError, RuntimeError):
     """An asynchronous save failed; raised at the next call into the manager."""
+
+
+class RunDirLockedError(CkptError, BlockingIOError):
+    """Another live process holds the run directory's writer lock (its pid and host named)."""
+
+
+class DistributedUsageError(CkptError, RuntimeError):
+    """A single-process API called under a multi-rank process group; use the distributed one."""
 
 
 class TapeDataError(FormatError):

@@ -41,10 +41,24 @@ disqualified it (file, chunk, offset).
 the best M by a metric passed to ``after_step(metrics=...)`` (stored in the manifest's
 ``meta``). The sets are computed separately and united; anything else is deleted, but
 only after a new checkpoint has committed, and never the newest committed checkpoint
-(the one a crash would resume from). Deletion renames into a ``.tmp-`` name first, so a
-crash mid-delete leaves a directory no reader accepts rather than a torn checkpoint.
-Orphaned ``.tmp-*`` directories of crashed saves are removed when the manager starts.
-One manager (one job) writes a run directory at a time.
+(the one a crash would resume from). Deletion renames into a ``.tmp-<step>-<hex>.del`` name first,
+so a crash mid-delete leaves a directory no reader accepts rather than a torn checkpoint.
+**Full disk:** once a save has failed for space (ENOSPC/EDQUOT), every later save of
+this manager first deletes what its own commit would delete (planning as if it had
+committed), so the run does not wedge; the checkpoints from the newest down to the
+newest one that verifies in full are never deleted for this.
+
+**One writer per run directory.** The manager holds an exclusive ``flock`` on
+``<run_dir>/.ckpt-writer.lock`` from construction to ``close()`` (``ckpt.runlock``; rank 0
+holds it for a distributed job). A second manager, in this process or another, gets
+``RunDirLockedError`` naming the holder's pid and host; the kernel drops the lock when
+the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
+cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
+by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+
+**Signals.** The SIGTERM/SIGUSR1 handlers chain: the handler installed before the
+manager's is still called (after the flag is set), and ``close()`` puts it back unless
+someone installed another handler after the manager's.
 
 **Lineage.** Every checkpoint records ``run_id`` (kept across resumes: a resumed run is
 the same run) and ``resumed_from`` (the content id and name of the checkpoint this
@@ -102,14 +116,13 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import threading
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from .errors import (
     BackgroundSaveError,
@@ -118,11 +131,13 @@ from .errors import (
     FormatError,
     IncompleteCheckpointError,
     IntegrityError,
+    RunDirLockedError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .reader import CheckpointReader
-from .storage import Storage, local
-from .writer import TMP_PREFIX
+from .runlock import RunLock
+from .storage import Storage, is_space_error, local
+from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
     "CheckpointManager",
@@ -132,6 +147,7 @@ __all__ = [
     "ResumeFallbackWarning",
     "list_checkpoints",
     "plan_retention",
+    "apply_retention",
     "checkpoint_name",
 ]
 
@@ -337,6 +353,7 @@ class CheckpointManager:
         self._failed: _Job | None = None
         self._deferred_rng: dict[str, Any] | None = None
         self._closed = False
+        self._space_short = False
         #: reports of completed saves, oldest first
         self.reports: list[SaveReport] = []
         self.ledger: Any = None
@@ -364,13 +381,31 @@ class CheckpointManager:
         if missing := [k for k in self.replicated if k not in self.state]:
             raise ValueError(f"replicated entries {missing} are not in the state")
 
+        # One writer per run directory: rank 0 holds the lock for the whole job, taken
+        # before orphan cleanup (which would otherwise delete a live writer's saves).
+        self._lock: RunLock | None = None
+        self.removed_orphans: tuple[str, ...] = ()
+        #: (temporary name, step name) of complete copies put back after a crash
+        self.restored_orphans: tuple[tuple[str, str], ...] = ()
+        refusal: BaseException | None = None
         if self.rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.removed_orphans = self._remove_orphans()
-        else:
-            self.removed_orphans = ()
+            try:
+                os.makedirs(self.run_dir, exist_ok=True)
+                self._lock = RunLock.acquire(self.run_dir, owner={"run_id": self.run_id, "world_size": self.world_size})
+                rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
+                self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
+            except BaseException as e:  # noqa: BLE001 - every rank must hear about it
+                refusal = e
         if self._ctl is not None:
-            self._ctl.barrier()
+            # Every rank raises together rather than waiting at a barrier rank 0 never reaches.
+            msg = None if self.rank != 0 else (b"" if refusal is None else f"{type(refusal).__name__}: {refusal}".encode())
+            why = self._ctl.broadcast_bytes(msg).decode()
+            if why and refusal is None:
+                cls = RunDirLockedError if why.startswith(RunDirLockedError.__name__ + ":") else CkptError
+                refusal = cls(f"rank 0 could not open the run directory: {why}", path=self.run_dir)
+        if refusal is not None:
+            self._release_lock()
+            raise refusal
 
         # The step ledger (ckpt.ledger): created now, after seeding, so its RNG baseline
         # is the streams' start values; "unused, not compared" is judged against it.
@@ -408,7 +443,14 @@ class CheckpointManager:
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the save happens at the next step boundary, in the loop's thread.
-        self._signal = signum
+        if not self._closed:
+            self._signal = signum
+        # Chain: the handler installed before ours still runs (a user's logging, a
+        # launcher's cleanup). SIG_DFL/SIG_IGN are not called: the default action of
+        # SIGTERM would kill the process before the save this handler exists for.
+        prev = self._old_handlers.get(signum)
+        if callable(prev):
+            prev(signum, frame)
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """What the signal handler does; for tests and for cooperative preemption."""
@@ -494,12 +536,21 @@ class CheckpointManager:
                 self.ledger.close()
             for sig, old in self._old_handlers.items():
                 try:
-                    signal.signal(sig, old)
+                    # Only if ours is still installed: a handler installed after ours
+                    # (which may chain to ours) is not overwritten. Ours stays in its
+                    # chain, closed: it only forwards to the previous handler.
+                    if signal.getsignal(sig) == self._on_signal:
+                        signal.signal(sig, old)
                 except (ValueError, TypeError):  # pragma: no cover - not main thread
                     pass
-            self._old_handlers = {}
             if self._staging is not None:
                 self._staging.release()
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -677,7 +728,12 @@ class CheckpointManager:
         from .writer import abort, begin, commit, write_part
 
         t0 = time.perf_counter()
+        freed: tuple[str, ...] = ()
         try:
+            if self._space_short and self.rank == 0:
+                # The disk filled up before: retention after a commit can never run
+                # again if no commit fits, so delete now what the commit would delete.
+                freed = self._apply_retention(upcoming=job.step)
             if self._dist is not None:
                 self._dist.save(
                     job.path,
@@ -715,11 +771,15 @@ class CheckpointManager:
                 except BaseException:
                     abort(pending, storage=self._storage)
                     raise
-            deleted = self._apply_retention() if self.rank == 0 else ()
+            deleted = freed + (self._apply_retention() if self.rank == 0 else ())
             job.report = SaveReport(job.step, job.path, job.asynchronous, job.stall_s, time.perf_counter() - t0, job.nbytes, deleted)
             self.reports.append(job.report)
         except BaseException as e:  # noqa: BLE001 - surfaced at the next call
             job.error = e
+            if is_space_error(e):
+                # Sticky for this manager: on a disk that filled up once, every later
+                # save makes room first (never below the newest valid checkpoint).
+                self._space_short = True
         finally:
             # Drop references to staged tensors and frozen trees as soon as possible.
             job.state = {}
@@ -727,32 +787,61 @@ class CheckpointManager:
             job.done.set()
 
     # -- housekeeping ------------------------------------------------------------------
-    def _remove_orphans(self) -> tuple[str, ...]:
-        removed = []
-        for name in sorted(os.listdir(self.run_dir)):
-            if name.startswith(TMP_PREFIX):
-                self._storage.remove_tree(os.path.join(self.run_dir, name))
-                removed.append(name)
-        return tuple(removed)
+    def _apply_retention(self, *, upcoming: int | None = None) -> tuple[str, ...]:
+        """Delete what the policy does not keep. With ``upcoming`` (a save about to be
+        written on a full disk), plan as if it had committed, but never delete the
+        newest checkpoint that verifies: if the save fails, that is the resume point."""
+        protect: set[str] = set()
+        if upcoming is not None:
+            protect = self._newest_valid(list_checkpoints(self.run_dir))
+        return apply_retention(self.run_dir, self.retention, storage=self._storage,
+                               protect=protect, upcoming=upcoming)
 
-    def _apply_retention(self) -> tuple[str, ...]:
-        records = list_checkpoints(self.run_dir, with_metrics=bool(self.retention.keep_best))
-        keep = plan_retention(records, self.retention)
-        deleted = []
-        for r in records:
-            if not r.committed or r.name in keep:
-                continue
-            # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
-            trash = os.path.join(self.run_dir, f"{TMP_PREFIX}del-{r.name}-{secrets.token_hex(4)}")
+    def _newest_valid(self, records: Sequence[CheckpointRecord]) -> set[str]:
+        """Names of the committed checkpoints from the newest down to the newest one that
+        verifies in full (all of them if none does): none of these may be deleted."""
+        out: set[str] = set()
+        for r in reversed([r for r in records if r.committed]):
+            out.add(r.name)
             try:
-                self._storage.rename_dir(r.path, trash)
-            except FileNotFoundError:
+                CheckpointReader(r.path, storage=self._storage).verify()
+            except (CkptError, OSError):
                 continue
-            self._storage.remove_tree(trash)
-            deleted.append(r.name)
-        if deleted:
-            self._storage.fsync_dir(self.run_dir)
-        return tuple(deleted)
+            break
+        return out
+
+
+def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage = local,
+                    protect: Iterable[str] = (), upcoming: int | None = None) -> tuple[str, ...]:
+    """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
+    (:func:`plan_retention`); returns their names. The manager runs this after each
+    commit; anything else that commits checkpoints into a directory (a snapshotter) runs
+    it too, so that there is one retention routine. Names in ``protect`` are never
+    deleted; ``upcoming`` plans as if that step had already committed (freeing space
+    before a save on a full disk) and is itself never deleted."""
+    run_dir = os.fspath(run_dir)
+    protected = set(protect)
+    records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best))
+    if upcoming is not None and not any(r.step == upcoming for r in records):
+        name = checkpoint_name(upcoming)
+        records = sorted([*records, CheckpointRecord(name, os.path.join(run_dir, name), upcoming, True)],
+                         key=lambda r: r.step)
+    keep = plan_retention(records, policy)
+    deleted = []
+    for r in records:
+        if not r.committed or r.name in keep or r.name in protected or r.step == upcoming:
+            continue
+        # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
+        trash = os.path.join(run_dir, tmp_name(r.name, DEL_SUFFIX))
+        try:
+            storage.rename_dir(r.path, trash)
+        except FileNotFoundError:
+            continue
+        storage.remove_tree(trash)
+        deleted.append(r.name)
+    if deleted:
+        storage.fsync_dir(run_dir)
+    return tuple(deleted)
 
 
 def _with_stall(report: SaveReport, stall: float) -> SaveReport:

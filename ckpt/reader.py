@@ -29,15 +29,13 @@ from .errors import (
 )
 from .format.codec import zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
-from .format.manifest import MANIFEST_NAME, content_id, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
+from .format.manifest import MANIFEST_NAME, TMP_PREFIX, content_id, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
 from .format.safetensors import check_against_manifest, parse_header
 from .format.tree import decode_tree
 from .knobs import knobs
 from .storage import Storage, local, preadv_full
 
 __all__ = ["CheckpointReader", "open_checkpoint", "VerifyReport", "TMP_PREFIX"]
-
-TMP_PREFIX = ".tmp-"
 
 
 @dataclass(slots=True)

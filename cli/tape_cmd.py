@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from typing import Any, Callable, TypeVar
 
 import click
@@ -251,42 +250,17 @@ def repair_cmd(path: str, dry_run: bool, salvage: bool) -> None:
     """Truncate a torn tail (explicitly, reporting the bytes), then rebuild the step index.
 
     A corrupt middle record is refused (exit 3) unless --salvage is given."""
-    from replay.tape import TapeReader
+    from replay import repair_tape
 
-    r = TapeReader(path)
-    if salvage:
-        for _ in r.frames(salvage=True):
-            pass
-    else:
-        r.verify()  # raises on a corrupt middle record
-    seg, end = r.valid_end
-    cuts: list[tuple[str, int, int]] = []  # (file, old size, new size)
-    for i, p in enumerate(r.segment_paths):
-        size = p.stat().st_size
-        if i == seg and size > end:
-            cuts.append((str(p), size, end))
-        elif i > seg:
-            cuts.append((str(p), size, 0))
-    if not cuts:
-        click.echo(f"ok: {path}: nothing to repair ({r.records} records)")
+    rep = repair_tape(path, dry_run=dry_run, salvage=salvage)
+    if not rep.cuts:
+        click.echo(f"ok: {path}: nothing to repair ({rep.records} records)")
         return
-    dropped = sum(old - new for _, old, new in cuts)
-    for f, old, new in cuts:
+    for c in rep.cuts:
         verb = "would truncate" if dry_run else "truncated"
-        what = "remove" if new == 0 and f != str(r.segment_paths[0]) else f"{old} -> {new} bytes"
-        click.echo(f"{verb} {f}: {what}")
-        if not dry_run:
-            if new == 0 and f != str(r.segment_paths[0]):
-                os.remove(f)
-            else:
-                with open(f, "r+b") as fh:
-                    fh.truncate(new)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-    click.echo(f"{'would drop' if dry_run else 'dropped'} {dropped} bytes ({r.torn_reason or 'torn tail'}); "
-               f"{r.records} records kept")
-    if not dry_run:
-        TapeReader(path).rebuild_index()
+        click.echo(f"{verb} {c.file}: {'remove' if c.remove else f'{c.old_size} -> {c.new_size} bytes'}")
+    click.echo(f"{'would drop' if dry_run else 'dropped'} {rep.dropped_bytes} bytes ({rep.reason}); "
+               f"{rep.records} records kept")
 
 
 def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
