@@ -516,6 +516,8 @@ class CheckpointManager:
         """Save now (at a step boundary). ``block`` defaults to ``not async_save``."""
         self._check_open()
         self._raise_failure()
+        if self.ledger is not None:
+            self.ledger.touch(step)  # a run that only saves still has a ledger: a resume is not "missing" one
         self._save(step, metrics, extra, block=(not self.async_save) if block is None else block)
 
     def wait(self) -> SaveReport | None:

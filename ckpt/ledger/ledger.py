@@ -124,6 +124,10 @@ class Ledger:
         self._writer = LedgerTapeWriter(self.directory, meta)
         self._writer.append(LedgerOpen(self.run_id, start_step, source, self._baseline))
 
+    def touch(self, step: int) -> None:
+        """Start this process's tape now (at ``step``) if no step has started it yet."""
+        self._open(step, "")
+
     def resumed(self, step: int, *, source: str = "", run_id: str | None = None) -> None:
         """Call right after a checkpoint of ``step`` was loaded and its RNG restored: the
         ledger's earlier tapes for this run become the expectation for steps after it."""
