@@ -14,10 +14,10 @@ from __future__ import annotations
 from .compare import CAUSES, ResumeReport, StepDiff, compare_runs, used_streams
 from .ledger import ENV_DIR, ENV_KILL_AT, ENV_VERIFY, Ledger, ResumeVerificationWarning
 from .record import LedgerOpen, LedgerStep, ResumeCheck
-from .tapefile import LedgerTape, read_ledger_dir, read_ledger_tape
+from .tapefile import LedgerTape, ledger_tapes, read_ledger_dir, read_ledger_tape
 
 __all__ = [
     "Ledger", "ResumeReport", "ResumeVerificationWarning", "StepDiff", "CAUSES", "compare_runs", "used_streams",
-    "LedgerOpen", "LedgerStep", "ResumeCheck", "LedgerTape", "read_ledger_dir", "read_ledger_tape",
+    "LedgerOpen", "LedgerStep", "ResumeCheck", "LedgerTape", "ledger_tapes", "read_ledger_dir", "read_ledger_tape",
     "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY",
 ]

@@ -66,6 +66,8 @@ def test_resume_verified_exact_and_on_the_tape(tmp_path):
     assert [c.verdict for c in tapes[1].checks] == ["exact"]
     res = CliRunner().invoke(cli, ["tape", "show", tapes[1].path, "--kind", "resume_check"])
     assert res.exit_code == 0 and "resume verified exact over steps 5..7" in res.output
+    res = CliRunner().invoke(cli, ["ls", str(tmp_path / "run")])
+    assert res.exit_code == 0 and "step ledger (2 tapes)" in res.output and "incomplete" not in res.output
 
 
 def test_rng_drawn_outside_is_named_and_strict_raises(tmp_path):
