@@ -138,7 +138,8 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
         kills_at = tuple(sorted(set(kill_at)))
     else:
         rnd = random.Random(seed)
-        pool = list(range(2, last)) or [1]
+        # From the second half: a kill before the first checkpoint checks nothing (NO CLAIM).
+        pool = list(range(max(2, last // 2), last)) or [1]
         kills_at = tuple(sorted(rnd.sample(pool, min(kills, len(pool)))))
     lines.append(f"straight run: {last} steps; kills at step {', '.join(map(str, kills_at))}")
     resumed = os.path.join(work, "resumed")
