@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CkptError, TapeDataError
+from ..errors import CkptError, TapeDataError, TapeTruncatedError
 from ..tape import format as fmt
 from .record import ACTOR_NAME, LedgerOpen, LedgerStep, ResumeCheck, decode_event, encode_event
 
@@ -103,7 +103,7 @@ def read_ledger_tape(path: str) -> LedgerTape:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
-            raise TapeDataError("empty ledger tape", path=path, offset=0)
+            raise TapeTruncatedError("empty ledger tape: its header was never written", path=path, offset=0)
         if size > MAX_LEDGER_BYTES:
             raise TapeDataError(f"ledger tape of {size} bytes above the {MAX_LEDGER_BYTES} byte limit", path=path)
         data = f.read(MAX_LEDGER_BYTES + 1)
@@ -134,6 +134,8 @@ def read_ledger_dir(directory: str) -> tuple[list[LedgerTape], list[str]]:
     for p in ledger_tapes(directory):
         try:
             tapes.append(read_ledger_tape(p))
+        except TapeTruncatedError:
+            continue  # the header itself never finished: a tape that was never written (§7 rule 2)
         except (TapeDataError, OSError, ValueError) as e:
             problems.append(f"{p}: {e}")
     return tapes, problems

@@ -262,3 +262,14 @@ def test_ckpt_encoder_writes_the_bytes_of_the_event_table():
         k = kind(name)
         assert code == k.code
         assert body[22:] == k.pack(*fields)  # after the 12-byte head and one 10-byte clock entry
+
+
+def test_a_ledger_tape_whose_header_never_finished_is_not_a_problem(tmp_path):
+    _stopped_run(tmp_path)
+    with open(tmp_path / "run" / "ledger" / "00001.tape", "wb") as f:
+        f.write(b"CKPTTAPE\x01\x00")  # a later process died inside its header write
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeVerificationWarning)
+        loop = Loop(tmp_path / "run")
+        loop.run(12)
+    assert loop.mgr.resume_report.text.startswith("resume verified exact over steps 5..7")
