@@ -24,7 +24,7 @@ test: venv
 	$(BIN)/python -m pytest -q -m "not cuda"
 
 bench: venv
-	for b in save_load async_save resume tape snapshot; do $(BIN)/python bench/$$b.py || exit 1; done
+	for b in save_load async_save resume tape ledger snapshot; do $(BIN)/python bench/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) demo-out
