@@ -724,6 +724,20 @@ def _build(path: Path, *, seed: int) -> None:
 # --- the long run ------------------------------------------------------------------------------------------------
 
 
+def tapes_module() -> Any:
+    """bench/fuzz_tapes.py, loaded by path (bench/ is not a package)."""
+    import importlib.util
+
+    name = "ckpt_fuzz_tapes"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("fuzz_tapes.py"))
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -755,15 +769,10 @@ def main(argv: list[str] | None = None) -> int:
             by_mutator[name][out.kind] += 1
             if out.kind in ("wrong", "other", "hang"):
                 bad.append(out)
-        tape_counts: dict[str, int] = {}
-        try:
-            from bench import fuzz_tapes  # type: ignore[import-not-found]
-        except ImportError:
-            fuzz_tapes = None
-        if fuzz_tapes is not None:
-            n_tape = args.cases // 4 if args.tape_cases is None else args.tape_cases
-            tape_counts, tape_bad = fuzz_tapes.run(Path(tmp) / "tapes", n_tape, rng, timeout=args.case_timeout)
-            bad += tape_bad
+        n_tape = args.cases // 4 if args.tape_cases is None else args.tape_cases
+        tape_counts, tape_bad = tapes_module().run(sys.modules[__name__], Path(tmp) / "tapes", n_tape, rng,
+                                                   timeout=args.case_timeout)
+        bad += tape_bad
     elapsed = time.monotonic() - t0
     print(f"checkpoint cases tried: {sum(counts.values())}  ({elapsed:.0f} s, seed {args.seed})")
     print(f"  loaded bit-exact:      {counts.get('exact', 0)}")
@@ -775,8 +784,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    {name:16s} " + "  ".join(f"{k} {v}" for k, v in sorted(by_mutator[name].items())))
     if tape_counts:
         print(f"tape cases tried: {sum(tape_counts.values())}")
-        for k in ("exact", "refused", "wrong", "other", "hang"):
-            print(f"  {k:21s}{tape_counts.get(k, 0)}")
+        print(f"  read exact:            {tape_counts.get('exact', 0)}")
+        print(f"  refused cleanly:       {tape_counts.get('refused', 0)}")
+        print(f"  silent wrong data:     {tape_counts.get('wrong', 0)}")
+        print(f"  other exceptions:      {tape_counts.get('other', 0)}")
+        print(f"  hangs:                 {tape_counts.get('hang', 0)}")
     print(f"peak RSS: {peak_rss_mib():.0f} MiB (start {rss0:.0f} MiB)")
     for out in bad[:20]:
         print(f"--- {out.kind} in {out.mutator}:\n{out.detail}")

@@ -116,3 +116,15 @@ def test_the_judge_is_not_vacuous(fuzzer: Any) -> None:
         fuzz.compare(33, ("ext", 4, "٣٣".encode()), lambda k: b"")
     with pytest.raises(fuzz._Mismatch):
         fuzz.compare(b"", ("ext", 5, b"rank-00000"), lambda k: b"")
+
+
+@pytest.mark.timeout(240)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data(), name=st.sampled_from(sorted(fuzz.tapes_module().MUTATORS)))
+def test_mutated_tapes_read_exactly_or_are_refused(tmp_path_factory: pytest.TempPathFactory, data: Any, name: str) -> None:
+    """Tapes: byte mutations unsigned, record mutations re-signed through the real writer;
+    verify, every event and the invariant check either agree with the original or raise
+    a TapeError."""
+    tapes = fuzz.tapes_module()
+    root = tmp_path_factory.mktemp("tapefuzz")
+    _check(tapes.tape_case(fuzz, root, 0, name, HypothesisDraw(data), timeout=30))
