@@ -10,12 +10,14 @@ time: ``ckpt inspect`` and ``ckpt verify`` use it without torch.
 from __future__ import annotations
 
 import os
+import queue
 import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ._pipeline import OrderedFeeder
+from ._statecheck import check_part
 from .errors import (
     ChecksumMismatchError,
     CheckpointNotFoundError,
@@ -32,15 +34,13 @@ from .errors import (
 from .format.codec import zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
 from .format.context import check_context, check_entry_names
-from .format.manifest import MANIFEST_NAME, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
+from .format.manifest import MANIFEST_NAME, TMP_PREFIX, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
 from .format.safetensors import check_against_manifest, parse_header
 from .format.tree import decode_tree
 from .knobs import knobs
 from .storage import Storage, local, preadv_full
 
 __all__ = ["CheckpointReader", "open_checkpoint", "VerifyReport", "TMP_PREFIX"]
-
-TMP_PREFIX = ".tmp-"
 
 
 @dataclass(slots=True)
@@ -319,13 +319,25 @@ class CheckpointReader:
                 return pe, t
         raise FormatError("no such tensor in this checkpoint", path=self.path, key=key)
 
-    def read_tensor_bytes_into(self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True) -> None:
-        """Read one tensor's bytes into ``dst``, verifying every chunk it overlaps."""
+    def read_tensor_bytes_into(
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, fd: int | None = None
+    ) -> None:
+        """Read one tensor's bytes into ``dst``, verifying every chunk it overlaps.
+
+        ``fd``: read through this descriptor of the part's tensor file (see
+        :meth:`open_tensor_file`) instead of through the storage by path.
+        """
         self._header(pe)
         f = pe.files[t.file]
         fp = self._fp(f)
+
+        def pread_into(offset: int, buf: memoryview) -> int:
+            if fd is not None:
+                return preadv_full(fd, buf, offset)
+            return self._storage.pread_into(fp, offset, buf)
+
         if not verify:
-            got = self._storage.pread_into(fp, t.offset, dst)
+            got = pread_into(t.offset, dst)
             if got != t.nbytes:
                 raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + got, key=t.key)
             return
@@ -351,7 +363,7 @@ class CheckpointReader:
             while pos < hi:
                 n = min(len(scratch), hi - pos)
                 piece = scratch[:n]
-                got = self._storage.pread_into(fp, pos, piece)
+                got = pread_into(pos, piece)
                 if got != n:
                     raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got, key=t.key)
                 verifier.update(piece)
@@ -372,13 +384,15 @@ class CheckpointReader:
         destinations: Callable[[TensorEntry], memoryview],
         *,
         verify: bool = True,
+        fd: int | None = None,
     ) -> None:
         """Read every tensor of a part in file order straight into caller memory.
 
         Verification hashes the destination memory right after each read, so a full
         load costs one read and one hash pass, with no scratch copy. Because tensors
         tile the data region (checked against the safetensors header), the hashed
-        ranges cover every byte of the file.
+        ranges cover every byte of the file. ``fd``: read through this descriptor
+        (from :meth:`open_tensor_file`; the caller closes it) instead of opening the path.
         """
         f = pe.file("tensors")
         if f is None:
@@ -386,7 +400,9 @@ class CheckpointReader:
         self._header(pe)
         n, _ = self._headers[pe.name]
         fp = self._fp(f)
-        fd = self._open_fd(fp)
+        own_fd = fd is None
+        if fd is None:
+            fd = self._open_fd(fp)
         verifier: _ChunkVerifier | _PipelinedVerifier | None = None
         try:
             if verify:
@@ -418,7 +434,107 @@ class CheckpointReader:
         finally:
             if isinstance(verifier, _PipelinedVerifier):
                 verifier.abort()
-            os.close(fd)
+            if own_fd:
+                os.close(fd)
+
+    def open_tensor_file(self, pe: PartEntry) -> tuple[int, FileEntry] | None:
+        """Check a part's safetensors header and open its tensor file (caller closes the fd).
+
+        A held descriptor keeps reading the same bytes even if the checkpoint is renamed
+        or deleted meanwhile (retention renames before it deletes): an in-place load
+        verifies and then copies through one descriptor per file.
+        """
+        f = pe.file("tensors")
+        if f is None:
+            return None
+        self._header(pe)
+        return self._open_fd(self._fp(f)), f
+
+    def verify_bytes(self, f: FileEntry, data: Any) -> None:
+        """Check the whole content of file ``f``, already in memory, against its digests."""
+        v = _ChunkVerifier(self._fp(f), f)
+        v.update(data)
+        v.finish()
+
+    def verify_file(
+        self,
+        f: FileEntry,
+        *,
+        fd: int | None = None,
+        span: tuple[int, int] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Re-hash every chunk of file ``f`` in bounded pieces; returns the bytes hashed.
+
+        ``span=(lo, hi)``: only the chunks that bytes ``lo..hi`` overlap.
+        """
+        fp = self._fp(f)
+        cs = f.chunk_size
+        lo, hi = (0, f.size) if span is None else span
+        if hi <= lo:
+            return 0
+        first = lo // cs
+        pos, end = first * cs, min(((hi - 1) // cs + 1) * cs, f.size)
+        v = _ChunkVerifier(fp, f, first=first)
+        own_fd = fd is None
+        if fd is None:
+            fd = self._open_fd(fp)
+        try:
+            # The buffer follows the bytes read, never the declared chunk size: a
+            # MANIFEST may declare 1 GiB chunks for a 4 KiB file (§12).
+            start = pos
+            if end - pos >= _PIPELINE_MIN_BYTES:
+                # Two half pieces: one is hashed on a second thread while the next is read
+                # (preadv and xxh3 release the GIL); memory stays one _VERIFY_PIECE.
+                step = _VERIFY_PIECE // 2
+                free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+                for _ in range(2):
+                    free.put(memoryview(bytearray(step)))
+                failed: list[BaseException] = []
+
+                def consume(item: tuple[memoryview, int]) -> None:
+                    buf, n = item
+                    try:
+                        if not failed:
+                            v.update(buf[:n])
+                    except BaseException as e:  # re-raised on the reading thread
+                        failed.append(e)
+                    finally:
+                        free.put(buf)  # always returned, or the reader would wait forever
+
+                feeder = OrderedFeeder(consume, "ckpt-verify")
+                try:
+                    while pos < end and not failed:
+                        want = min(step, end - pos)
+                        mv = free.get()
+                        got = preadv_full(fd, mv[:want], pos)
+                        if got != want:
+                            raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                        feeder.feed((mv, want))
+                        pos += want
+                        if progress is not None:
+                            progress(want)
+                finally:
+                    feeder.finish()
+                if failed:
+                    raise failed[0]
+            else:
+                step = min(cs, end - pos, _VERIFY_PIECE) or 1
+                mv = memoryview(bytearray(step))
+                while pos < end:
+                    want = min(step, end - pos)
+                    got = preadv_full(fd, mv[:want], pos)
+                    if got != want:
+                        raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                    v.update(mv[:want])
+                    pos += want
+                    if progress is not None:
+                        progress(want)
+            v.finish()
+        finally:
+            if own_fd:
+                os.close(fd)
+        return pos - start
 
     # -- verification ----------------------------------------------------------------------
     def verify(self, *, quick: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
@@ -426,34 +542,15 @@ class CheckpointReader:
         report = VerifyReport(self.path, quick=quick)
         for pe in self.parts:
             self._header(pe)
-            self.tree(pe.name, verify=not quick)
+            # Decoded and checked as load would take it: a checkpoint that verifies
+            # does not fail in load on its own content (spec §13).
+            check_part(self, pe, verify=not quick)
             for f in pe.files:
                 report.files += 1
                 if quick:
                     continue
-                fp = self._fp(f)
-                v = _ChunkVerifier(fp, f)
-                fd = self._open_fd(fp)
-                try:
-                    # The buffer follows the bytes read, never the declared chunk size: a
-                    # MANIFEST may declare 1 GiB chunks for a 4 KiB file (§12).
-                    step = min(f.chunk_size, f.size, _VERIFY_PIECE) or 1
-                    mv = memoryview(bytearray(step))
-                    pos = 0
-                    while pos < f.size:
-                        want = min(step, f.size - pos)
-                        got = preadv_full(fd, mv[:want], pos)
-                        if got != want:
-                            raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
-                        v.update(mv[:want])
-                        pos += want
-                        report.bytes += want
-                        if progress is not None:
-                            progress(want)
-                    v.finish()
-                    report.chunks += chunk_count(f.size, f.chunk_size)
-                finally:
-                    os.close(fd)
+                report.bytes += self.verify_file(f, progress=progress)
+                report.chunks += chunk_count(f.size, f.chunk_size)
         return report
 
     def iter_tensor_keys(self, part: str | None = None) -> Iterator[str]:
@@ -462,7 +559,7 @@ class CheckpointReader:
     # -- torch-facing conveniences (import torch lazily) -------------------------------
     def tensor(self, key: str, *, part: str | None = None, map_location: Any = None, verify: bool = True) -> Any:
         """Read one tensor lazily: only the chunks it overlaps are read and verified."""
-        from ._torchio import read_tensor
+        from ._materialize import read_tensor
 
         pe, t = self._entry(key, part)
         return read_tensor(self, pe, t, map_location=map_location, verify=verify)
@@ -473,10 +570,10 @@ class CheckpointReader:
         """The whole saved state of a part, as plain trees of fresh tensors.
 
         ``mmap=True`` backs the tensors by a private copy-on-write mapping of the file
-        instead of reading them into new memory (faster; see ``_torchio._mmap_fresh``
+        instead of reading them into new memory (faster; see ``_materialize._mmap_fresh``
         for the one caveat: do not truncate the file while the tensors are alive).
         """
-        from ._torchio import materialize_state
+        from ._materialize import materialize_state
 
         return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
 

@@ -30,6 +30,7 @@ from .codec import packb, unpackb
 from .digest import DIGEST_SIZE, chunk_count, digest_bytes
 
 __all__ = [
+    "TMP_PREFIX",
     "MAGIC",
     "FORMAT_MAJOR",
     "FORMAT_MINOR",
@@ -47,6 +48,8 @@ MAGIC = b"CKPTMNFT"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 MANIFEST_NAME = "MANIFEST"
+# A directory being written or deleted (spec §3): never a checkpoint; readers and listings skip it.
+TMP_PREFIX = ".tmp-"
 _HEADER = struct.Struct("<8sHHIQ")
 HEADER_SIZE = _HEADER.size  # 24
 
