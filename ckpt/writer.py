@@ -393,7 +393,23 @@ def save(
     meta: Mapping[str, Any] | None = None,
     storage: Storage = local,
 ) -> CheckpointInfo:
-    """Save all seven fields of one process's training state, atomically."""
+    """Save all seven fields of one process's training state, atomically.
+
+    A state holding DTensors (FSDP2, tensor parallel) is sharded: every rank calls
+    ``save`` and the checkpoint is written through DCP (``ckpt.dcp``), one part per rank.
+    """
+    # --- sharded state hook (ckpt.dcp) ---
+    from .dcp.integration_probe import holds_dtensor
+
+    if holds_dtensor(state):
+        from .dcp.integration import save_sharded
+
+        lineage = {"run_id": run_id, "resumed_from": resumed_from}
+        return save_sharded(
+            path, state, config=config, data=data, step=step, generators=generators, extra=extra,
+            lineage=lineage, code_dir=code_dir, overwrite=overwrite, meta=meta, storage=storage,
+        )
+    # --- end sharded state hook ---
     pending = begin(path, overwrite=overwrite, storage=storage)
     try:
         part = write_part(
