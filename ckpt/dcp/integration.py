@@ -108,9 +108,14 @@ def save_sharded(
         if writer.pending is not None and os.path.isdir(writer.pending.tmp_dir):
             abort(writer.pending, storage=storage)
         err = unwrap_checkpoint_error(e)
-        if err is e:
-            raise
-        raise err from None
+        if err is not e:
+            raise err from None
+        if isinstance(e, Exception) and not isinstance(e, CkptError):
+            # e.g. gloo's "Connection closed by peer" when a rank died mid-save
+            from ..distributed import DistributedSaveError
+
+            raise DistributedSaveError(f"sharded save failed, nothing committed: {type(e).__name__}: {e}", path=writer.path) from e
+        raise
     reader = CheckpointReader(writer.path, storage=storage)
     m = reader.manifest
     return CheckpointInfo(reader.path, m.id, m.step, m.total_bytes, m)

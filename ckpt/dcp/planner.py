@@ -27,7 +27,7 @@ def check_value(value: Any, fqn: str) -> None:
     from ..writer import _Collector  # the writer's own hook: same dtype/device rules
 
     collector = _Collector("")
-    to_wire(value, collector, ("values", fqn))
+    to_wire(value, collector, (fqn,))
     if collector.tensors:
         raise UnsupportedValueError("a non-tensor state value holds a tensor; put tensors at their own key", key=fqn)
 

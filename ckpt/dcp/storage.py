@@ -79,11 +79,22 @@ def _layout_of(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any] | None, di
     placements: dict[str, list[str]] = {}
     for fqn, v in state_dict.items():
         if isinstance(v, DTensor):
-            placements[fqn] = [str(p) for p in v.placements]
+            placements[fqn] = [_placement(p) for p in v.placements]
             if mesh is None:
                 dm = v.device_mesh
                 mesh = {"shape": list(dm.shape), "dim_names": list(dm.mesh_dim_names) if dm.mesh_dim_names else None}
     return mesh, placements
+
+
+def _placement(p: Any) -> str:
+    """Spelling of §S.3 (not torch's repr, which changes between releases)."""
+    if p.is_shard():
+        return f"Shard({p.dim})"
+    if p.is_replicate():
+        return "Replicate()"
+    if p.is_partial():
+        return f"Partial({getattr(p, 'reduce_op', 'sum')})"
+    return type(p).__name__
 
 
 class StorageWriter(_DcpWriter):
