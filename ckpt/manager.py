@@ -89,8 +89,12 @@ Handled, with where:
   versions: recorded in every part and compared on load (``exactness="strict"`` refuses,
   ``"warn"`` names every difference). Commit SHA and config hash are recorded.
 
-Out of scope (documented, not handled): sharded FSDP/DTensor placements (we save full
-per-rank state dicts); Megatron/DTensor RNG trackers; mps/xpu RNG; shuffle buffers and
+**Sharded state.** A state whose modules/optimizers hold DTensors (FSDP2, tensor
+parallel) is saved through ``ckpt.dcp`` (one part per rank, DCP's planner, resharding
+on resume to any world size and mesh; spec/sharded-format.md). Such saves are blocking
+(``async_save`` does not apply): DCP's collectives share the default group with the loop.
+
+Out of scope (documented, not handled): Megatron/DTensor RNG trackers; mps/xpu RNG; shuffle buffers and
 token-packing remainders in the data layer; DDP bucket sizes, NCCL algorithm pinning and
 collective order (recorded only where they are env variables); ``torch.compile`` caches
 and the SDPA backend choice; section K (DiLoCo learner/syncer state) belongs to
@@ -357,6 +361,10 @@ class CheckpointManager:
             self._dist = None
             self.rank = 0
             self.world_size = 1
+        from .dcp.integration_probe import holds_dtensor
+
+        #: DTensor state (FSDP2/TP): saved and resumed through ckpt.dcp (sharded hook)
+        self.sharded = holds_dtensor(self.state)
         if missing := [k for k in self.replicated if k not in self.state]:
             raise ValueError(f"replicated entries {missing} are not in the state")
 
@@ -500,6 +508,14 @@ class CheckpointManager:
             return None
         path = os.path.join(self.run_dir, choice)
         reader = CheckpointReader(path, storage=self._storage)
+        if "sharded" in reader.meta:  # --- sharded hook (ckpt.dcp): collective, reshards ---
+            from .dcp.integration import load_sharded
+
+            result = load_sharded(
+                reader, self.state, data=self.data, generators=self.generators or None, restore_rng=not defer_rng,
+                verify=self.rank != 0, exactness=exactness or self.exactness,
+            )
+            return self._resumed(result, choice, defer_rng)
         part = None
         if len(reader.parts) > 1 or self._dist is not None:
             from .writer import part_name_for_rank
@@ -515,6 +531,9 @@ class CheckpointManager:
             verify=self.rank != 0,  # rank 0 has just verified every byte
             exactness=exactness or self.exactness,
         )
+        return self._resumed(result, choice, defer_rng)
+
+    def _resumed(self, result: Any, choice: str, defer_rng: bool) -> Any:
         if defer_rng:
             self._deferred_rng = result.context.get("rng")
         lineage = result.context.get("lineage") or {}
@@ -573,6 +592,9 @@ class CheckpointManager:
         # At most one save in flight, and the staging buffer is still being read by it.
         self._join()
         self._raise_failure()
+        if self.sharded:
+            self._save_sharded(step, metrics, extra, t0)
+            return
         stateful = {k: callable(getattr(v, "state_dict", None)) for k, v in self.state.items()}
         if self._dist is not None and self.rank != 0:
             # Replicated entries are written by rank 0 only; no need to snapshot them here.
@@ -682,6 +704,29 @@ class CheckpointManager:
             job.state = {}
             job.data = None
             job.done.set()
+
+    def _save_sharded(self, step: int, metrics: Mapping[str, Any] | None, extra: Any, t0: float) -> None:
+        """Sharded hook (ckpt.dcp): a collective DCP save on this thread, every rank
+        together. It blocks (DCP's collectives run on the default group, which the
+        training loop also uses; a background thread would interleave with it)."""
+        from .dcp.integration import save_sharded
+
+        path = os.path.join(self.run_dir, checkpoint_name(step))
+        meta = {"run_id": self.run_id, "metrics": dict(metrics or {}), "resumed_from": self.resumed_from}
+        lineage = {
+            "run_id": self.run_id,
+            "resumed_from": self.resumed_from["id"] if self.resumed_from else None,
+            "resumed_from_name": self.resumed_from["name"] if self.resumed_from else None,
+        }
+        self._last_save_step = step
+        self._last_save_time = self._clock()
+        info = save_sharded(
+            path, self.state, config=self.config, data=self.data, step=step, generators=self.generators or None,
+            extra=extra, lineage=lineage, code_dir=self.code_dir, overwrite=True, meta=meta, storage=self._storage,
+        )
+        deleted = self._apply_retention() if self.rank == 0 else ()
+        stall = time.perf_counter() - t0
+        self.reports.append(SaveReport(step, path, False, stall, stall, info.bytes, deleted))
 
     # -- housekeeping ------------------------------------------------------------------
     def _remove_orphans(self) -> tuple[str, ...]:

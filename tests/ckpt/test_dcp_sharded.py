@@ -209,6 +209,20 @@ def _stage(stage: str, rank: int, world: int, port: int, out: str) -> None:
             _train(m2, opt2, 2, rng_inputs=True, dp_rank=dp, start=3)
             again = _global(m2, opt2)
             result["resume_identical"] = sorted(first) == sorted(again) and all(torch.equal(first[k], again[k]) for k in first)
+            # the manager takes the sharded state directly, and resumes it
+            from ckpt.manager import CheckpointManager
+
+            run = p("run")
+            mgr = CheckpointManager(run, {"model": m, "optim": opt}, every_steps=1, signals=())
+            mgr.after_step(6)
+            mgr.close()
+            mgr_state = _global(m, opt)
+            m3, opt3, _ = _build("fsdp", world)
+            mgr2 = CheckpointManager(run, {"model": m3, "optim": opt3}, signals=())
+            res3 = mgr2.resume()
+            mgr2.close()
+            now = _global(m3, opt3)
+            result["manager_resume"] = [res3.step, mgr.sharded, all(torch.equal(now[k], mgr_state[k]) for k in now)]
             # tensor parallel on 2 loads the FSDP-on-4 checkpoint
             mt, optt, _ = _build("tp", world)
             ckpt.load(p("A"), {"model": mt, "optim": optt, "counters": {}})
@@ -312,6 +326,7 @@ def test_sharded_save_reshard_resume_and_failures(tmp_path):
         assert r["exact_claim"] is False and any(d.startswith("world_size: 4 -> 2") for d in r["env_differences"])
         assert r["same_world_exact_claim"] is True
         assert r["resume_identical"] is True
+        assert r["manager_resume"] == [6, True, True]
 
     c = _run("C", 4, out)
     _ok(c)
