@@ -1,7 +1,7 @@
 """Pickle-free DCP planners.
 
 DCP's default planners turn every non-tensor value into bytes with ``torch.save`` and
-back with ``torch.load(weights_only=False)``: pickle. These keep DCP's planning (which
+back with ``torch.load`` (weights_only off): pickle. These keep DCP's planning (which
 rank writes which chunk, de-duplication, resharding) and move values as state trees
 instead: a save refuses a value our msgpack tree cannot encode with
 ``UnsupportedValueError`` naming its fqn, during local planning, before any file is
