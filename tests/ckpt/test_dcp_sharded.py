@@ -348,6 +348,17 @@ def test_sharded_save_reshard_resume_and_failures(tmp_path):
     assert torch.equal(full_tensor(rc, "model.2.weight"), ref["model.2.weight"])
     full = rc.state()
     assert torch.equal(full["optim"]["state"]["0.weight"]["exp_avg"], ref["optim.0.weight.exp_avg"])
+    # ckpt inspect (a real subprocess, no torch) shows global shapes and the shard layout
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "import runpy, sys; sys.argv = ['cli', 'inspect', sys.argv[1]]; sys.modules.setdefault('torch', None); runpy.run_module('cli', run_name='__main__')"
+    shown = subprocess.run([sys.executable, "-c", code, os.path.join(out, "C")], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "sharded: saved on 4 rank(s), mesh 2x2 (dp, tp)" in shown.stdout
+    line = next(ln for ln in shown.stdout.splitlines() if ln.strip().startswith("model.0.weight "))
+    assert "[16, 8]" in line and "rank-00003" in line, line
     # a corrupted shard: verify and load fail naming the rank's file
     bad = os.path.join(out, "Cbad")
     shutil.copytree(os.path.join(out, "C"), bad)
