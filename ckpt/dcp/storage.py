@@ -37,7 +37,7 @@ from ..format import dtypes
 from ..format.manifest import PartEntry
 from ..reader import CheckpointReader
 from ..storage import Storage, local
-from ..writer import PendingCheckpoint, begin, commit, part_name_for_rank, tensor_view_key, write_part
+from ..writer import PendingCheckpoint, begin, commit, part_name_for_rank, tensor_memoryview, tensor_view_key, write_part
 from .layout import Chunk, ShardedLayout, TensorRecord, ValueRecord, box_name, decode_layout
 from .planner import set_value
 
@@ -374,10 +374,51 @@ class StorageReader(_DcpReader):
                 set_value(planner, item, vals[fqn])
             else:
                 by_chunk.setdefault((loc.part, loc.key or ""), []).append(item)
+        by_part: dict[str, dict[str, list[Any]]] = {}
         for (part, key), items in by_chunk.items():
-            src = reader.tensor(key, part=part, verify=self.verify)
+            by_part.setdefault(part, {})[key] = items
+        for part, keymap in by_part.items():
+            self._read_part(reader, part, keymap, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_part(self, reader: CheckpointReader, part: str, keymap: Mapping[str, list[Any]], planner: LoadPlanner) -> None:
+        """Read the wanted chunks of one part. A saved chunk that one request covers whole
+        is read straight into the destination shard; others into a scratch tensor, then
+        narrowed and copied. A part wanted whole is streamed in file order (one read and
+        one hash pass)."""
+        pe = reader.part(part)
+        entries = {t.key: t for t in pe.tensors}
+        dests: dict[str, memoryview] = {}
+        direct: list[tuple[Any, torch.Tensor]] = []
+        scratch: list[tuple[torch.Tensor, list[Any]]] = []
+        for key, items in keymap.items():
+            te = entries.get(key)
+            if te is None:
+                raise FormatError(f"part {part!r} has no tensor {key!r}", path=reader.path, key=key)
+            dtype = dtypes.torch_dtype(te.dtype)
+            if len(items) == 1:
+                item = items[0]
+                dest = planner.resolve_tensor(item).detach()
+                whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == tuple(te.shape)
+                if whole and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous() and tuple(dest.shape) == tuple(te.shape):
+                    dests[key] = tensor_memoryview(dest)
+                    direct.append((item, dest))
+                    continue
+            buf = torch.empty(te.shape, dtype=dtype)
+            dests[key] = tensor_memoryview(buf)
+            scratch.append((buf, items))
+        if set(keymap) == set(entries):
+            reader.stream_part_into(pe, lambda t: dests[t.key], verify=self.verify)
+        else:
+            for key in keymap:
+                reader.read_tensor_bytes_into(pe, entries[key], dests[key], verify=self.verify)
+        for item, dest in direct:
+            planner.commit_tensor(item, dest)
+        for buf, items in scratch:
             for item in items:
-                view = src
+                view = buf
                 for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
                     view = view.narrow(dim, o, n)
                 dest = planner.resolve_tensor(item).detach()
@@ -385,6 +426,3 @@ class StorageReader(_DcpReader):
                     raise StateMismatchError(f"{item.dest_index.fqn!r}: saved box {list(view.shape)} vs target {list(dest.shape)}", path=reader.path, key=item.dest_index.fqn)
                 dest.copy_(view)
                 planner.commit_tensor(item, dest)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
