@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from .errors import CkptError  # noqa: E402
+from .format.manifest import TMP_PREFIX  # noqa: E402
 from .reader import CheckpointReader  # noqa: E402
 from .stateful import Stateful  # noqa: E402
 
@@ -31,20 +32,25 @@ __all__ = [
     "write_part",
     "commit",
     "abort",
+    "PendingCheckpoint",
     "Stateful",
     "CheckpointReader",
     "CkptError",
     "LoadResult",
     "CheckpointManager",
     "RetentionPolicy",
+    "apply_retention",
+    "list_checkpoints",
+    "checkpoint_name",
+    "TMP_PREFIX",
     "errors",
     "data",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._torchio import LoadResult
-    from .manager import CheckpointManager, RetentionPolicy
-    from .writer import abort, begin, commit, save, write_part
+    from .manager import CheckpointManager, RetentionPolicy, apply_retention, checkpoint_name, list_checkpoints
+    from .writer import PendingCheckpoint, abort, begin, commit, save, write_part
 
 
 def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001 - mirrors the builtin on purpose
@@ -63,14 +69,21 @@ def load(
     restore_rng: bool = True,
     verify: bool = True,
     exactness: str = "warn",
+    cast: bool = False,
 ) -> "LoadResult":
-    """Load a checkpoint into ``state`` in place (the resume path).
+    """Load a checkpoint into ``state`` in place (the resume path). All or nothing.
 
-    Tensors whose dtype and shape match are filled in their existing storage;
-    others are created fresh (moved with ``map_location``). Every chunk read is
-    verified unless ``verify=False``. RNG streams are restored last. ``exactness``
-    compares the saving environment with this one: ``strict`` refuses, ``warn``
-    names every difference, ``off`` skips the check.
+    Tensors are filled in their existing storage; a saved tensor whose target has
+    another dtype or shape raises ``StateMismatchError`` naming the key and both
+    (``cast=True`` converts a dtype difference; shapes must always match). Saved
+    tensors with no target tensor are created fresh (moved with ``map_location``).
+    Every check, and the hash of every chunk, happens before any target is written:
+    after an error the targets are as they were (the one exception,
+    ``CheckpointChangedError``, means a file was modified during the load). Modules
+    whose ``state_dict()`` does not share their live storage are restored through
+    ``load_state_dict``. RNG streams are restored last. ``exactness`` compares the
+    saving environment with this one: ``strict`` refuses, ``warn`` names every
+    difference, ``off`` skips the check.
     """
     from ._torchio import load_into
 
@@ -93,6 +106,7 @@ def load(
         restore_rng_state=restore_rng,
         verify=verify,
         exactness=exactness,
+        cast=cast,
     )
 
 
@@ -109,9 +123,13 @@ _LAZY = {
     "write_part": ("writer", "write_part"),
     "commit": ("writer", "commit"),
     "abort": ("writer", "abort"),
+    "PendingCheckpoint": ("writer", "PendingCheckpoint"),
     "LoadResult": ("_torchio", "LoadResult"),
     "CheckpointManager": ("manager", "CheckpointManager"),
     "RetentionPolicy": ("manager", "RetentionPolicy"),
+    "apply_retention": ("manager", "apply_retention"),
+    "list_checkpoints": ("manager", "list_checkpoints"),
+    "checkpoint_name": ("manager", "checkpoint_name"),
 }
 
 

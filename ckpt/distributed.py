@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .errors import CkptError
 from .format.manifest import Manifest, PartEntry
-from .storage import Storage, local
+from .storage import Storage, first_errno, local
 from .writer import PendingCheckpoint, Replicated, abort, begin, commit, part_name_for_rank, write_part
 
 __all__ = ["DistributedCheckpointer", "DistributedSaveError", "is_distributed"]
@@ -52,6 +52,10 @@ def is_distributed() -> bool:
 
 def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def _error_record(e: BaseException) -> dict[str, Any]:
+    return {"error": f"{type(e).__name__}: {e}", "errno": first_errno(e)}
 
 
 def _unpack(b: bytes) -> Any:
@@ -130,13 +134,14 @@ class DistributedCheckpointer:
                 pending = begin(final, overwrite=overwrite, storage=storage)
                 msg = _pack({"tmp": pending.tmp_dir})
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
-                msg = _pack({"error": f"{type(e).__name__}: {e}"})
+                msg = _pack(_error_record(e))
         else:
             msg = None
         got = _unpack(self.broadcast_bytes(msg))
         if "error" in got:
-            raise DistributedSaveError(f"rank 0 could not start the save: {got['error']}", path=final)
-        pending = PendingCheckpoint(final=final, tmp_dir=got["tmp"])
+            raise DistributedSaveError(f"rank 0 could not start the save: {got['error']}", path=final, errno=got.get("errno"))
+        # overwrite travels with the pending record: the commit enforces it atomically.
+        pending = PendingCheckpoint(final=final, tmp_dir=got["tmp"], overwrite=overwrite)
 
         # 2. every rank writes its part
         missing = [k for k in replicated if k not in state]
@@ -163,16 +168,17 @@ class DistributedCheckpointer:
             )
             report = _pack({"part": part.to_dict()})
         except Exception as e:  # noqa: BLE001
-            report = _pack({"error": f"{type(e).__name__}: {e}"})
+            report = _pack(_error_record(e))
 
         # 3. gather the part records, 4. rank 0 commits only if all ranks wrote
         reports = [_unpack(b) for b in self.all_gather_bytes(report)]
         manifest: Manifest | None = None
         if self.rank == 0:
             errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
+            errnos = [rep["errno"] for rep in reports if rep.get("errno") is not None]
             if errors:
                 abort(pending, storage=storage)
-                outcome = _pack({"error": "; ".join(errors)})
+                outcome = _pack({"error": "; ".join(errors), "errno": errnos[0] if errnos else None})
             else:
                 try:
                     parts = [PartEntry.from_dict(rep["part"]) for rep in reports]
@@ -180,13 +186,16 @@ class DistributedCheckpointer:
                     outcome = _pack({"ok": manifest.id})
                 except Exception as e:  # noqa: BLE001
                     abort(pending, storage=storage)
-                    outcome = _pack({"error": f"rank 0 commit: {type(e).__name__}: {e}"})
+                    rec = _error_record(e)
+                    outcome = _pack({"error": f"rank 0 commit: {rec['error']}", "errno": rec["errno"]})
         else:
             outcome = None
         result = _unpack(self.broadcast_bytes(outcome))
         self.barrier()
         if "error" in result:
-            raise DistributedSaveError(f"distributed save failed, nothing committed: {result['error']}", path=final)
+            # errno travels so a caller can tell "disk full" (the manager then frees
+            # space by retention before its next save) from other failures.
+            raise DistributedSaveError(f"distributed save failed, nothing committed: {result['error']}", path=final, errno=result.get("errno"))
         return manifest
 
     # -- load -----------------------------------------------------------------------------

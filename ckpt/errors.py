@@ -6,6 +6,7 @@ keeps working for callers who do not know this package::
 
     CkptError
     ├── CheckpointNotFoundError      (FileNotFoundError)  no such checkpoint
+    │   └── CheckpointVanishedError                      removed (e.g. by retention) while read
     ├── IncompleteCheckpointError    (CkptError)          uncommitted / temporary dir
     ├── FormatError                  (ValueError)         bytes that do not parse
     │   ├── UnsupportedVersionError                       unknown major version
@@ -15,12 +16,16 @@ keeps working for callers who do not know this package::
     │   ├── ChecksumMismatchError                         a chunk or manifest digest differs
     │   ├── SizeMismatchError                             truncated or extended file
     │   ├── MissingFileError                              a file the manifest names is absent
+    │   ├── CheckpointChangedError                        a file changed between the two passes
+    │   │                                                 of an in-place load (targets may be mixed)
     │   └── UnexpectedFileError                           a file the manifest does not name
     ├── CheckpointExistsError        (FileExistsError)    refusing to replace a checkpoint
     ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
     ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
-    └── BackgroundSaveError          (RuntimeError)       an async save failed earlier
+    ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
+    ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
+    └── DistributedUsageError        (RuntimeError)       single-process API under a process group
 
 Every instance carries ``path`` (the file), and where known ``offset`` (a byte offset
 in that file) or ``key`` (a key path in the state tree); ``str(err)`` names them.
@@ -33,6 +38,7 @@ from typing import Any
 __all__ = [
     "CkptError",
     "CheckpointNotFoundError",
+    "CheckpointVanishedError",
     "IncompleteCheckpointError",
     "FormatError",
     "UnsupportedVersionError",
@@ -42,12 +48,15 @@ __all__ = [
     "ChecksumMismatchError",
     "SizeMismatchError",
     "MissingFileError",
+    "CheckpointChangedError",
     "UnexpectedFileError",
     "CheckpointExistsError",
     "StateMismatchError",
     "EnvironmentMismatchError",
     "UnsupportedValueError",
     "BackgroundSaveError",
+    "RunDirLockedError",
+    "DistributedUsageError",
 ]
 
 
@@ -93,6 +102,12 @@ def _rebuild(cls, message, path, offset, key, context):  # pragma: no cover - tr
 
 class CheckpointNotFoundError(CkptError, FileNotFoundError):
     exit_code = 5
+
+
+class CheckpointVanishedError(CheckpointNotFoundError):
+    """The checkpoint was there when opened and is gone now: another process (retention,
+    a user) removed it while this reader was reading. Not corruption: the bytes read so
+    far were valid; a resume falls back to an older checkpoint."""
 
 
 class IncompleteCheckpointError(CkptError):
@@ -141,6 +156,16 @@ class UnexpectedFileError(IntegrityError):
     pass
 
 
+class CheckpointChangedError(IntegrityError):
+    """A committed file changed under an in-place load after its verifying pass.
+
+    Every chunk had matched in the first pass, so the file was modified in place while
+    the load copied it (the format forbids that; a media fault can do it). Unlike every
+    other load error, the targets may now hold a mix of old and new values: load a
+    checkpoint again (``CheckpointManager.resume`` does) before using them.
+    """
+
+
 class CheckpointExistsError(CkptError, FileExistsError):
     pass
 
@@ -161,3 +186,11 @@ class UnsupportedValueError(CkptError, TypeError):
 
 class BackgroundSaveError(CkptError, RuntimeError):
     """An asynchronous save failed; raised at the next call into the manager."""
+
+
+class RunDirLockedError(CkptError, BlockingIOError):
+    """Another live process holds the run directory's writer lock (its pid and host named)."""
+
+
+class DistributedUsageError(CkptError, RuntimeError):
+    """A single-process API called under a multi-rank process group; use the distributed one."""

@@ -33,18 +33,35 @@ raised as ``BackgroundSaveError`` by the next call into the manager (``after_ste
 ``save``, ``wait``, ``resume`` or ``close``), never swallowed.
 
 **Latest valid.** ``resume()`` lists committed ``step-*`` directories (``.tmp-*`` are
-never candidates), newest first, verifies each in full and loads the first that
-verifies. Each one skipped is named in a ``ResumeFallbackWarning`` with the error that
-disqualified it (file, chunk, offset).
+never candidates), newest first, and loads the first that loads: every chunk verified
+and every check passed before any target is written (``ckpt.load`` is all or nothing),
+so it falls back past a checkpoint that fails *for any reason* (corrupt, content load
+cannot take, state that does not fit); only the strict exactness gate propagates. Each
+one skipped is named in a ``ResumeFallbackWarning`` with the error that disqualified it
+(file, chunk, offset).
 
 **Retention.** ``RetentionPolicy``: keep the last K, keep every step divisible by N, keep
 the best M by a metric passed to ``after_step(metrics=...)`` (stored in the manifest's
 ``meta``). The sets are computed separately and united; anything else is deleted, but
 only after a new checkpoint has committed, and never the newest committed checkpoint
-(the one a crash would resume from). Deletion renames into a ``.tmp-`` name first, so a
-crash mid-delete leaves a directory no reader accepts rather than a torn checkpoint.
-Orphaned ``.tmp-*`` directories of crashed saves are removed when the manager starts.
-One manager (one job) writes a run directory at a time.
+(the one a crash would resume from). Deletion renames into a ``.tmp-<step>-<hex>.del`` name first,
+so a crash mid-delete leaves a directory no reader accepts rather than a torn checkpoint.
+**Full disk:** once a save has failed for space (ENOSPC/EDQUOT), every later save of
+this manager first deletes what its own commit would delete (planning as if it had
+committed), so the run does not wedge; the checkpoints from the newest down to the
+newest one that verifies in full are never deleted for this.
+
+**One writer per run directory.** The manager holds an exclusive ``flock`` on
+``<run_dir>/.ckpt-writer.lock`` from construction to ``close()`` (``ckpt.runlock``; rank 0
+holds it for a distributed job). A second manager, in this process or another, gets
+``RunDirLockedError`` naming the holder's pid and host; the kernel drops the lock when
+the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
+cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
+by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+
+**Signals.** The SIGTERM/SIGUSR1 handlers chain: the handler installed before the
+manager's is still called (after the flag is set), and ``close()`` puts it back unless
+someone installed another handler after the manager's.
 
 **Lineage.** Every checkpoint records ``run_id`` (kept across resumes: a resumed run is
 the same run) and ``resumed_from`` (the content id and name of the checkpoint this
@@ -106,27 +123,26 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import signal
 import threading
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from .errors import (
     BackgroundSaveError,
-    CheckpointNotFoundError,
     CkptError,
-    FormatError,
-    IncompleteCheckpointError,
-    IntegrityError,
+    EnvironmentMismatchError,
+    RunDirLockedError,
+    UnsupportedValueError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .reader import CheckpointReader
-from .storage import Storage, local
-from .writer import TMP_PREFIX
+from .runlock import RunLock
+from .storage import Storage, is_space_error, local
+from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
     "CheckpointManager",
@@ -136,6 +152,7 @@ __all__ = [
     "ResumeFallbackWarning",
     "list_checkpoints",
     "plan_retention",
+    "apply_retention",
     "checkpoint_name",
 ]
 
@@ -255,9 +272,11 @@ def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy)
     return {k: tuple(v) for k, v in keep.items()}
 
 
-# Errors that mean "this checkpoint is not usable": fall back to an older one. Other
-# errors (the state does not fit, strict environment gate) are the caller's to see.
-_UNUSABLE = (IntegrityError, FormatError, IncompleteCheckpointError, CheckpointNotFoundError)
+# resume() falls back past a checkpoint that fails to load for any reason (corrupt,
+# re-signed with content load cannot take, state that does not fit, vanished). Only
+# the caller's own refusal propagates: the strict exactness gate, which every older
+# checkpoint of the run would fail too (falling back would silently start afresh).
+_REFUSALS: tuple[type[BaseException], ...] = (EnvironmentMismatchError,)
 
 
 @dataclass(slots=True)
@@ -312,6 +331,7 @@ class CheckpointManager:
             raise ValueError(f"every_seconds must be > 0 or None, got {every_seconds}")
         if exactness not in ("strict", "warn", "off"):
             raise ValueError(f"exactness must be 'strict', 'warn' or 'off', not {exactness!r}")
+        _check_data_source(data)
         self.run_dir = os.path.abspath(os.fspath(run_dir))
         self.state = dict(state)
         self.data = data
@@ -338,6 +358,7 @@ class CheckpointManager:
         self._failed: _Job | None = None
         self._deferred_rng: dict[str, Any] | None = None
         self._closed = False
+        self._space_short = False
         #: reports of completed saves, oldest first
         self.reports: list[SaveReport] = []
 
@@ -368,13 +389,31 @@ class CheckpointManager:
         if missing := [k for k in self.replicated if k not in self.state]:
             raise ValueError(f"replicated entries {missing} are not in the state")
 
+        # One writer per run directory: rank 0 holds the lock for the whole job, taken
+        # before orphan cleanup (which would otherwise delete a live writer's saves).
+        self._lock: RunLock | None = None
+        self.removed_orphans: tuple[str, ...] = ()
+        #: (temporary name, step name) of complete copies put back after a crash
+        self.restored_orphans: tuple[tuple[str, str], ...] = ()
+        refusal: BaseException | None = None
         if self.rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.removed_orphans = self._remove_orphans()
-        else:
-            self.removed_orphans = ()
+            try:
+                os.makedirs(self.run_dir, exist_ok=True)
+                self._lock = RunLock.acquire(self.run_dir, owner={"run_id": self.run_id, "world_size": self.world_size})
+                rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
+                self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
+            except BaseException as e:  # noqa: BLE001 - every rank must hear about it
+                refusal = e
         if self._ctl is not None:
-            self._ctl.barrier()
+            # Every rank raises together rather than waiting at a barrier rank 0 never reaches.
+            msg = None if self.rank != 0 else (b"" if refusal is None else f"{type(refusal).__name__}: {refusal}".encode())
+            why = self._ctl.broadcast_bytes(msg).decode()
+            if why and refusal is None:
+                cls = RunDirLockedError if why.startswith(RunDirLockedError.__name__ + ":") else CkptError
+                refusal = cls(f"rank 0 could not open the run directory: {why}", path=self.run_dir)
+        if refusal is not None:
+            self._release_lock()
+            raise refusal
 
         self._old_handlers: dict[int, Any] = {}
         if signals and threading.current_thread() is threading.main_thread():
@@ -408,7 +447,14 @@ class CheckpointManager:
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the save happens at the next step boundary, in the loop's thread.
-        self._signal = signum
+        if not self._closed:
+            self._signal = signum
+        # Chain: the handler installed before ours still runs (a user's logging, a
+        # launcher's cleanup). SIG_DFL/SIG_IGN are not called: the default action of
+        # SIGTERM would kill the process before the save this handler exists for.
+        prev = self._old_handlers.get(signum)
+        if callable(prev):
+            prev(signum, frame)
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """What the signal handler does; for tests and for cooperative preemption."""
@@ -464,12 +510,21 @@ class CheckpointManager:
             self._closed = True
             for sig, old in self._old_handlers.items():
                 try:
-                    signal.signal(sig, old)
+                    # Only if ours is still installed: a handler installed after ours
+                    # (which may chain to ours) is not overwritten. Ours stays in its
+                    # chain, closed: it only forwards to the previous handler.
+                    if signal.getsignal(sig) == self._on_signal:
+                        signal.signal(sig, old)
                 except (ValueError, TypeError):  # pragma: no cover - not main thread
                     pass
-            self._old_handlers = {}
             if self._staging is not None:
                 self._staging.release()
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -487,53 +542,87 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failure()
-        from ._torchio import load_into
+        from ._torchio import prepare_load
 
-        choice = ""
+        names: list[str] = []
         if self.rank == 0:
             for rec in reversed(list_checkpoints(self.run_dir)):
                 if not rec.committed:
                     warnings.warn(f"skipping {rec.path}: no MANIFEST, the save never committed", ResumeFallbackWarning, stacklevel=2)
                     continue
-                try:
-                    CheckpointReader(rec.path, storage=self._storage).verify()
-                except _UNUSABLE as e:
-                    warnings.warn(f"skipping {rec.path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=2)
-                    continue
-                choice = rec.name
-                break
+                names.append(rec.name)
         if self._ctl is not None:
-            choice = self._ctl.broadcast_bytes(choice.encode() if self.rank == 0 else None).decode()
-        if not choice:
+            payload = "\n".join(names).encode() if self.rank == 0 else None
+            names = [n for n in self._ctl.broadcast_bytes(payload).decode().split("\n") if n]
+        changed: Exception | None = None  # an apply failed: targets stay unusable until a load succeeds
+        result = None
+        for choice in names:
+            path = os.path.join(self.run_dir, choice)
+            prepared = None
+            error: BaseException | None = None
+            sharded = False
+            try:
+                reader = CheckpointReader(path, storage=self._storage)
+                sharded = "sharded" in reader.meta  # --- sharded hook (ckpt.dcp) ---
+                part = None
+                if len(reader.parts) > 1 or self._dist is not None:
+                    from .writer import part_name_for_rank
+
+                    part = part_name_for_rank(self.rank)
+                if sharded:
+                    # every chunk of every rank's part, before any target is written
+                    if self.rank == 0:
+                        reader.verify()
+                else:
+                    # Every check and the hash of every chunk, before any target is written.
+                    prepared = prepare_load(
+                        reader,
+                        self.state,
+                        part=part,
+                        data=self.data,
+                        # deferred: restore_rng() restores the generators with the other streams
+                        generators=None if defer_rng else (self.generators or None),
+                        restore_rng_state=not defer_rng,
+                        verify=True,
+                        exactness=exactness or self.exactness,
+                    )
+            except _REFUSALS:
+                raise
+            except Exception as e:  # any reason: this checkpoint cannot be loaded here
+                error = e
+            failed = error is not None
+            if self._ctl is not None:  # all ranks load the same checkpoint or none does
+                failed = bool(self._ctl.all_reduce_max([int(failed)])[0])
+            if failed:
+                if prepared is not None:
+                    prepared.close()
+                why = f"{type(error).__name__}: {error}" if error is not None else "another rank could not load it"
+                warnings.warn(f"skipping {path}: {why}", ResumeFallbackWarning, stacklevel=2)
+                continue
+            if sharded:  # collective: DCP reshards onto this job's shards
+                from .dcp.integration import load_sharded
+
+                result = load_sharded(
+                    reader, self.state, data=self.data, generators=self.generators or None, restore_rng=not defer_rng,
+                    verify=self.rank != 0, exactness=exactness or self.exactness,
+                )
+                break
+            assert prepared is not None
+            try:
+                result = prepared.apply()
+            except Exception as e:  # a file changed between the passes, a Stateful refused
+                if self._ctl is not None:
+                    raise  # ranks cannot agree on a fallback after some applied theirs
+                # The targets may be mixed now: only a complete load of an older
+                # checkpoint (which rewrites every target) makes them usable again.
+                changed = e
+                warnings.warn(f"skipping {path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=2)
+                continue
+            break
+        if result is None:
+            if changed is not None:
+                raise changed
             return None
-        path = os.path.join(self.run_dir, choice)
-        reader = CheckpointReader(path, storage=self._storage)
-        if "sharded" in reader.meta:  # --- sharded hook (ckpt.dcp): collective, reshards ---
-            from .dcp.integration import load_sharded
-
-            result = load_sharded(
-                reader, self.state, data=self.data, generators=self.generators or None, restore_rng=not defer_rng,
-                verify=self.rank != 0, exactness=exactness or self.exactness,
-            )
-            return self._resumed(result, choice, defer_rng)
-        part = None
-        if len(reader.parts) > 1 or self._dist is not None:
-            from .writer import part_name_for_rank
-
-            part = part_name_for_rank(self.rank)
-        result = load_into(
-            reader,
-            self.state,
-            part=part,
-            data=self.data,
-            generators=self.generators or None,
-            restore_rng_state=not defer_rng,
-            verify=self.rank != 0,  # rank 0 has just verified every byte
-            exactness=exactness or self.exactness,
-        )
-        return self._resumed(result, choice, defer_rng)
-
-    def _resumed(self, result: Any, choice: str, defer_rng: bool) -> Any:
         if defer_rng:
             self._deferred_rng = result.context.get("rng")
         lineage = result.context.get("lineage") or {}
@@ -656,7 +745,12 @@ class CheckpointManager:
         from .writer import abort, begin, commit, write_part
 
         t0 = time.perf_counter()
+        freed: tuple[str, ...] = ()
         try:
+            if self._space_short and self.rank == 0:
+                # The disk filled up before: retention after a commit can never run
+                # again if no commit fits, so delete now what the commit would delete.
+                freed = self._apply_retention(upcoming=job.step)
             if self._dist is not None:
                 self._dist.save(
                     job.path,
@@ -694,11 +788,15 @@ class CheckpointManager:
                 except BaseException:
                     abort(pending, storage=self._storage)
                     raise
-            deleted = self._apply_retention() if self.rank == 0 else ()
+            deleted = freed + (self._apply_retention() if self.rank == 0 else ())
             job.report = SaveReport(job.step, job.path, job.asynchronous, job.stall_s, time.perf_counter() - t0, job.nbytes, deleted)
             self.reports.append(job.report)
         except BaseException as e:  # noqa: BLE001 - surfaced at the next call
             job.error = e
+            if is_space_error(e):
+                # Sticky for this manager: on a disk that filled up once, every later
+                # save makes room first (never below the newest valid checkpoint).
+                self._space_short = True
         finally:
             # Drop references to staged tensors and frozen trees as soon as possible.
             job.state = {}
@@ -729,32 +827,77 @@ class CheckpointManager:
         self.reports.append(SaveReport(step, path, False, stall, stall, info.bytes, deleted))
 
     # -- housekeeping ------------------------------------------------------------------
-    def _remove_orphans(self) -> tuple[str, ...]:
-        removed = []
-        for name in sorted(os.listdir(self.run_dir)):
-            if name.startswith(TMP_PREFIX):
-                self._storage.remove_tree(os.path.join(self.run_dir, name))
-                removed.append(name)
-        return tuple(removed)
+    def _apply_retention(self, *, upcoming: int | None = None) -> tuple[str, ...]:
+        """Delete what the policy does not keep. With ``upcoming`` (a save about to be
+        written on a full disk), plan as if it had committed, but never delete the
+        newest checkpoint that verifies: if the save fails, that is the resume point."""
+        protect: set[str] = set()
+        if upcoming is not None:
+            protect = self._newest_valid(list_checkpoints(self.run_dir))
+        return apply_retention(self.run_dir, self.retention, storage=self._storage,
+                               protect=protect, upcoming=upcoming)
 
-    def _apply_retention(self) -> tuple[str, ...]:
-        records = list_checkpoints(self.run_dir, with_metrics=bool(self.retention.keep_best))
-        keep = plan_retention(records, self.retention)
-        deleted = []
-        for r in records:
-            if not r.committed or r.name in keep:
-                continue
-            # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
-            trash = os.path.join(self.run_dir, f"{TMP_PREFIX}del-{r.name}-{secrets.token_hex(4)}")
+    def _newest_valid(self, records: Sequence[CheckpointRecord]) -> set[str]:
+        """Names of the committed checkpoints from the newest down to the newest one that
+        verifies in full (all of them if none does): none of these may be deleted."""
+        out: set[str] = set()
+        for r in reversed([r for r in records if r.committed]):
+            out.add(r.name)
             try:
-                self._storage.rename_dir(r.path, trash)
-            except FileNotFoundError:
+                CheckpointReader(r.path, storage=self._storage).verify()
+            except (CkptError, OSError):
                 continue
-            self._storage.remove_tree(trash)
-            deleted.append(r.name)
-        if deleted:
-            self._storage.fsync_dir(self.run_dir)
-        return tuple(deleted)
+            break
+        return out
+
+
+def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage = local,
+                    protect: Iterable[str] = (), upcoming: int | None = None) -> tuple[str, ...]:
+    """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
+    (:func:`plan_retention`); returns their names. The manager runs this after each
+    commit; anything else that commits checkpoints into a directory (a snapshotter) runs
+    it too, so that there is one retention routine. Names in ``protect`` are never
+    deleted; ``upcoming`` plans as if that step had already committed (freeing space
+    before a save on a full disk) and is itself never deleted."""
+    run_dir = os.fspath(run_dir)
+    protected = set(protect)
+    records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best))
+    if upcoming is not None and not any(r.step == upcoming for r in records):
+        name = checkpoint_name(upcoming)
+        records = sorted([*records, CheckpointRecord(name, os.path.join(run_dir, name), upcoming, True)],
+                         key=lambda r: r.step)
+    keep = plan_retention(records, policy)
+    deleted = []
+    for r in records:
+        if not r.committed or r.name in keep or r.name in protected or r.step == upcoming:
+            continue
+        # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
+        trash = os.path.join(run_dir, tmp_name(r.name, DEL_SUFFIX))
+        try:
+            storage.rename_dir(r.path, trash)
+        except FileNotFoundError:
+            continue
+        storage.remove_tree(trash)
+        deleted.append(r.name)
+    if deleted:
+        storage.fsync_dir(run_dir)
+    return tuple(deleted)
+
+
+def _check_data_source(data: Any) -> None:
+    """Refuse, at construction, a ``data=`` that cannot be saved: the first save would
+    otherwise fail many steps into the run (a plain DataLoader has no position)."""
+    if data is None:
+        return
+    missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(data, m, None))]
+    if missing:
+        t = type(data)
+        raise UnsupportedValueError(
+            f"data= must have state_dict() and load_state_dict(); {t.__module__}.{t.__qualname__} has no "
+            f"{' or '.join(m + '()' for m in missing)}. A plain torch DataLoader keeps no position: use "
+            "ckpt.data.ResumableLoader or torchdata.stateful_dataloader.StatefulDataLoader",
+            key="@data",
+        )
 
 
 def _with_stall(report: SaveReport, stall: float) -> SaveReport:

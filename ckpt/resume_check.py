@@ -203,6 +203,7 @@ class RunContext:
             step=step,
             meta=meta,
             overwrite=True,
+            this_rank_only=True,  # one path per rank: each rank's own state, on purpose
         )
 
     def manager(self, state: Mapping[str, Any], **kwargs: Any) -> Any:
@@ -266,6 +267,7 @@ class RunContext:
             generators=generators or None,
             step=self.steps,
             overwrite=True,
+            this_rank_only=True,
         )
         self._log(kind="finish", step=self.steps)
         self._events.close()

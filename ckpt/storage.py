@@ -2,17 +2,23 @@
 
 Format logic (``ckpt.format``) is pure; writer and reader talk to a ``Storage`` for
 files. ``LocalStorage`` is the POSIX implementation: O_EXCL creates, fsync of files
-and of directories after renames, positional reads straight into caller memory.
+and of directories after renames, positional reads straight into caller memory, and
+the two atomic renames a commit needs (spec/checkpoint-format.md §10): rename-unless-
+the-target-exists (``renameat2(RENAME_NOREPLACE)``) and swap-two-names
+(``renameat2(RENAME_EXCHANGE)``), through ctypes on Linux.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import stat
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from ._pipeline import OrderedFeeder
+from .errors import CkptError
 from .format.digest import ChunkHasher
 
 __all__ = ["Storage", "LocalStorage", "FileSink", "local"]
@@ -32,6 +38,8 @@ class Storage(Protocol):
     def listdir(self, path: str) -> list[str]: ...
     def mkdir(self, path: str) -> None: ...
     def rename_dir(self, src: str, dst: str) -> None: ...
+    def rename_noreplace(self, src: str, dst: str) -> None: ...  # FileExistsError if dst exists
+    def exchange(self, a: str, b: str) -> bool: ...  # atomic swap; False if unsupported here
     def remove_tree(self, path: str) -> None: ...
     def fsync_dir(self, path: str) -> None: ...
 
@@ -91,7 +99,46 @@ class _LocalSink:
             self._fd = -1
 
 
+# renameat2(2) flags (linux/fs.h).
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # not glibc >= 2.28 / not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
 class LocalStorage:
+    """POSIX files. ``renameat2=False`` forces the portable fallbacks (tests use it to
+    exercise the commit protocol a filesystem without ``renameat2`` gets)."""
+
+    # A class default, so subclasses that do not call __init__ still work.
+    _use_renameat2: bool = True
+
+    def __init__(self, *, renameat2: bool = True) -> None:
+        self._use_renameat2 = renameat2
+
+    def _rename2(self, src: str, dst: str, flags: int) -> bool:
+        """``renameat2``; False when the kernel or filesystem does not support ``flags``."""
+        if _renameat2 is None or not self._use_renameat2:
+            return False
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            return False  # e.g. an old kernel, or a filesystem without the flag
+        raise OSError(err, os.strerror(err), src, None, dst)
+
     def create(self, path: str, chunk_size: int, *, durable: bool = True) -> _LocalSink:
         return _LocalSink(path, chunk_size, durable)
 
@@ -121,6 +168,24 @@ class LocalStorage:
         # exactly the no-clobber behaviour a commit needs.
         os.rename(src, dst)
 
+    def rename_noreplace(self, src: str, dst: str) -> None:
+        # Atomic "rename unless dst exists": two writers racing for one name cannot
+        # both win, and there is no check-then-rename window.
+        if self._rename2(src, dst, _RENAME_NOREPLACE):
+            return
+        # Fallback: rename(2) of a directory fails onto a non-empty directory
+        # (ENOTEMPTY/EEXIST) or a file (ENOTDIR). A committed checkpoint always holds a
+        # MANIFEST, so only an empty directory could be replaced here, never a checkpoint.
+        try:
+            os.rename(src, dst)
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise FileExistsError(errno.EEXIST, "target exists", dst) from e
+            raise
+
+    def exchange(self, a: str, b: str) -> bool:
+        return self._rename2(a, b, _RENAME_EXCHANGE)
+
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -130,6 +195,24 @@ class LocalStorage:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def first_errno(e: BaseException | None) -> int | None:
+    """The OS error number behind ``e`` (its causes included), if any."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        if isinstance(e, CkptError) and isinstance(e.context.get("errno"), int):
+            return e.context["errno"]
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+def is_space_error(e: BaseException | None) -> bool:
+    """The filesystem is full (or the quota spent): ENOSPC / EDQUOT."""
+    return first_errno(e) in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 def preadv_full(fd: int, buf: memoryview, offset: int, request: int = 16 << 20) -> int:

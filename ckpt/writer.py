@@ -1,21 +1,31 @@
 """Writing checkpoints: ``save`` for one process, ``begin/write_part/commit`` for many.
 
-Commit protocol (spec/checkpoint-format.md §5): every part is written into a
+Commit protocol (spec/checkpoint-format.md §10): every part is written into a
 temporary sibling directory ``.tmp-<name>-<random>``; each file is fsynced as it is
 closed; MANIFEST is written last and fsynced, then the temporary directory is
 fsynced, renamed to its final name, and the parent directory fsynced. A crash before
 the rename leaves only a temporary directory, which no reader accepts; a crash after
-it leaves a complete checkpoint. Existing checkpoints are never touched.
+it leaves a complete checkpoint.
+
+Publishing is atomic in both modes. Without ``overwrite`` the rename refuses an
+existing target in the same system call (``renameat2(RENAME_NOREPLACE)``), so two
+writers racing for one name cannot both win. With ``overwrite`` the new directory and
+the old one swap names in one call (``RENAME_EXCHANGE``); where that is unsupported,
+the old one is first renamed to ``.tmp-<name>-<hex>.old``, and :func:`recover` puts a
+complete copy back under the final name after a crash between the two renames. At
+every instant at least one complete copy of the checkpoint exists.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import secrets
+import stat
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 
@@ -25,17 +35,19 @@ from .context.env import capture_env
 from .context.provenance import capture_commit
 from .context.rng import capture_rng, rng_kinds
 from .context.topology import capture_topology
-from .errors import CheckpointExistsError, CkptError, UnsupportedValueError
+from .errors import CheckpointExistsError, CkptError, DistributedUsageError, UnsupportedValueError
 from .format import dtypes
 from .format.codec import packb, zstd_compress
 from .format.manifest import (
     MANIFEST_NAME,
+    TMP_PREFIX,
     FileEntry,
     Manifest,
     PartEntry,
     TensorEntry,
     check_name,
     content_id,
+    decode_manifest,
     encode_manifest,
 )
 from .format.safetensors import TensorSlot, build_header
@@ -43,17 +55,37 @@ from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_
 from .knobs import knobs
 from .storage import Storage, local
 
-__all__ = ["PendingCheckpoint", "Replicated", "begin", "write_part", "commit", "abort", "save", "part_name_for_rank"]
+__all__ = [
+    "PendingCheckpoint",
+    "Replicated",
+    "begin",
+    "write_part",
+    "commit",
+    "abort",
+    "save",
+    "part_name_for_rank",
+    "recover",
+    "Recovery",
+]
 
-TMP_PREFIX = ".tmp-"
-
+#: suffix of a replaced checkpoint moved aside (fallback overwrite, §10)
+OLD_SUFFIX = ".old"
+#: suffix of a checkpoint being deleted on purpose (retention)
+DEL_SUFFIX = ".del"
 
 @dataclass(frozen=True, slots=True)
 class PendingCheckpoint:
-    """A checkpoint being written. Rebuild it in another process from the two paths."""
+    """A checkpoint being written. Rebuild it in another process from the two paths
+    (and the same ``overwrite``: the commit, not ``begin``, enforces it)."""
 
     final: str
     tmp_dir: str
+    overwrite: bool = False
+
+
+def tmp_name(name: str, suffix: str = "") -> str:
+    """``.tmp-<name>-<12 hex>[suffix]``: a sibling no reader accepts (§3)."""
+    return f"{TMP_PREFIX}{name}-{secrets.token_hex(6)}{suffix}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +105,12 @@ def begin(path: str | os.PathLike[str], *, overwrite: bool = False, storage: Sto
     check_name(name, what="checkpoint directory", path=final)
     os.makedirs(parent, exist_ok=True)
     if os.path.lexists(final) and not overwrite:
+        # Early refusal only; commit() enforces it atomically (another writer may
+        # commit this name while we write).
         raise CheckpointExistsError("a checkpoint already exists here; pass overwrite=True to replace it", path=final)
-    tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{secrets.token_hex(6)}")
+    tmp = os.path.join(parent, tmp_name(name))
     storage.mkdir(tmp)
-    return PendingCheckpoint(final=final, tmp_dir=tmp)
+    return PendingCheckpoint(final=final, tmp_dir=tmp, overwrite=overwrite)
 
 
 def abort(pending: PendingCheckpoint, *, storage: Storage = local) -> None:
@@ -320,14 +354,18 @@ def _preview(wire: Any) -> Any:
 
 def commit(
     pending: PendingCheckpoint,
-    parts: Sequence[PartEntry],
+    parts: Sequence[PartEntry | Mapping[str, Any]],
     *,
     kind: str = "checkpoint",
     step: int | None = None,
     meta: Mapping[str, Any] | None = None,
     storage: Storage = local,
 ) -> Manifest:
-    """Write MANIFEST last, fsync, and rename the temporary directory into place."""
+    """Write MANIFEST last, fsync, and rename the temporary directory into place.
+
+    ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
+    crosses process boundaries as plain data)."""
+    parts = [p if isinstance(p, PartEntry) else PartEntry.from_dict(dict(p)) for p in parts]
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
         raise CkptError(f"duplicate part names {names}", path=pending.final)
@@ -353,19 +391,142 @@ def commit(
         sink.discard()
         raise
     storage.fsync_dir(pending.tmp_dir)
-    parent = os.path.dirname(pending.final)
-    if os.path.lexists(pending.final):
-        # overwrite=True: move the old one aside first; a crash in between leaves the
-        # old checkpoint intact under a temporary name and the new one complete.
-        trash = os.path.join(parent, f"{TMP_PREFIX}old-{os.path.basename(pending.final)}-{secrets.token_hex(6)}")
-        storage.rename_dir(pending.final, trash)
-        storage.rename_dir(pending.tmp_dir, pending.final)
-        storage.fsync_dir(parent)
-        storage.remove_tree(trash)
-    else:
-        storage.rename_dir(pending.tmp_dir, pending.final)
-    storage.fsync_dir(parent)
+    _publish(pending, storage)
     return manifest
+
+
+def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
+    """Give the complete temporary directory its final name (§10 steps 5-6)."""
+    final, tmp = pending.final, pending.tmp_dir
+    parent = os.path.dirname(final)
+    try:
+        storage.rename_noreplace(tmp, final)
+    except FileExistsError:
+        if not pending.overwrite:
+            raise CheckpointExistsError(
+                "a checkpoint already exists here (committed while this one was written); pass overwrite=True to replace it",
+                path=final,
+            ) from None
+    else:
+        storage.fsync_dir(parent)
+        return
+    # overwrite: the final name holds the old checkpoint.
+    if storage.exchange(tmp, final):
+        # One atomic swap: the final name always holds a complete copy (old, then new).
+        storage.fsync_dir(parent)
+        storage.remove_tree(tmp)  # now the old checkpoint
+        storage.fsync_dir(parent)
+        return
+    # No exchange on this filesystem: move the old aside, then the new into place. A
+    # crash in between leaves both complete under temporary names; recover() renames
+    # one back (spec §10), so cleanup never deletes the only complete copy.
+    aside = os.path.join(parent, tmp_name(os.path.basename(final), OLD_SUFFIX))
+    storage.rename_dir(final, aside)
+    try:
+        storage.rename_noreplace(tmp, final)
+    except BaseException:
+        # Someone took the name in between: put the old one back if we still can.
+        try:
+            storage.rename_noreplace(aside, final)
+        except OSError:
+            pass
+        raise
+    storage.fsync_dir(parent)
+    storage.remove_tree(aside)
+    storage.fsync_dir(parent)
+
+
+# --- crash recovery -------------------------------------------------------------------
+
+_TMP_RE = re.compile(r"^\.tmp-(?P<name>.+)-[0-9a-f]{12}(?P<suffix>\.old|\.del)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """What :func:`recover` did: temporary dirs renamed back to a final name, and removed."""
+
+    restored: tuple[tuple[str, str], ...]  # (temporary name, final name)
+    removed: tuple[str, ...]
+
+
+def is_complete(path: str, *, storage: Storage = local) -> bool:
+    """A committed copy whatever its name: its MANIFEST decodes (own digest included)
+    and every file it names is a regular file of the declared size. Chunk digests are
+    not re-hashed (resume verifies them); this tells a whole copy from a torn save."""
+    mpath = os.path.join(path, MANIFEST_NAME)
+    try:
+        st = storage.lstat(mpath)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > knobs().max_manifest_bytes + 64:
+            return False
+        man = decode_manifest(storage.read(mpath, 0, st.st_size), path=mpath)
+        for f in man.files:
+            fst = storage.lstat(os.path.join(path, f.name))
+            if not stat.S_ISREG(fst.st_mode) or fst.st_size != f.size:
+                return False
+    except (OSError, CkptError):
+        return False
+    return True
+
+
+def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | None = None, storage: Storage = local) -> Recovery:
+    """Clean a directory of checkpoints after a crash, never losing a complete copy.
+
+    For each final name (accepted by ``names``, default any valid name) that has no
+    committed checkpoint (no MANIFEST) but has a complete temporary copy, the copy is
+    renamed back: the new one of an interrupted save (``.tmp-<name>-<hex>``) first, else
+    the old one of an interrupted overwrite (``.tmp-<name>-<hex>.old``). Then every
+    ``.tmp-*`` entry is removed, except copies of a name whose restore failed. Only the
+    process that owns the directory may call this (the manager holds the run lock):
+    another writer's save in progress would be removed.
+    """
+    root = os.fspath(parent)
+    try:
+        entries = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return Recovery((), ())
+    tmps = [n for n in entries if n.startswith(TMP_PREFIX)]
+    by_name: dict[str, list[tuple[int, str]]] = {}
+    for t in tmps:
+        m = _TMP_RE.match(t)
+        if not m or m.group("suffix") == DEL_SUFFIX:
+            continue
+        name = m.group("name")
+        try:
+            check_name(name, what="checkpoint directory")
+        except CkptError:
+            continue
+        if names is not None and not names(name):
+            continue
+        # Preference: the new copy (its save had finished writing) before the old one.
+        by_name.setdefault(name, []).append((1 if m.group("suffix") == OLD_SUFFIX else 0, t))
+    restored: list[tuple[str, str]] = []
+    keep: set[str] = set()
+    for name, cands in sorted(by_name.items()):
+        final = os.path.join(root, name)
+        if os.path.isfile(os.path.join(final, MANIFEST_NAME)):
+            continue  # committed under its final name: the copies are redundant
+        for _, t in sorted(cands):
+            if not is_complete(os.path.join(root, t), storage=storage):
+                continue
+            try:
+                storage.rename_noreplace(os.path.join(root, t), final)
+            except OSError:
+                # Something else sits under the final name: touch none of the copies.
+                keep.update(c for _, c in cands)
+                break
+            storage.fsync_dir(root)
+            restored.append((t, name))
+            break
+    removed = []
+    done = {t for t, _ in restored}
+    for t in tmps:
+        if t in done or t in keep:
+            continue
+        storage.remove_tree(os.path.join(root, t))
+        removed.append(t)
+    if removed:
+        storage.fsync_dir(root)
+    return Recovery(tuple(restored), tuple(removed))
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,9 +552,16 @@ def save(
     code_dir: str | None = None,
     overwrite: bool = False,
     meta: Mapping[str, Any] | None = None,
+    this_rank_only: bool = False,
     storage: Storage = local,
 ) -> CheckpointInfo:
     """Save all seven fields of one process's training state, atomically.
+
+    One process, one part. Under an initialised process group with more than one rank
+    this refuses (``DistributedUsageError``): every rank would write part
+    ``rank-00000`` to one path. Use ``ckpt.distributed.DistributedCheckpointer.save``
+    (every rank calls it) or ``CheckpointManager``; a deliberate single-writer save
+    from one rank passes ``this_rank_only=True``.
 
     A state holding DTensors (FSDP2, tensor parallel) is sharded: every rank calls
     ``save`` and the checkpoint is written through DCP (``ckpt.dcp``), one part per rank.
@@ -410,6 +578,8 @@ def save(
             lineage=lineage, code_dir=code_dir, overwrite=overwrite, meta=meta, storage=storage,
         )
     # --- end sharded state hook ---
+    if not this_rank_only:
+        _refuse_under_process_group(path)
     pending = begin(path, overwrite=overwrite, storage=storage)
     try:
         part = write_part(
@@ -430,3 +600,21 @@ def save(
         abort(pending, storage=storage)
         raise
     return CheckpointInfo(pending.final, manifest.id, step, manifest.total_bytes, manifest)
+
+
+def _refuse_under_process_group(path: Any) -> None:
+    import sys
+
+    # Only look if torch.distributed is already imported: no process group otherwise,
+    # and importing it here would make every save pay for it.
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if world > 1:
+        raise DistributedUsageError(
+            f"ckpt.save under a process group of {world} ranks (this is rank {dist.get_rank()}): every rank would write "
+            "part rank-00000 to one path. Call ckpt.distributed.DistributedCheckpointer().save(...) on every rank, "
+            "or use CheckpointManager; pass this_rank_only=True if exactly one rank saves its own state here",
+            path=os.fspath(path),
+        )

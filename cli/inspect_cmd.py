@@ -207,7 +207,7 @@ def _snapshot_lines(meta: dict[str, Any]) -> list[str]:
 @handle_errors
 def inspect_cmd(path: str, as_json: bool, show_all: bool) -> None:
     """Summarise a checkpoint without loading it (and without importing torch)."""
-    from ckpt.reader import CheckpointReader
+    from ckpt import CheckpointReader
 
     s = manifest_summary(CheckpointReader(path))
     if as_json:

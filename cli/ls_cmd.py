@@ -30,7 +30,7 @@ def _holds_checkpoints(path: str) -> bool:
 
 def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
     from ckpt.errors import CkptError, IncompleteCheckpointError
-    from ckpt.reader import TMP_PREFIX, CheckpointReader
+    from ckpt import TMP_PREFIX, CheckpointReader
 
     rows = []
     for name in sorted(os.listdir(run_dir)):

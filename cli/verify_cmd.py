@@ -15,7 +15,7 @@ from cli._common import handle_errors, human_bytes
 @handle_errors
 def verify_cmd(path: str, quick: bool) -> None:
     """Exit 0 when valid; 3 when corrupt (naming file, chunk and byte range); 4 when incomplete."""
-    from ckpt.reader import CheckpointReader
+    from ckpt import CheckpointReader
 
     r = CheckpointReader(path)
     total = r.manifest.total_bytes

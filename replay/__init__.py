@@ -19,6 +19,7 @@ from replay.events import KINDS, Event, Kind
 from replay.recorder import Actor, Recorder, ReplayStop, Stamp
 from replay.replayer import Divergence, ReplayResult, fork, record, replay
 from replay.tape import TapeReader, TapeWriter
+from replay.tape.repair import repair as repair_tape
 
 __all__ = [
     "VectorClock",
@@ -28,6 +29,7 @@ __all__ = [
     "KINDS",
     "TapeWriter",
     "TapeReader",
+    "repair_tape",
     "Recorder",
     "Actor",
     "Stamp",
@@ -46,6 +48,7 @@ __all__ = [
     "TapeCorruptError",
     "TapeTruncatedError",
     "DivergenceError",
+    "errors",
     # channels and snapshots (lazy: they import torch)
     "Endpoint",
     "Message",
@@ -61,6 +64,7 @@ __all__ = [
     "ForcedScheduler",
     "RecorderSink",
     "taped_delivery_order",
+    "message_digest",
     "SnapshotAgent",
     "SnapshotHandle",
     "Outcome",
@@ -71,14 +75,17 @@ __all__ = [
     "check_cut",
     "cut_from_meta",
     "delivery_order",
+    "CHANNELS_KEY",
+    "Pending",
 ]
 
 _LAZY: dict[str, str] = {
     **dict.fromkeys(["Endpoint", "Message", "MessageKind", "Transport", "EventSink", "ClockSink", "ListSink",
                      "InProcessNetwork", "TorchDistTransport", "ArrivalScheduler", "SeededScheduler",
-                     "ForcedScheduler", "RecorderSink", "taped_delivery_order"], "replay.channel"),
+                     "ForcedScheduler", "RecorderSink", "taped_delivery_order", "message_digest"], "replay.channel"),
     **dict.fromkeys(["SnapshotAgent", "SnapshotHandle", "Outcome", "CkptSnapshotStore", "MemorySnapshotStore",
-                     "TorchStoreControl", "MemoryControl", "check_cut", "cut_from_meta", "delivery_order"],
+                     "TorchStoreControl", "MemoryControl", "check_cut", "cut_from_meta", "delivery_order", "CHANNELS_KEY",
+                     "Pending"],
                     "replay.snapshot"),
 }
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from replay.clock import Order
 from replay.errors import ReplayError
@@ -236,9 +236,17 @@ def _check_cut(sid: str, cut: dict[str, Event], chans: dict[str, Event], outcome
               *cut.values())
 
 
+def _decoded(events: Iterable[Event]) -> Iterator[Event]:
+    """Every payload decoded before its event is judged: a malformed one is a corrupt tape
+    (``TapeFormatError``), whether or not a rule happens to read that kind."""
+    for ev in events:
+        ev.payload
+        yield ev
+
+
 def check_tape(path: str | os.PathLike[str]) -> list[Violation]:
     """Check every invariant over the tape at ``path`` (which must read cleanly)."""
-    return check_events(TapeReader(path).events())
+    return check_events(_decoded(TapeReader(path).events()))
 
 
 def merge_histories(histories: Sequence[Sequence[Event]], names: Sequence[str] = ()) -> list[Event]:
@@ -269,4 +277,5 @@ def check_tapes(paths: Sequence[str | os.PathLike[str]]) -> list[Violation]:
     (one tape: exactly :func:`check_tape`, in tape order)."""
     if len(paths) == 1:
         return check_tape(paths[0])
-    return check_events(merge_histories([list(TapeReader(p).events()) for p in paths], [str(p) for p in paths]))
+    return check_events(merge_histories([list(_decoded(TapeReader(p).events())) for p in paths],
+                                        [str(p) for p in paths]))

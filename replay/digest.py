@@ -1,4 +1,7 @@
-"""xxh3-128 digests of tensors, parameters, RNG states and payloads; the environment fingerprint.
+"""xxh3-128 digests of tensors, parameters, RNG states and payloads; the environment diff.
+
+The config hash and the environment fingerprint a tape carries are ckpt's
+(``ckpt.context``), so a checkpoint and a tape of one run agree on both.
 
 torch and numpy are imported lazily, so the tape tools (``ckpt tape ...``) stay torch-free.
 A tensor digest covers the dtype name, the shape and the raw bytes in C order, so a
@@ -7,8 +10,6 @@ reshape or a dtype change is a different digest even when the bytes agree.
 
 from __future__ import annotations
 
-import os
-import platform
 import struct
 import sys
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["bytes_digest", "tensor_digest", "named_digests", "module_digests", "rng_digests", "payload_digest",
-           "config_hash", "env_fingerprint", "env_diff", "RNG_SOURCES"]
+           "env_diff", "RNG_SOURCES"]
 
 _DTYPE_NAMES: dict[str, str] = {}  # torch dtype repr -> stable name; filled on first use
 
@@ -126,47 +127,6 @@ def payload_digest(obj: Any) -> bytes:
             h.update(payload_digest(obj[k]))
         return h.digest()
     return xxhash.xxh3_128_digest(msgpack.packb(obj, use_bin_type=True, use_single_float=False))
-
-
-def config_hash(config: Any) -> str:
-    """Hex xxh3-128 of the config's canonical msgpack (maps with sorted keys)."""
-    return xxhash.xxh3_128_hexdigest(msgpack.packb(_canonical(config), use_bin_type=True, use_single_float=False))
-
-
-def _canonical(v: Any) -> Any:
-    if isinstance(v, Mapping):
-        return [[str(k), _canonical(v[k])] for k in sorted(v, key=str)]
-    if isinstance(v, (list, tuple)):
-        return [_canonical(x) for x in v]
-    return v
-
-
-def env_fingerprint() -> dict[str, Any]:
-    """What a bit-exact claim depends on (reference checklist §6 I-J), as plain strings."""
-    fp: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-    }
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch  # noqa: F811 - only recorders call this, and they have torch
-    fp["torch"] = torch.__version__
-    fp["torch.cuda"] = str(torch.version.cuda)
-    fp["cudnn"] = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none"
-    fp["threads"] = str(torch.get_num_threads())
-    fp["deterministic_algorithms"] = str(torch.are_deterministic_algorithms_enabled())
-    fp["matmul_tf32"] = str(torch.backends.cuda.matmul.allow_tf32)
-    fp["cudnn_tf32"] = str(torch.backends.cudnn.allow_tf32)
-    fp["float32_matmul_precision"] = torch.get_float32_matmul_precision()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover
-        fp["gpu"] = torch.cuda.get_device_name()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        fp["numpy"] = np.__version__
-    for var in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        fp["env." + var] = os.environ.get(var, "")
-    return fp
 
 
 def env_diff(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

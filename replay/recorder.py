@@ -37,10 +37,12 @@ import contextlib
 import struct
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import msgpack
 
+from ckpt.context.config import config_hash
+from ckpt.context.env import capture_env
 from replay import digest as dg
 from replay.clock import VectorClock
 from replay.events import KIND_BY_NAME, Event
@@ -49,8 +51,6 @@ from replay.tape.writer import TapeWriter
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from replay.replayer import Oracle
 
 __all__ = ["Recorder", "Actor", "Stamp", "ReplayStop", "MODES", "event_from_body"]
 
@@ -65,6 +65,22 @@ _FINJ, _FDET, _FREC, _CKPT, _SNAP, _NOTE = (
 _SNAPCH, _SNAPOUT = _K["snapshot_channels"], _K["snapshot_outcome"]
 _ONE = struct.Struct("<qHHHQ")  # event head with a one-entry clock: the common case, packed in one call
 _F64 = struct.Struct("<d")
+
+
+class TapeOracle(Protocol):
+    """What a verify/force-mode recorder asks of the tape it re-executes (the replayer's
+    ``Oracle`` is the implementation). A seam, so that the recorder never imports the
+    replayer: the replayer drives the recorder, not the other way round."""
+
+    def actor_id(self, name: str) -> int: ...
+
+    def before(self, actor: "Actor", code: int) -> None: ...
+
+    def check(self, actor: "Actor", code: int, body: bytes) -> None: ...
+
+    def peek_decision(self, actor: "Actor", code: int) -> Any: ...
+
+    def diverge_decision(self, actor: "Actor", code: int, what: str, key: str, taped: Any) -> None: ...
 
 
 class ReplayStop(BaseException):
@@ -92,7 +108,7 @@ def _roundtrip(value: Any) -> Any:
 class _Core:
     """State shared by all actors of one recorder."""
 
-    def __init__(self, writer: TapeWriter | None, oracle: "Oracle | None", mode: str, *, param_digest_every: int,
+    def __init__(self, writer: TapeWriter | None, oracle: "TapeOracle | None", mode: str, *, param_digest_every: int,
                  rng_every: int, flush_every_step: bool, rng_sources: tuple[str, ...]) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -144,6 +160,21 @@ class Actor:
         self._chan_seq: dict[str, int] = {}
         self.current_step = 0
 
+    @property
+    def id(self) -> int:
+        """This actor's number on the tape."""
+        return self._id
+
+    @property
+    def names(self) -> list[str]:
+        """Every actor's name, by number (the table a taped event body refers to)."""
+        return self._core.names
+
+    @property
+    def watched(self) -> list[tuple[str, Any]]:
+        """The (prefix, module) pairs whose parameter digests this recorder tapes."""
+        return self._core.watched
+
     # -- the clock -----------------------------------------------------------------------
     @property
     def clock(self) -> VectorClock:
@@ -160,7 +191,7 @@ class Actor:
         self._counter = clock[self.name]
         self._others = {self._core.id_of(a): c for a, c in clock.entries if a != self.name}
 
-    def _continue_after(self, history: Sequence[Event], *, set_step: bool = True) -> None:
+    def continue_after(self, history: Sequence[Event], *, set_step: bool = True) -> None:
         """This actor's next event follows ``history``, its own taped events (a resume or a
         snapshot restore): its clock is the last one's, its channel counters the last
         sends', and its step the last one's unless the caller is about to set it."""
@@ -390,7 +421,7 @@ class Actor:
 class Recorder(Actor):
     """The recorder; it is also the default actor (``actor=``, "main" unless told)."""
 
-    def __init__(self, writer: TapeWriter | None = None, *, oracle: "Oracle | None" = None, mode: str = "record",
+    def __init__(self, writer: TapeWriter | None = None, *, oracle: "TapeOracle | None" = None, mode: str = "record",
                  actor: str = "main", config: Mapping[str, Any] | None = None, resume_from: str | None = None,
                  until: int | None = None, param_digest_every: int = 10, rng_every: int = 1,
                  rng_sources: Sequence[str] = dg.RNG_SOURCES, flush_every_step: bool = True) -> None:
@@ -419,9 +450,9 @@ class Recorder(Actor):
         meta: dict[str, Any] = {
             "entry_point": entry_point,
             "config": cfg,
-            "config_hash": dg.config_hash(cfg),
+            "config_hash": config_hash(cfg),
             "commit": commit if commit is not None else _git_commit(),
-            "env": dg.env_fingerprint(),
+            "env": capture_env(),
             "initial_checkpoint": initial_checkpoint,
             "lineage": dict(lineage) if lineage else None,
             "param_digest_every": param_digest_every,
@@ -443,7 +474,7 @@ class Recorder(Actor):
     def append_history(self, frames: Iterable[tuple[int, bytes, Event]]) -> int:
         """Record already-taped events verbatim on this (new) tape, then let every actor
         continue after its own: a run continued from a snapshot starts its tape with the
-        history inside the cut (``replay.diloco.snapshots.copy_cut``). ``frames`` are
+        history inside the cut (:meth:`append_cut`). ``frames`` are
         ``(kind code, body, decoded event)`` in tape order, actor declarations included;
         actors must be declared in the same order as on the source tape, since bodies
         name them by id. Returns the number of events written."""
@@ -468,8 +499,34 @@ class Recorder(Actor):
                 own.setdefault(ev.actor, []).append(ev)
                 n += 1
             for name, history in own.items():
-                self.actor(name)._continue_after(history)
+                self.actor(name).continue_after(history)
         return n
+
+    def append_cut(self, parent: Any, snapshot: str, *, coordinator: str) -> int:
+        """Write onto this new tape the ``parent`` tape's (a ``TapeReader``) history inside
+        snapshot ``snapshot``: each actor's events up to and including its own
+        ``snapshot`` event of it (an actor with no cut, such as a scheduler, up to the
+        ``coordinator``'s), verbatim and in the parent's order (:meth:`append_history`).
+        A snapshot cut is consistent, so every receive in this prefix has its send in it.
+        This is how a run continued live from a snapshot starts a tape that reads as one
+        run that never crashed. Returns the number of events copied."""
+        from replay.errors import SnapshotError
+        from replay.tape.reader import decode_event
+
+        names: list[str] = []
+        frames = [(fr.kind, bytes(fr.body), decode_event(fr, names)) for _seg, fr in parent.frames()]
+        cut_at: dict[str, int] = {}
+        for i, (code, _body, ev) in enumerate(frames):
+            if code == _SNAP.code and ev.payload["snapshot_id"] == snapshot:
+                cut_at.setdefault(ev.actor, i)
+        if coordinator not in cut_at:
+            raise SnapshotError(f"the tape holds no cut of {coordinator} for this snapshot", snapshot=snapshot)
+        inside = [f for i, f in enumerate(frames)
+                  if f[0] == _ACTOR.code or i <= cut_at.get(f[2].actor, cut_at[coordinator])]
+        try:
+            return self.append_history(inside)
+        except ValueError as exc:
+            raise SnapshotError(f"cannot continue this tape: {exc}", snapshot=snapshot) from None
 
     def actor(self, name: str) -> Actor:
         """The actor called ``name`` (created on first use; same object afterwards)."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import xxhash
 
+from ckpt.context.env import capture_env
 from replay import digest as dg
 from replay.clock import VectorClock
 from replay.errors import DivergenceError, ReplayError
@@ -38,7 +39,8 @@ from replay.tape.reader import EVENT_HEAD, TapeReader, decode_event
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["replay", "record", "fork", "load_entry_point", "ReplayResult", "Divergence", "TensorDiff", "Oracle"]
+__all__ = ["replay", "record", "fork", "load_entry_point", "resolve_entry_point", "trusted_by_env", "EntryPoint",
+           "TRUST_ENV", "ReplayResult", "Divergence", "TensorDiff", "Oracle"]
 
 _ACTOR_CODE = KIND_BY_NAME["actor"].code
 _PARAMS_CODE = KIND_BY_NAME["params"].code
@@ -100,6 +102,9 @@ class ReplayResult:
     env_diff: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     stopped_at: int | None = None  # --until
     out_tape: str | None = None  # fork
+    # what the entry point returned (None when it stopped early or diverged): an
+    # application reads its re-executed result here instead of through a module global
+    value: Any = None
 
     @property
     def exit_code(self) -> int:
@@ -243,11 +248,11 @@ class Oracle:
         if self.until is not None and actor.current_step > self.until:
             self.stopped = True
             raise ReplayStop()
-        if self._align_snapshot is not None and actor._id not in self._aligned:
-            self._aligned.add(actor._id)
+        if self._align_snapshot is not None and actor.id not in self._aligned:
+            self._aligned.add(actor.id)
             self._align_at_snapshot(actor, code)
-        elif self._align and actor._id not in self._aligned:
-            self._aligned.add(actor._id)
+        elif self._align and actor.id not in self._aligned:
+            self._aligned.add(actor.id)
             self._align_actor(actor, code)
 
     def _align_actor(self, actor: Actor, code: int) -> None:
@@ -256,16 +261,16 @@ class Oracle:
         step = actor.current_step
         skipped: list[_Expected] = []
         while True:
-            e = self._next(actor._id, consume=False)
+            e = self._next(actor.id, consume=False)
             if e is None:
                 kind = KIND_BY_CODE[code].name
                 self._fail(Divergence(f"resumed run starts with {kind} at step {step}, which the tape does not hold "
                                       f"for this actor", step, actor.name, kind, None, actor.clock, None, None))
             if e.code == code and e.step == step:
                 break
-            skipped.append(self._next(actor._id, consume=True))  # type: ignore[arg-type]
+            skipped.append(self._next(actor.id, consume=True))  # type: ignore[arg-type]
         # the run resumes at a step it has just set itself
-        actor._continue_after([self._decode(s) for s in skipped], set_step=False)
+        actor.continue_after([self._decode(s) for s in skipped], set_step=False)
 
     def _cut_index(self, aid: int) -> int | None:
         """Index in ``aid``'s queue of its ``snapshot`` event for ``align_snapshot``."""
@@ -279,19 +284,19 @@ class Oracle:
     def _align_at_snapshot(self, actor: Actor, code: int) -> None:
         # The actor was restored at its cut: its clock, step and channel counters are the
         # ones its snapshot event was taped with; its next event follows that event.
-        i = self._cut_index(actor._id)
+        i = self._cut_index(actor.id)
         if i is None:
             self._fail(Divergence(f"restored from snapshot {self._align_snapshot!r}, but the tape holds no cut of "
                                   f"this actor for it", actor.current_step, actor.name, "snapshot", None,
                                   actor.clock, None, None))
-        q = self.queues[actor._id]
+        q = self.queues[actor.id]
         skipped = [q.popleft() for _ in range(i + 1)]  # type: ignore[operator]
         # a step_begin has just set the step it begins
-        actor._continue_after([self._decode(s) for s in skipped], set_step=code != _BEGIN_CODE)
+        actor.continue_after([self._decode(s) for s in skipped], set_step=code != _BEGIN_CODE)
 
     def peek_decision(self, actor: Actor, code: int) -> dict[str, Any]:
         self.before(actor, code)
-        e = self._next(actor._id, consume=False)
+        e = self._next(actor.id, consume=False)
         kind = KIND_BY_CODE[code].name
         if e is None or e.code != code:
             got = self._decode(e) if e is not None else None
@@ -301,7 +306,7 @@ class Oracle:
         return self._decode(e).payload  # type: ignore[arg-type]
 
     def diverge_decision(self, actor: Actor, code: int, what: str, key: str, taped: Mapping[str, Any]) -> None:
-        e = self._next(actor._id, consume=False)
+        e = self._next(actor.id, consume=False)
         got = self._decode(e) if e else None
         kind = KIND_BY_CODE[code].name
         self._fail(Divergence(f"force mode: the run asks for {what!r} key {key!r}, the tape decided "
@@ -309,12 +314,12 @@ class Oracle:
                               kind, got.clock if got else None, actor.clock, _digest_of(got), None, expected=got))
 
     def check(self, actor: Actor, code: int, body: bytes) -> None:
-        e = self._next(actor._id, consume=True)
+        e = self._next(actor.id, consume=True)
         if e is not None and e.code == code and e.body == body:
             self.compared += 1
             self.last_step = actor.current_step
             return
-        actual = event_from_body(-1, code, body, actor._core.names)
+        actual = event_from_body(-1, code, body, actor.names)
         expected = self._decode(e) if e is not None else None
         self._fail(self._explain(actor, expected, actual))
 
@@ -377,7 +382,7 @@ class Oracle:
         names = [n for n in exp if exp[n] != act.get(n)] + [n for n in act if n not in exp]
         ref = self.reference(step) if self.reference is not None else None
         live: dict[str, Any] = {}
-        for prefix, m in actor._core.watched:
+        for prefix, m in actor.watched:
             live.update((prefix + k, v) for k, v in m.state_dict(keep_vars=True).items())
         out = []
         for n in names:
@@ -403,11 +408,69 @@ def _abs_diff(ref: "torch.Tensor", live: "torch.Tensor") -> tuple[float | None, 
 
 
 # -- entry points ------------------------------------------------------------------------------
-def load_entry_point(spec: str) -> Callable[[Recorder], Any]:
-    """Resolve ``module:function`` or ``path/to/file.py:function``."""
+TRUST_ENV = "CKPT_REPLAY_TRUST"
+
+
+@dataclass(frozen=True, slots=True)
+class EntryPoint:
+    """Where ``module:function`` (or ``file.py:function``) resolves, found without running it."""
+
+    spec: str
+    module: str  # the module name, or the file path as given
+    attr: str
+    file: Path | None  # the source file that would be executed; None when it cannot be found
+
+    def describe(self) -> str:
+        return f"{self.spec} -> {self.file if self.file is not None else '(not found)'}"
+
+
+def resolve_entry_point(spec: str, *, search_path: tuple[str, ...] = ()) -> EntryPoint:
+    """Find the file ``spec`` names **without importing anything** (a package's
+    ``__init__`` is code too). ``search_path``: directories searched before ``sys.path``;
+    the current directory is never added implicitly (spec §14)."""
     if ":" not in spec:
         raise ReplayError(f"entry point must be 'module:function', got {spec!r}")
     mod_name, _, attr = spec.rpartition(":")
+    if mod_name.endswith(".py"):
+        p = Path(mod_name)
+        return EntryPoint(spec, mod_name, attr, p.resolve() if p.is_file() else None)
+    loaded = sys.modules.get(mod_name)
+    if loaded is not None:
+        f = getattr(loaded, "__file__", None)
+        return EntryPoint(spec, mod_name, attr, Path(f).resolve() if f else None)
+    from importlib.machinery import PathFinder
+
+    where: list[str] | None = [*search_path, *sys.path]
+    found = None
+    for part in mod_name.split("."):
+        found = PathFinder.find_spec(part, where)
+        if found is None:
+            return EntryPoint(spec, mod_name, attr, None)
+        where = list(found.submodule_search_locations or [])
+    origin = found.origin if found is not None else None
+    return EntryPoint(spec, mod_name, attr, Path(origin).resolve() if origin and origin != "namespace" else None)
+
+
+def trusted_by_env(ep: EntryPoint, env: Mapping[str, str] | None = None) -> bool:
+    """True when ``ep``'s file lies under a directory listed in ``CKPT_REPLAY_TRUST``
+    (``os.pathsep``-separated), the documented allow-list of ``ckpt replay``."""
+    raw = (os.environ if env is None else env).get(TRUST_ENV, "")
+    if ep.file is None or not raw:
+        return False
+    for d in raw.split(os.pathsep):
+        if d and ep.file.is_relative_to(Path(d).resolve()):
+            return True
+    return False
+
+
+def load_entry_point(spec: str, *, search_path: tuple[str, ...] = ()) -> Callable[[Recorder], Any]:
+    """Import and return ``module:function`` or ``path/to/file.py:function``.
+
+    This runs the module's code. ``search_path`` directories are searched first; the
+    current directory is not put on ``sys.path`` (it is there only if the interpreter
+    put it there, as ``python -m`` does)."""
+    ep = resolve_entry_point(spec, search_path=search_path)
+    mod_name, attr = ep.module, ep.attr
     if mod_name.endswith(".py"):
         path = Path(mod_name)
         name = "_ckpt_entry_" + xxhash.xxh3_64_hexdigest(str(path.resolve()).encode())
@@ -420,9 +483,16 @@ def load_entry_point(spec: str) -> Callable[[Recorder], Any]:
             sys.modules[name] = module
             s.loader.exec_module(module)
     else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(mod_name)
+        added = [d for d in search_path if d not in sys.path]
+        sys.path[:0] = added
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise ReplayError(f"entry point {spec!r}: cannot import {mod_name!r} ({e}); the current directory is "
+                              "not searched unless named (ckpt replay --import-path DIR)") from None
+        finally:
+            for d in added:
+                sys.path.remove(d)
     try:
         fn = getattr(module, attr)
     except AttributeError:
@@ -443,30 +513,44 @@ def record(entry_point: str, tape: str | os.PathLike[str], *, config: Mapping[st
 def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoint: str | None = None,
            until: int | None = None, reference: Reference | None = None, entry_point: str | None = None,
            out: str | os.PathLike[str] | None = None, config_overrides: Mapping[str, Any] | None = None,
-           **writer_opts: Any) -> ReplayResult:
-    """Re-execute the run recorded on ``tape``; see the module docstring for the modes."""
+           align_snapshot: str | None = None, entry: Callable[[Recorder], Any] | None = None,
+           search_path: tuple[str, ...] = (), **writer_opts: Any) -> ReplayResult:
+    """Re-execute the run recorded on ``tape``; see the module docstring for the modes.
+
+    This imports and runs the entry point the tape names (or ``entry_point``): call it
+    only on tapes you trust. ``ckpt replay`` asks first (``--trust``). ``search_path``:
+    directories to import it from (the current directory is not added implicitly).
+
+    ``align_snapshot`` (verify/force) continues a run restored from that snapshot: each
+    actor's taped events before its own cut are taken as done. ``entry`` is the function
+    to run instead of the tape's entry point (an application that restores its own state
+    first); its return value comes back as ``ReplayResult.value``."""
     reader = TapeReader(tape)
     meta = reader.meta
     ep = entry_point or meta.get("entry_point")
     if not ep:
         raise ReplayError("the tape records no entry point; pass entry_point=", path=str(tape))
     config = dict(meta.get("config") or {})
-    env = dg.env_diff(meta.get("env") or {}, dg.env_fingerprint())
+    env = dg.env_diff(meta.get("env") or {}, capture_env())
     if mode == "fork":
-        return _fork(reader, ep, config, out, from_checkpoint, config_overrides, writer_opts)
+        if entry is not None or align_snapshot is not None:
+            raise ValueError("entry= and align_snapshot= re-execute a tape: mode verify or force")
+        return _fork(reader, ep, config, out, from_checkpoint, config_overrides, writer_opts, search_path)
     if mode not in ("verify", "force"):
         raise ValueError(f"mode must be verify, force or fork, got {mode!r}")
     if config_overrides:
         raise ValueError("config overrides change the run: use mode='fork'")
-    fn = load_entry_point(ep)
-    oracle = Oracle(reader, until=until, align=from_checkpoint is not None, reference=reference)
+    fn = entry if entry is not None else load_entry_point(ep, search_path=search_path)
+    oracle = Oracle(reader, until=until, align=from_checkpoint is not None, reference=reference,
+                    align_snapshot=align_snapshot)
     rec = Recorder(None, oracle=oracle, mode=mode, actor=meta.get("default_actor", "main"), config=config,
                    resume_from=from_checkpoint, until=until,
                    param_digest_every=int(meta.get("param_digest_every", 10)), rng_every=int(meta.get("rng_every", 1)),
                    rng_sources=tuple(meta.get("rng_sources", dg.RNG_SOURCES)))
     oracle.recorder = rec
+    value: Any = None
     try:
-        fn(rec)
+        value = fn(rec)
         if oracle.divergence is None and not oracle.stopped:
             oracle.finish()
     except ReplayStop:
@@ -475,12 +559,12 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
         if oracle.divergence is None:  # raised by user code, not by us
             raise
     return ReplayResult(str(tape), mode, oracle.divergence is None, oracle.compared, oracle.last_step,
-                        oracle.divergence, env, until)
+                        oracle.divergence, env, until, value=value)
 
 
 def _fork(reader: TapeReader, ep: str, config: dict[str, Any], out: str | os.PathLike[str] | None,
-          from_checkpoint: str | None, overrides: Mapping[str, Any] | None, writer_opts: Mapping[str, Any]
-          ) -> ReplayResult:
+          from_checkpoint: str | None, overrides: Mapping[str, Any] | None, writer_opts: Mapping[str, Any],
+          search_path: tuple[str, ...] = ()) -> ReplayResult:
     if out is None:
         raise ValueError("fork writes a new tape: pass out=")
     meta = reader.meta
@@ -488,16 +572,16 @@ def _fork(reader: TapeReader, ep: str, config: dict[str, Any], out: str | os.Pat
     lineage = {"parent_run_id": reader.run_id.hex(), "parent_tape": str(reader.path),
                "parent_config_hash": meta.get("config_hash"), "from_checkpoint": from_checkpoint,
                "changes": dict(overrides or {})}
-    fn = load_entry_point(ep)
+    fn = load_entry_point(ep, search_path=search_path)
     with Recorder.open(str(out), entry_point=ep, config=new_config, resume_from=from_checkpoint,
                        initial_checkpoint=from_checkpoint, lineage=lineage,
                        actor=meta.get("default_actor", "main"),
                        param_digest_every=int(meta.get("param_digest_every", 10)),
                        rng_every=int(meta.get("rng_every", 1)),
                        rng_sources=tuple(meta.get("rng_sources", dg.RNG_SOURCES)), **writer_opts) as rec:
-        fn(rec)
+        value = fn(rec)
         seq = rec.writer.seq if rec.writer is not None else 0
-    return ReplayResult(str(reader.path), "fork", True, seq, None, out_tape=str(out))
+    return ReplayResult(str(reader.path), "fork", True, seq, None, out_tape=str(out), value=value)
 
 
 def fork(tape: str | os.PathLike[str], out: str | os.PathLike[str], *, from_checkpoint: str | None = None,

@@ -49,3 +49,140 @@ def test_no_pickle_in_library_code():
                         if bad in text:
                             hits.append(f"{dirpath}/{f}: {bad}")
     assert hits == []
+
+
+# -- the import graph: layers, public names, no cycles ------------------------------------------
+
+# Dependencies point down only: a package may import its own modules and the layers below it.
+LAYERS = ("ckpt", "replay", "runs", "cli")
+# No cycle is tolerated (ckpt.reader <-> ckpt._torchio, the last one, went with ckpt._materialize).
+KNOWN_CYCLES: list[set[str]] = []
+
+
+def _project_modules() -> dict[str, str]:
+    """module name -> file, for every module of the four packages."""
+    mods = {}
+    for pkg in LAYERS:
+        for dirpath, dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__pycache__"))]
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].split(os.sep)
+                    if rel[-1] == "__init__":
+                        rel = rel[:-1]
+                    mods[".".join(rel)] = os.path.join(dirpath, f)
+    return mods
+
+
+def _imports(name: str, path: str, mods: dict[str, str]) -> list[tuple[str, str | None, int]]:
+    """(module, imported name or None, line) for every import in the file, at any depth
+    (a function-level import ties modules together as much as a top-level one)."""
+    import ast
+
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    is_pkg = path.endswith("__init__.py")
+    out: list[tuple[str, str | None, int]] = []
+    # `if TYPE_CHECKING:` blocks never run: annotations tie nothing together at import time
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for stmt in node.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")
+                parts = parts if is_pkg else parts[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                # `from pkg import module` imports that module; `from mod import name` the module
+                out.append((sub, None, node.lineno) if sub in mods else (base, a.name, node.lineno))
+    return [(m, n, ln) for m, n, ln in out if m.split(".")[0] in LAYERS]
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _project_modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for target, _, _ in _imports(m, path, mods):
+            while target not in mods and "." in target:
+                target = target.rsplit(".", 1)[0]
+            # A module's own enclosing package is initialised before the module in any case,
+            # so an import of it (`from . import __version__`) adds no order: not an edge.
+            if target in mods and target != m and not m.startswith(target + "."):
+                graph[m].add(target)
+    return graph
+
+
+def test_dependencies_point_down_only():
+    mods = _project_modules()
+    bad = []
+    for m, path in mods.items():
+        mine = LAYERS.index(m.split(".")[0])
+        for target, _, line in _imports(m, path, mods):
+            if LAYERS.index(target.split(".")[0]) > mine:
+                bad.append(f"{os.path.relpath(path, ROOT)}:{line} imports {target}")
+    assert bad == []
+
+
+def test_runs_use_only_the_libraries_public_names():
+    """runs/ is an application of ckpt and replay: it imports a library, a public
+    subpackage the library's ``__all__`` names (``ckpt.data``, ``replay.errors``), or a
+    name in that module's ``__all__``, never an internal module."""
+    import importlib
+
+    mods = _project_modules()
+    bad = []
+    for m, path in mods.items():
+        if not m.startswith("runs"):
+            continue
+        for target, name, line in _imports(m, path, mods):
+            top, _, rest = target.partition(".")
+            if top not in ("ckpt", "replay"):
+                continue
+            where = f"{os.path.relpath(path, ROOT)}:{line}"
+            if rest and (rest not in importlib.import_module(top).__all__ or "." in rest):
+                bad.append(f"{where} imports the internal module {target}")
+            elif name is not None and name not in importlib.import_module(target).__all__:
+                bad.append(f"{where} imports {name}, not in {target}.__all__")
+    assert bad == []
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # Tarjan's strongly connected components: every component of two or more modules is a cycle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert [sorted(c) for c in cycles if c not in KNOWN_CYCLES] == []

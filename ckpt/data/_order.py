@@ -11,7 +11,7 @@ Why not ``torch.randperm``: its algorithm is not specified and has changed betwe
 releases, it materialises ``n`` values per epoch, and it cannot answer "which sample is
 at position p" without building the whole permutation. This network is O(1) per
 position, needs no memory, and is plain integer arithmetic, so the order is the same on
-every platform and torch version. ``tests/data/test_data_order.py`` pins test vectors.
+every platform and torch version. ``tests/ckpt/data/test_data_order.py`` pins test vectors.
 
 The round function only multiplies 32-bit values by constants below ``2**31``, so every
 intermediate fits in a signed int64. The same code therefore runs on Python ints (the

@@ -222,9 +222,9 @@ class CkptSnapshotStore:
 
     @staticmethod
     def _ckpt_pending(pending: Pending) -> Any:
-        from ckpt.writer import PendingCheckpoint
+        import ckpt
 
-        return PendingCheckpoint(final=pending.final, tmp_dir=pending.tmp_dir)
+        return ckpt.PendingCheckpoint(final=pending.final, tmp_dir=pending.tmp_dir)
 
     def write_part(self, pending: Pending, part: str, state: Mapping[str, Any], *, step: int,
                    extra: Mapping[str, Any], rng: Mapping[str, Any] | None, data: Any = None,
@@ -238,10 +238,9 @@ class CkptSnapshotStore:
     def commit(self, pending: Pending, records: Sequence[Mapping[str, Any]], *, step: int,
                meta: Mapping[str, Any]) -> None:
         import ckpt
-        from ckpt.format.manifest import PartEntry
 
-        ckpt.commit(self._ckpt_pending(pending), [PartEntry.from_dict(dict(r)) for r in records], kind="snapshot",
-                    step=step, meta=dict(meta))
+        ckpt.commit(self._ckpt_pending(pending), [dict(r) for r in records], kind="snapshot", step=step,
+                    meta=dict(meta))
 
     def abort(self, pending: Pending) -> None:
         import ckpt
@@ -304,7 +303,7 @@ class CkptSnapshotStore:
         ckpt.load(self.path(name), dict(state), part=part, restore_rng=restore_rng, exactness=self.exactness)
 
     def pending_leftovers(self) -> list[str]:
-        from ckpt.writer import TMP_PREFIX
+        from ckpt import TMP_PREFIX
 
         if not os.path.isdir(self.root):
             return []

@@ -125,7 +125,7 @@ def _record(m: Any, opt: Any, path: str, rank: int) -> None:
 
     g = _global(m, opt)
     if rank == 0:
-        ckpt.save(path, {"g": g})
+        ckpt.save(path, {"g": g}, this_rank_only=True)
 
 
 class _KillingStorage:

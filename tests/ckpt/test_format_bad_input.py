@@ -547,7 +547,8 @@ def test_deeply_nested_tuples_hit_the_nesting_limit(good: Path) -> None:
 
 
 def test_tensor_reference_the_manifest_does_not_list(good: Path) -> None:
-    raw = msgpack.packb({"state": {"m": msgpack.ExtType(EXT_TENSOR, b"model/nope")}, "context": {}})
+    context = msgpack.unpackb(msgpack.packb(ckpt.open(good).context(), use_bin_type=True), raw=False)  # a valid §8 context
+    raw = msgpack.packb({"state": {"m": msgpack.ExtType(EXT_TENSOR, b"model/nope")}, "context": context}, use_bin_type=True)
     _state_bomb(good, raw)
     with pytest.raises(FormatError, match="does not list") as ei:
         ckpt.open(good).state()
@@ -787,15 +788,25 @@ def test_write_error_mid_save_leaves_nothing_half_written(tmp_path: Path, monkey
 def test_fsync_or_rename_failure_mid_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
     run = tmp_path / "run"
     first = make_ckpt(run / "step-00001", big_state(1.0))
-    real = getattr(os, target)
 
     def failing(*a: Any, **k: Any) -> Any:
         raise OSError(errno.EIO, f"{target} failed (injected)")
 
     monkeypatch.setattr(os, target, failing)
-    with pytest.raises(OSError, match="injected"):
+    if target == "rename":
+        # The commit publishes with renameat2(2) through ctypes where it exists: fail that too.
+        import ctypes
+
+        import ckpt.storage
+
+        def failing_renameat2(*a: Any) -> int:
+            ctypes.set_errno(errno.EIO)
+            return -1
+
+        monkeypatch.setattr(ckpt.storage, "_renameat2", failing_renameat2)
+    with pytest.raises(OSError, match="injected" if target == "fsync" else "injected|Input/output error"):
         make_ckpt(run / "step-00002", big_state(2.0))
-    monkeypatch.setattr(os, target, real)
+    monkeypatch.undo()
     assert sorted(os.listdir(run)) == ["step-00001"]
     assert_run_dir_sound(run, first)
 

@@ -1,6 +1,6 @@
 """The resume-equivalence check on the tiny transformer: SIGKILL, resume, compare bits.
 
-The entry (ckpt/examples/resume_tiny.py) has dropout, AdamW, a warmup-cosine schedule,
+The entry (runs/basic/resume_tiny.py) has dropout, AdamW, a warmup-cosine schedule,
 gradient accumulation, a shuffled loader with 2 workers and random augmentation. An
 epoch is 8 optimizer steps; saves every 3 steps.
 """
@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from ckpt.resume_check import ResumeCheckError, check_resume, compare_checkpoints, exactness_refusals
 from ckpt.testing import assert_resume_exact
 
-ENTRY = "ckpt.examples.resume_tiny:train"
+ENTRY = "runs.basic.resume_tiny:train"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -35,8 +35,8 @@ def _num(pattern: str, text: str) -> list[str]:
 
 def test_demo_report_claims_hold(quick_demo: tuple[Path, str]) -> None:
     from replay.check import check_tape
-    from replay.diloco.demo import demo_config
-    from replay.diloco.report import LOSS_TOLERANCE
+    from runs.diloco.demo import demo_config
+    from runs.diloco.report import LOSS_TOLERANCE
     from replay.tape import TapeReader
 
     out, text = quick_demo
@@ -157,3 +157,30 @@ def test_demo_basic_still_available(tmp_path: Path) -> None:
     r = CliRunner().invoke(cli, ["demo", "--basic", "--out", str(tmp_path / "b"), "--steps", "12"])
     assert r.exit_code == 0, r.output
     assert "losses bit-identical:     yes" in r.output and r.output.rstrip().endswith("demo: all checks passed")
+
+
+def test_demo_by_name_and_list(tmp_path: Path) -> None:
+    r = CliRunner().invoke(cli, ["demo", "--list"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert [ln.split()[0] for ln in lines] == ["diloco", "basic"] and all(len(ln.split()) > 2 for ln in lines)
+    r = CliRunner().invoke(cli, ["demo", "basic", "--out", str(tmp_path / "b"), "--steps", "12"])
+    assert r.exit_code == 0, r.output
+    assert "checks: checkpoints valid ok, losses bit-identical ok" in r.output
+    r = CliRunner().invoke(cli, ["demo", "nosuch"])
+    assert r.exit_code == 2 and "nosuch" in r.output
+
+
+def test_a_failed_check_names_itself_and_exits_1() -> None:
+    import click
+
+    from cli.demo_cmd import _verdict
+
+    @click.command()
+    def fake() -> None:
+        _verdict([("replay bit-identical", True), ("snapshot restore", False), ("syncer fault", False)])
+
+    r = CliRunner().invoke(fake, [])
+    assert r.exit_code == 1
+    assert "checks: replay bit-identical ok, snapshot restore FAILED, syncer fault FAILED" in r.output
+    assert r.output.rstrip().endswith("demo: A CHECK FAILED: snapshot restore, syncer fault")

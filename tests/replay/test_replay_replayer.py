@@ -99,10 +99,10 @@ def test_extra_event_diverges_with_kind_named(tape: Path, entry) -> None:
 
 
 def test_env_diff_is_reported(tape: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import replay.digest as dg
+    import replay.replayer as rp
 
-    real = dg.env_fingerprint
-    monkeypatch.setattr(dg, "env_fingerprint", lambda: {**real(), "torch": "9.9.9"})
+    real = rp.capture_env
+    monkeypatch.setattr(rp, "capture_env", lambda: {**real(), "torch": "9.9.9"})
     res = replay(tape)
     assert res.identical and res.env_diff["torch"] == (torch.__version__, "9.9.9")
     assert "environment differs" in res.format() and "9.9.9" in res.format()

@@ -32,45 +32,7 @@ from replay.snapshot import (
     cut_from_meta,
     delivery_order,
 )
-
-INITIAL = 1000
-
-
-class Teller:
-    """A bank branch: its balance, an order-sensitive float accumulator, its own RNG."""
-
-    def __init__(self, actor: str, seed: int) -> None:
-        self.actor = actor
-        self.balance = torch.tensor(INITIAL, dtype=torch.int64)
-        self.acc = torch.zeros(3, dtype=torch.float64)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"balance": self.balance, "acc": self.acc, "rng": self.gen.get_state(), "steps": self.steps}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.balance.copy_(sd["balance"])
-        self.acc.copy_(sd["acc"])
-        self.gen.set_state(sd["rng"])
-        self.steps = int(sd["steps"])
-
-    def step(self, ep: Endpoint) -> None:
-        # The receive comes first: a cut (which happens inside it) then falls exactly at
-        # an iteration boundary, so the registered state is all a restore needs.
-        m = ep.try_recv()
-        if m is not None:
-            self.balance += m.tensors[0]
-            self.acc.mul_(0.5).add_(m.tensors[1])
-        r = int(torch.randint(0, 1 << 30, (1,), generator=self.gen))
-        outs = sorted(ep.outbound)
-        if r % 3 != 0 and outs and int(self.balance) > 0:
-            dst = outs[(r >> 2) % len(outs)]
-            amt = 1 + (r >> 7) % int(self.balance)
-            self.balance -= amt
-            noise = torch.rand(3, generator=self.gen, dtype=torch.float64)
-            ep.send(dst, {"amt": amt}, [torch.tensor(amt, dtype=torch.int64), noise])
-        self.steps += 1
+from tests.replay._bank import INITIAL, Teller
 
 
 @dataclass
@@ -93,7 +55,7 @@ def topology(n: int, extra: list[tuple[int, int]]) -> tuple[list[str], list[tupl
 
 def make(names, edges, store, control, sink, schedulers, *, seed: int):
     net = InProcessNetwork(edges, actors=names)
-    tellers = {a: Teller(a, seed * 1000 + i) for i, a in enumerate(names)}
+    tellers = {a: Teller(seed * 1000 + i) for i, a in enumerate(names)}
     eps = {a: Endpoint(net.transport(a), scheduler=schedulers[a], sink=sink) for a in names}
     agents = {a: SnapshotAgent(eps[a], {"teller": tellers[a]}, store=store, control=control, participants=names,
                                background=False) for a in names}

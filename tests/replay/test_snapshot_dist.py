@@ -25,7 +25,8 @@ import msgpack
 import pytest
 import torch
 
-INITIAL = 1000
+from tests.replay._bank import INITIAL, Teller
+
 WORLD = 4
 BANK_STEPS = 60
 SNAPS = {"snap-a": (0, 20), "snap-b": (2, 24)}  # name -> (initiator rank, at step)
@@ -85,43 +86,6 @@ def _spawn(fn: Callable[..., Any], world: int, out: Path, *args: Any, timeout: f
 
 
 # -- the bank application (same rules as the in-process test) --------------------------
-
-
-class Teller:
-    def __init__(self, seed: int) -> None:
-        self.balance = torch.tensor(INITIAL, dtype=torch.int64)
-        self.acc = torch.zeros(3, dtype=torch.float64)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"balance": self.balance, "acc": self.acc, "rng": self.gen.get_state(), "steps": self.steps}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.balance.copy_(sd["balance"])
-        self.acc.copy_(sd["acc"])
-        self.gen.set_state(sd["rng"])
-        self.steps = int(sd["steps"])
-
-    def step(self, ep: Any) -> None:
-        m = ep.try_recv()
-        if m is not None:
-            self.balance += m.tensors[0]
-            self.acc.mul_(0.5).add_(m.tensors[1])
-        r = int(torch.randint(0, 1 << 30, (1,), generator=self.gen))
-        outs = sorted(ep.outbound)
-        if r % 3 != 0 and int(self.balance) > 0:
-            dst = outs[(r >> 2) % len(outs)]
-            amt = 1 + (r >> 7) % int(self.balance)
-            self.balance -= amt
-            noise = torch.rand(3, generator=self.gen, dtype=torch.float64)
-            ep.send(dst, {"amt": amt}, [torch.tensor(amt, dtype=torch.int64), noise])
-        self.steps += 1
-
-    def final(self, ep: Any) -> dict[str, Any]:
-        return {"balance": int(self.balance), "acc": self.acc.numpy().tobytes(),
-                "rng": self.gen.get_state().numpy().tobytes(), "steps": self.steps, "clock": ep.clock.encode(),
-                "next_send": ep.next_send, "next_recv": ep.next_recv}
 
 
 def _actors(world: int, prefix: str = "r") -> list[str]:

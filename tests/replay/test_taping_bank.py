@@ -28,43 +28,9 @@ from replay.events import Event
 from replay.snapshot import CHANNELS_KEY, MemoryControl, MemorySnapshotStore, SnapshotAgent
 from replay.tape import TapeReader, TapeWriter
 from replay.tape.reader import EVENT_HEAD
+from tests.replay._bank import INITIAL, Teller
 
-INITIAL = 1000
 SNAPS = [(40, "p0", "s-a"), (45, "p2", "s-b"), (200, "p3", "s-c")]  # (tick, initiator, name)
-
-
-class Teller:
-    """A bank branch: its balance, an order-sensitive float accumulator, its own RNG."""
-
-    def __init__(self, seed: int) -> None:
-        self.balance = torch.tensor(INITIAL, dtype=torch.int64)
-        self.acc = torch.zeros(3, dtype=torch.float64)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"balance": self.balance, "acc": self.acc, "rng": self.gen.get_state(), "steps": self.steps}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.balance.copy_(sd["balance"])
-        self.acc.copy_(sd["acc"])
-        self.gen.set_state(sd["rng"])
-        self.steps = int(sd["steps"])
-
-    def step(self, ep: Endpoint) -> None:
-        m = ep.try_recv()  # first: a cut then falls at an iteration boundary
-        if m is not None:
-            self.balance += m.tensors[0]
-            self.acc.mul_(0.5).add_(m.tensors[1])
-        r = int(torch.randint(0, 1 << 30, (1,), generator=self.gen))
-        outs = sorted(ep.outbound)
-        if r % 3 != 0 and int(self.balance) > 0:
-            dst = outs[(r >> 2) % len(outs)]
-            amt = 1 + (r >> 7) % int(self.balance)
-            self.balance -= amt
-            noise = torch.rand(3, generator=self.gen, dtype=torch.float64)
-            ep.send(dst, {"amt": amt}, [torch.tensor(amt, dtype=torch.int64), noise])
-        self.steps += 1
 
 
 NAMES = ["p0", "p1", "p2", "p3"]

@@ -18,7 +18,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-INITIAL = 1000
+from tests.replay._bank import INITIAL, Teller
+
 WORLD = 3
 STEPS = 50
 SNAPS = {"t-a": (0, 15), "t-b": (1, 18)}  # name -> (initiator rank, at step)
@@ -66,38 +67,6 @@ def _spawn(fn: Callable[..., Any], world: int, out: Path, timeout: float) -> lis
         assert res.get("ok"), f"rank {r} failed:\n{res.get('error')}"
         results.append(res)
     return results
-
-
-class Teller:
-    def __init__(self, seed: int) -> None:
-        self.balance = torch.tensor(INITIAL, dtype=torch.int64)
-        self.acc = torch.zeros(3, dtype=torch.float64)
-        self.gen = torch.Generator().manual_seed(seed)
-        self.steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"balance": self.balance, "acc": self.acc, "rng": self.gen.get_state(), "steps": self.steps}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.balance.copy_(sd["balance"])
-        self.acc.copy_(sd["acc"])
-        self.gen.set_state(sd["rng"])
-        self.steps = int(sd["steps"])
-
-    def step(self, ep: Any) -> None:
-        m = ep.try_recv()
-        if m is not None:
-            self.balance += m.tensors[0]
-            self.acc.mul_(0.5).add_(m.tensors[1])
-        r = int(torch.randint(0, 1 << 30, (1,), generator=self.gen))
-        outs = sorted(ep.outbound)
-        if r % 3 != 0 and int(self.balance) > 0:
-            dst = outs[(r >> 2) % len(outs)]
-            amt = 1 + (r >> 7) % int(self.balance)
-            self.balance -= amt
-            noise = torch.rand(3, generator=self.gen, dtype=torch.float64)
-            ep.send(dst, {"amt": amt}, [torch.tensor(amt, dtype=torch.int64), noise])
-        self.steps += 1
 
 
 def _worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]:

@@ -1,1 +1,0 @@
-"""Small, runnable training entry points (used by the package's own resume tests)."""

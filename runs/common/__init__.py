@@ -1,0 +1,1 @@
+"""What the reference runs share: the tiny language model and its synthetic corpus."""

@@ -1,0 +1,106 @@
+"""The one configuration record of a Decoupled-DiLoCo run (taped in the tape header).
+
+Every knob is here; the defaults are the README demo (M=4 learners, quorum K=2,
+P=2 fragments synced every H=8 inner steps, staggered). Times are in seconds only
+where they feed timing-dependent *decisions* (grace window, jitter); everything that
+changes the numerics is counted in logical steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+__all__ = ["DiLoCoConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class DiLoCoConfig:
+    # topology
+    learners: int = 4
+    quorum: int = 2  # K: a syncer step needs at least K contributions of its fragment
+    fragments: int = 2  # P balanced fragments, synced on a staggered schedule
+    # schedule: every learner runs `steps` inner steps; fragment p is sent every `inner_h`
+    # steps, after inner step (p+1)*H/P - 1 of each round (Streaming DiLoCo staggering)
+    inner_h: int = 8
+    steps: int = 128
+    # bounded staleness: a learner in round r waits until it has applied, for every
+    # fragment, a merge of round r - max_lag_rounds or later
+    max_lag_rounds: int = 2
+    # model / data (tiny transformer; see runs/common/tiny_lm.py)
+    vocab: int = 64
+    dim: int = 32
+    heads: int = 2
+    layers: int = 2
+    seq_len: int = 32
+    batch: int = 8
+    seqs_per_learner: int = 512
+    shards_per_learner: int = 8
+    val_seqs: int = 64
+    # optimisers
+    inner_lr: float = 1e-2
+    weight_decay: float = 0.01
+    warmup: int = 8
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # adaptive grace window, "Eq. 3": gamma * (tau * xi_step - xi_quorum - xi_sync), in [0, cap]
+    grace_gamma: float = 1.0
+    overlap_tau: int = 2
+    grace_cap_s: float = 0.25
+    ema_alpha: float = 0.125
+    # seeds and chaos
+    seed: int = 1234
+    chaos: bool = True
+    chaos_seed: int = 7
+    jitter_s: float = 0.05
+    # evaluation and snapshots (in syncer steps; 0 = never)
+    eval_every: int = 2
+    snapshot_every: int = 0
+    snapshot_keep: int = 2  # retention: the last N snapshots (plus the newest restorable one)
+    # processes: "threads" (one process, an in-process transport) or "gloo"
+    transport: str = "threads"
+    io_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.learners < 1 or not 1 <= self.quorum <= self.learners:
+            raise ValueError(f"need 1 <= quorum ({self.quorum}) <= learners ({self.learners})")
+        if self.fragments < 1 or self.inner_h < self.fragments:
+            raise ValueError(f"need 1 <= fragments ({self.fragments}) <= inner_h ({self.inner_h})")
+        if self.steps < self.inner_h or self.steps % self.inner_h:
+            raise ValueError(f"steps ({self.steps}) must be a positive multiple of inner_h ({self.inner_h})")
+        if self.transport not in ("threads", "gloo"):
+            raise ValueError(f"transport must be 'threads' or 'gloo', got {self.transport!r}")
+
+    @property
+    def rounds(self) -> int:
+        return self.steps // self.inner_h
+
+    @property
+    def syncer_steps(self) -> int:
+        """Syncer step s merges fragment s % P of round s // P."""
+        return self.rounds * self.fragments
+
+    def send_offset(self, p: int) -> int:
+        """Inner step (mod H) after which fragment p is sent."""
+        return (p + 1) * self.inner_h // self.fragments - 1
+
+    def fragment_due(self, t: int) -> int | None:
+        """The fragment a learner sends after inner step t, if any."""
+        for p in range(self.fragments):
+            if t % self.inner_h == self.send_offset(p):
+                return p
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DiLoCoConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown DiLoCo config keys: {unknown}")
+        return cls(**dict(d))
+
+    def with_(self, **changes: Any) -> "DiLoCoConfig":
+        return replace(self, **changes)

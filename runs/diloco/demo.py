@@ -1,0 +1,209 @@
+"""``ckpt demo``: the reference run end to end, and its report.
+
+1. the chaos run (learners as processes over gloo, or threads), recorded at ``DIR/tape``;
+2. the same seed without faults;
+3. the synchronous elastic baseline under the same schedule, checkpointing into
+   ``DIR/checkpoints/baseline`` (kept by the retention policy);
+4. ``replay --mode force`` of the chaos tape, and ``tape check``;
+5. the newest kept snapshot with every learner in it (the chaos run snapshots every few
+   syncer steps into ``DIR/checkpoints``) restored and continued under the tape;
+6. the report and ``DIR/loss.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from runs.diloco.config import DiLoCoConfig
+
+__all__ = ["demo_config", "run_demo"]
+
+
+def demo_config(*, quick: bool = False, transport: str = "gloo") -> DiLoCoConfig:
+    if quick:
+        # the tests' size: a few seconds on two cores
+        return DiLoCoConfig(learners=4, quorum=2, fragments=2, inner_h=4, steps=48, layers=1, dim=32, seq_len=16,
+                            seqs_per_learner=128, shards_per_learner=8, val_seqs=32, batch=8, grace_cap_s=0.05,
+                            jitter_s=0.03, io_timeout_s=60.0, transport=transport, snapshot_every=2)
+    return DiLoCoConfig(grace_cap_s=0.05, jitter_s=0.03, transport=transport, snapshot_every=4)
+
+
+class _Bar:
+    def __init__(self, echo: Callable[[str], None], enabled: bool) -> None:
+        self.echo = echo
+        self.enabled = enabled
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        n = 30 * done // max(total, 1)
+        sys.stdout.write(f"\r  {label:<22} [{'#' * n}{'.' * (30 - n)}] {done}/{total}")
+        if done >= total:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport: str = "gloo",
+             echo: Callable[[str], None] = print, progress: bool = False) -> Any:
+    """Run everything; returns the :class:`~runs.diloco.report.Report` (``ok()`` says all held)."""
+    import ckpt
+    from replay import check_tape
+    from runs.diloco.baseline import run_baseline
+    from runs.diloco.chaos import describe
+    from runs.diloco.report import build_report, plot
+    from runs.diloco.run import record
+    from replay import replay
+    from replay import TapeReader
+
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    tape = out / "tape"
+    if tape.exists():
+        raise FileExistsError(f"{tape} exists: pass an empty --out directory")
+    cfg = demo_config(quick=quick, transport=transport)
+    bar = _Bar(echo, progress)
+    wall: dict[str, float] = {}
+
+    echo(f"chaos run: {cfg.learners} learners ({cfg.transport}), syncer, seeded faults")
+    t0 = time.monotonic()
+    chaos = record(tape, cfg, on_step=lambda s, plan: bar("chaos run", s + 1, cfg.syncer_steps))
+    wall["chaos"] = time.monotonic() - t0
+    for line in describe(chaos.schedule):
+        echo("  " + line)
+
+    echo("no-fault run (same seed, threads)")
+    t0 = time.monotonic()
+    calm_cfg = cfg.with_(chaos=False, transport="threads", snapshot_every=0)
+    nofault = record(out / "runs" / "nofault.tape", calm_cfg,
+                     on_step=lambda s, plan: bar("no-fault run", s + 1, cfg.syncer_steps))
+    wall["nofault"] = time.monotonic() - t0
+
+    echo("synchronous elastic data-parallel baseline (same schedule, restarts from its last checkpoint)")
+    t0 = time.monotonic()
+    base = run_baseline(cfg, chaos.schedule, out / "checkpoints" / "baseline",
+                        progress=lambda k, n: bar("baseline", k, n))
+    wall["baseline"] = time.monotonic() - t0
+
+    echo("replay --mode force of the chaos tape")
+    t0 = time.monotonic()
+    rr = replay(tape, mode="force")
+    again = rr.value
+    same_syncer = again is not None and _same(again.syncer.state, chaos.syncer.state) and \
+        again.syncer.val == chaos.syncer.val
+    wall["replay"] = time.monotonic() - t0
+    violations = check_tape(tape)
+
+    echo("restore the newest restorable snapshot and continue under the tape (force mode)")
+    t0 = time.monotonic()
+    # learner processes (gloo) return no states: their reference is the forced replay,
+    # which matched every learner's final-state digest on the tape
+    restore_line, restore_ok = _restore_check(tape, out / "checkpoints",
+                                              chaos if chaos.learners or again is None else again)
+    wall["restore"] = time.monotonic() - t0
+
+    echo("syncer fault: continue live from the newest full snapshot on a new tape, then replay that tape")
+    t0 = time.monotonic()
+    fault_line, fault_ok = _syncer_fault_check(tape, out, cfg)
+    wall["syncer_fault"] = time.monotonic() - t0
+
+    events = list(TapeReader(tape).events())
+    rep = build_report(cfg, chaos, nofault, base, events)
+    rep.replay_identical = bool(rr.identical and same_syncer)
+    rep.replay_events = rr.events_compared
+    rep.replay_detail = (f"; every learner's final-state digest and loss on the tape matched, syncer state and "
+                         f"validation losses equal: {'yes' if same_syncer else 'NO'}")
+    rep.tape_check_violations = len(violations)
+    rep.snapshot_restore = restore_line
+    rep.snapshot_restore_identical = restore_ok
+    rep.syncer_fault, rep.syncer_fault_ok = fault_line, fault_ok
+    from runs.diloco.snapshots import list_snapshots
+
+    snaps = [k["path"] for k in list_snapshots(out / "checkpoints")]
+    rep.snapshots_kept = len(snaps)
+    for p in [*snaps, *base.checkpoints]:
+        try:
+            ckpt.open(p).verify()
+            rep.checkpoints_verified.append((p, True))
+        except Exception:  # reported as a failed verification, never hidden
+            rep.checkpoints_verified.append((p, False))
+    rep.plot_path = plot(str(out / "loss.png"), cfg, chaos, nofault, base, events)
+    rep.wall_s = wall
+    echo("")
+    echo(rep.format())
+    echo("")
+    echo(f"output directory: {out}")
+    last = base.checkpoints[-1] if base.checkpoints else str(out / "checkpoints")
+    last_snap = snaps[-1] if snaps else last
+    echo(f"next: ckpt tape show {tape} | ckpt replay {tape} --mode force --trust | ckpt ls {out / 'checkpoints'}"
+         f" | ckpt inspect {last_snap}")
+    return rep
+
+
+def _restore_check(tape: Path, root: Path, chaos: Any) -> tuple[str, bool]:
+    """Restore the newest kept snapshot that has every learner in it and continue it in
+    force mode: identical when every post-cut event matched the tape and the final
+    parameters (syncer, momentum, every learner) and the post-cut losses are equal."""
+    from runs.diloco.restore import restore_run
+    from runs.diloco.snapshots import list_snapshots
+
+    ok = [k for k in list_snapshots(root) if not k["meta"].get("excluded")]
+    if not ok:
+        return "NO (no kept snapshot has every learner in it)", False
+    snap = ok[-1]
+    rr = restore_run(tape, snap["path"])
+    run = rr.run
+    same = bool(rr.identical and run is not None and _same(run.syncer.state, chaos.syncer.state)
+                and run.syncer.val == [v for v in chaos.syncer.val if v[0] >= rr.syncer_step])
+    if same:
+        mine, theirs = chaos.final_learner_states(), run.final_learner_states()
+        same = sorted(mine) == sorted(theirs) and all(_same(theirs[a], mine[a]) for a in mine)
+        by = {(o.actor, o.incarnation): o.losses for o in chaos.learners}
+        same = same and all(o.losses == by[(o.actor, o.incarnation)][len(by[(o.actor, o.incarnation)]) - len(o.losses):]
+                            for o in run.learners)
+    word = "yes" if same else "NO"
+    return (f"identical {word} (from {snap['name']}: syncer step {rr.syncer_step} of {chaos.cfg.syncer_steps}; "
+            f"{rr.events_compared} events after the cuts matched the tape; final parameters, momentum and "
+            f"post-cut losses equal)"), same
+
+
+def _syncer_fault_check(tape: Path, out: Path, cfg: Any) -> tuple[str, bool | None]:
+    """The one fault that costs a pause, as a drill: take the syncer as dead right after
+    the newest snapshot that has every learner in it, continue the run live from that
+    snapshot (``continue_run``) on ``out/continued/tape``, then check the new tape and
+    replay it in force mode from step 0; ok when it checks clean and the replay
+    reproduces the continued run's syncer state and validation losses bit for bit."""
+    from replay import check_tape
+    from runs.diloco.restore import continue_run
+    from runs.diloco.snapshots import list_snapshots
+    from replay import replay
+
+    ok = [k for k in list_snapshots(out / "checkpoints") if not k["meta"].get("excluded")]
+    if not ok:
+        return "NO (no kept snapshot has every learner in it)", False
+    snap = ok[-1]
+    new = out / "continued" / "tape"
+    t0 = time.monotonic()
+    first: list[float] = []
+    res = continue_run(tape, snap["path"], new, on_step=lambda s, plan: first or first.append(time.monotonic()))
+    pause = (first[0] if first else time.monotonic()) - t0
+    violations = check_tape(new)
+    rr = replay(new, mode="force")
+    again = rr.value
+    same = bool(rr.identical and again is not None and _same(again.syncer.state, res.syncer.state)
+                and [v for v in again.syncer.val if v[0] >= snap["step"]] == res.syncer.val)
+    steps = len(res.syncer.plans)
+    return (f"continued live from {snap['name']} (taken as if the syncer died right after it) on {new}: "
+            f"{steps} syncer steps to the end, pause {pause:.2f} s to the first merge; tape check "
+            f"{len(violations)} violations; force replay from step 0 bit-identical {'yes' if same else 'NO'} "
+            f"({rr.events_compared} events)"), same and not violations and steps == cfg.syncer_steps - snap["step"]
+
+
+def _same(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> bool:
+    import torch
+
+    return [n for n, _ in a] == [n for n, _ in b] and all(
+        x.dtype == y.dtype and torch.equal(x, y) for (_, x), (_, y) in zip(a, b))

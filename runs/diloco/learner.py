@@ -1,0 +1,462 @@
+"""A learner: inner AdamW on its own shard, fragments out, merged fragments in.
+
+``LearnerCore`` is the numerics (no I/O). ``run_learner`` is the actor: it never
+blocks on the syncer while it has inner steps to run. Everything it does that depends
+on timing is one taped decision per step boundary (``inbox``): which arrived messages
+it takes in now and how many held-back outgoing messages it lets go. In force mode
+the decision comes from the tape and the learner waits for exactly those messages.
+
+Recovery (a replacement incarnation): it waits for the syncer's ``activate`` (which
+names the syncer step ``target`` and a healthy peer), asks the peer for its state, and
+the peer answers once it has applied a merged fragment of syncer step >= target, so
+the state it sends has observed the syncer's clock at activation. Then it rejoins.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from ckpt.data import QuarantinePolicy, ResumableLoader
+from runs.common.tiny_lm import warmup_cosine
+from replay import Message
+from runs.diloco.chaos import Fault
+from runs.diloco.config import DiLoCoConfig
+from runs.diloco.fragments import pack_fragments
+from runs.diloco.link import Link, ref_of
+from runs.diloco.model import LearnerShards, build_model, learner_corpus, weighted_loss
+from runs.diloco.tapeio import RemoteTape
+
+__all__ = ["LearnerCore", "LearnerCtx", "LearnerOutcome", "run_learner"]
+
+SYNCER = "syncer"
+
+
+class LearnerCore:
+    """Model, inner optimiser, scheduler, loader and per-fragment counters of one learner."""
+
+    def __init__(self, cfg: DiLoCoConfig, index: int, theta0: Mapping[str, torch.Tensor],
+                 poisoned: Sequence[int] = (), on_quarantine: Callable[[int, Any, str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.model = build_model(cfg)
+        self.model.load_state_dict(dict(theta0))
+        self.model.train()
+        # foreach=False: one kernel per tensor, the same code path on every run.
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay,
+                                     foreach=False)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(cfg.warmup, cfg.steps))
+        self.loader = ResumableLoader(
+            LearnerShards(learner_corpus(cfg, index), cfg.shards_per_learner, tuple(poisoned)),
+            seed=cfg.seed + 17 * index, global_batch_size=cfg.batch, world_size=1, rank=0,
+            quarantine=QuarantinePolicy(fields=(1,), scope="shard"), on_quarantine=on_quarantine,
+            seed_sample_rngs=False)  # nothing random per sample; and threads share the global RNGs
+        self._it: Any = None
+        self.frags = pack_fragments(self.model.named_parameters(), cfg.fragments)
+        self.params = dict(self.model.named_parameters())
+        self.t = 0
+        self.c_tokens = [0] * cfg.fragments
+        self.c_steps = [0] * cfg.fragments
+        self.applied = [-1] * cfg.fragments  # syncer step of the merged fragment last applied
+        self.last_loss = float("nan")
+
+    def train_step(self) -> tuple[list[int], float]:
+        batch = None
+        while batch is None:
+            if self._it is None:
+                self._it = iter(self.loader)
+            batch = next(self._it, None)
+            if batch is None:
+                self._it = None
+        tokens, weights = batch
+        ids = list(self.loader.last_batch.indices) if self.loader.last_batch else []
+        loss = weighted_loss(self.model, tokens, weights)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        self.sched.step()
+        self.t += 1
+        ntok = int(tokens.shape[0] * (tokens.shape[1] - 1))
+        for p in range(self.cfg.fragments):
+            self.c_tokens[p] += ntok
+            self.c_steps[p] += 1
+        self.last_loss = float(loss.detach())
+        return ids, self.last_loss
+
+    def fragment(self, p: int) -> list[torch.Tensor]:
+        return [self.params[n].detach().clone() for n in self.frags[p].names]
+
+    def apply(self, p: int, s: int, tensors: Sequence[torch.Tensor]) -> bool:
+        """Adopt the merged fragment of syncer step ``s`` unless a newer one is applied."""
+        if s <= self.applied[p]:
+            return False
+        with torch.no_grad():
+            for n, t in zip(self.frags[p].names, tensors):
+                self.params[n].copy_(t)
+        self.applied[p] = s
+        self.c_tokens[p] = 0
+        self.c_steps[p] = 0
+        return True
+
+    # -- whole state, for a peer's recovery and for the final digest -------------------
+    def named_state(self) -> list[tuple[str, torch.Tensor]]:
+        out = [(f"model.{k}", v) for k, v in self.model.state_dict().items()]
+        st = self.opt.state_dict()["state"]
+        for i in sorted(st):
+            for k in sorted(st[i]):
+                v = st[i][k]
+                if isinstance(v, torch.Tensor):
+                    out.append((f"opt.{i}.{k}", v))
+        return out
+
+    def export(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        named = self.named_state()
+        sd = self.opt.state_dict()
+        meta = {"names": [n for n, _ in named], "param_groups": sd["param_groups"],
+                "sched": {k: v for k, v in self.sched.state_dict().items() if k != "lr_lambdas"},
+                "t": self.t, "applied": list(self.applied)}
+        return meta, [t.detach().clone() for _, t in named]
+
+    def load(self, meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> None:
+        named = dict(zip(meta["names"], tensors))
+        self.model.load_state_dict({k[len("model."):]: v for k, v in named.items() if k.startswith("model.")})
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for k, v in named.items():
+            if k.startswith("opt."):
+                _, i, key = k.split(".", 2)
+                state.setdefault(int(i), {})[key] = v.clone()
+        self.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        sd = self.sched.state_dict()
+        sd.update(meta["sched"])
+        self.sched.load_state_dict(sd)
+        self.t = int(meta["t"])
+        self.applied = [int(x) for x in meta["applied"]]
+        self.c_tokens = [0] * self.cfg.fragments
+        self.c_steps = [0] * self.cfg.fragments
+        # Continue this learner's own data stream at the adopted step.
+        ds = self.loader.state_dict()
+        spe = self.loader.steps_per_epoch
+        ds["epoch"], ds["position"] = self.t // spe, (self.t % spe) * self.cfg.batch
+        self.loader.load_state_dict(ds)
+        self._it = None
+
+
+@dataclass
+class LearnerCtx:
+    cfg: DiLoCoConfig
+    actor: str  # tape identity, e.g. "learner-2"
+    incarnation: int
+    link: Link
+    theta0: Mapping[str, torch.Tensor]
+    faults: Sequence[Fault]
+    die: Callable[[], None]  # drop the transport (threads) / SIGKILL (processes)
+    remote: RemoteTape | None = None  # set in a learner process: ship the tape log to the syncer
+    # a replacement waits for its predecessor to be gone before it records as the same actor
+    predecessor_done: Callable[[], None] = lambda: None
+    step_delay_s: float = 0.0  # an artificial slowdown (replay on a slower machine)
+    # snapshots: writes this learner's part (record mode); None writes nothing (replays)
+    parts: Any = None
+    # restore: this learner's part of a snapshot (``snapshots.learner_part``): start at its cut
+    restore: Mapping[str, Any] | None = None
+
+
+@dataclass
+class LearnerOutcome:
+    actor: str
+    incarnation: int
+    started_at: int
+    died_at: int | None = None
+    final_t: int = 0
+    state: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    losses: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _index(actor: str) -> int:
+    return int(actor.rsplit("-", 1)[1])
+
+
+def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
+    cfg, link, tape = ctx.cfg, ctx.link, ctx.link.tape
+    me = link.name
+    out = LearnerOutcome(ctx.actor, ctx.incarnation, 0)
+    poisoned = tuple(int(f.detail["shard"]) for f in ctx.faults if f.kind == "nan")
+
+    def quarantined(index: int, shard: Any, reason: str) -> None:
+        tape.detected("nan", ctx.actor, {"shard": shard, "sample": index, "reason": reason[:80]})
+
+    def ship() -> tuple[dict[str, Any], list[torch.Tensor]]:
+        if ctx.remote is None:
+            return {}, []
+        log, ts = ctx.remote.drain()
+        return {"log": log, "nlog": len(ts)}, ts
+
+    def send_syncer(meta: Mapping[str, Any], tensors: Sequence[torch.Tensor], timing: Mapping[str, Any] | None,
+                    *, taped: bool = True) -> None:
+        ref = (me, SYNCER, link.ep.next_send[SYNCER])
+        if taped:
+            from runs.diloco.tapeio import message_digest
+
+            tape.send(ref, SYNCER, message_digest(meta, tensors))
+        extra, log_tensors = ship()
+        if timing:
+            extra["timing"] = dict(timing)
+        link.send(SYNCER, {**meta, **extra}, list(tensors) + log_tensors, taped=False)
+
+    def flush_log() -> None:
+        # After a peer-to-peer send, ship the tape log at once: the peer's log will
+        # hold the matching receive, which the tape can only take after this send.
+        # Sent by thread learners too (empty), so that channel seqs match the replay's.
+        send_syncer({"kind": "log"}, [], None, taped=False)
+
+    if ctx.restore is not None:
+        core = LearnerCore(cfg, _index(ctx.actor), ctx.theta0, poisoned, quarantined)
+        loop = restore_core(core, ctx.restore)
+        # before anything is received: sequence numbers continue from the cut
+        link.ep.restore(loop["endpoint"], {})
+        out.started_at = int(loop["started_at"])
+        # The tape lines this actor up right after its cut (the snapshot event); the
+        # channel state taped with the cut is the restored learner's first event.
+        tape.snapshot_channels(str(loop["snapshot"]), [])
+    elif ctx.incarnation == 0:
+        # Start together: process start-up skew would otherwise let one learner run
+        # many rounds ahead before the others exist.
+        link.pop(ref_of(link.first_from(SYNCER, ("start",))))
+        core = LearnerCore(cfg, _index(ctx.actor), ctx.theta0, poisoned, quarantined)
+        if poisoned:
+            tape.inject("nan", ctx.actor, {"shards": list(poisoned)})
+    else:
+        act = link.first_from(SYNCER, ("activate", "stop"))
+        link.pop(ref_of(act))
+        if act.meta["kind"] == "stop":
+            return out
+        ctx.predecessor_done()
+        tape.recv(ref_of(act))
+        peer = str(act.meta["peer"])
+        req = link.send(peer, {"kind": "state_req", "target": int(act.meta["target"])})
+        flush_log()
+        st = link.first_from(peer, ("state",))
+        link.pop(ref_of(st))
+        tape.recv(ref_of(st))
+        core = LearnerCore(cfg, _index(ctx.actor), ctx.theta0, poisoned, quarantined)
+        core.load(st.meta, st.tensors)
+        tape.recovered(str(act.meta["fault"]), ctx.actor, ref_of(act), ref_of(st))
+        del req
+        # Tell the syncer where this incarnation starts: a replacement adopts its peer's
+        # step and so never sends the fragments of rounds the peer had already sent; the
+        # syncer's last-round barrier must know which ones to wait for.
+        send_syncer({"kind": "joined", "started": core.t}, [], None, taped=False)
+    if ctx.restore is None:
+        out.started_at = core.t
+
+    outbox: list[tuple[float, Mapping[str, Any], list[torch.Tensor], dict[str, Any]]] = []
+    pending_reqs: list[Message] = []
+    jitter_until, jitter_delay = -1, 0.0
+    step_ema = 0.0
+    stopped = False
+    n_end = 0
+    marker: list[Message] = []  # a snapshot marker taken in the current inbox decision
+    resume_key: str | None = None
+    if ctx.restore is not None:
+        loop = ctx.restore["loop"]
+        outbox = [(0.0, dict(o["meta"]), list(o["tensors"]), dict(o["timing"])) for o in loop["outbox"]]
+        pending_reqs = [msg_from_json(m) for m in loop["pending"]]
+        jitter_until, jitter_delay = int(loop["jitter_until"]), float(loop["jitter_delay"])
+        step_ema, stopped, n_end = float(loop["step_ema"]), bool(loop["stopped"]), int(loop["n_end"])
+        resume_key = str(loop["phase"])
+
+    def lagging() -> bool:
+        need = core.t // cfg.inner_h - cfg.max_lag_rounds
+        return need > 0 and any(a < 0 or a // cfg.fragments < need for a in core.applied)
+
+    def take(refs: Sequence[Sequence[Any]]) -> None:
+        nonlocal stopped
+        for r in refs:
+            ref = (str(r[0]), str(r[1]), int(r[2]))
+            msg = link.wait_ref(ref)
+            link.pop(ref)
+            kind = msg.meta["kind"]
+            if kind == "snap":  # an untaped marker: the cut follows this decision
+                marker.append(msg)
+                continue
+            tape.recv(ref)
+            if kind == "merged":
+                core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors)
+            elif kind == "state_req":
+                pending_reqs.append(msg)
+            elif kind == "stop":
+                stopped = True
+
+    def boundary(key: str, final: bool = False, block: bool = False) -> None:
+        """One taped inbox decision. ``block``: first wait for a message or for a held-back
+        message to come due (used while lagging and at the end, where there is nothing
+        else to do)."""
+        def compute() -> dict[str, Any]:
+            if final and outbox:
+                pass  # at the end everything held back goes out now
+            elif block or final:
+                link.wait(lambda: bool(link.box) or (bool(outbox) and outbox[0][0] <= time.monotonic()),
+                          "a message, or a held-back message to come due", tick=0.005)
+            link.poll()
+            now = time.monotonic()
+            flush = len(outbox) if final else sum(1 for _ in _prefix(outbox, now))
+            take = [list(r) for r in link.box.keys()]
+            for i, r in enumerate(link.box.values()):
+                if r.meta.get("kind") == "snap":
+                    # A snapshot marker ends the decision: what arrived after it was sent
+                    # after the syncer's cut and must be taken after this learner's cut.
+                    take = take[: i + 1]
+                    break
+            return {"take": take, "flush": flush}
+
+        d = tape.decide("inbox", key, compute)
+        for rel, meta, tensors, timing in outbox[: int(d["flush"])]:
+            send_syncer(meta, tensors, timing)
+        del outbox[: int(d["flush"])]
+        take(d["take"])
+        if marker:
+            cut(marker.pop(), key)
+        serve()
+
+    def cut(msg: Message, key: str) -> None:
+        """This learner's part of a snapshot: at the end of the inbox decision that took
+        the marker, i.e. between two step boundaries; a restore resumes at ``serve()``."""
+        name = str(msg.meta["name"])
+        tape.snapshot(name)
+        # every message the syncer sent before its cut was taken in this decision or
+        # earlier (FIFO), and no peer-to-peer message is in flight between participants
+        tape.snapshot_channels(name, [])
+        meta, tensors = core.export()
+        part = {
+            "core": {"meta": meta, "tensors": tensors, "c_tokens": list(core.c_tokens), "c_steps": list(core.c_steps),
+                     "loader": core.loader.state_dict(), "last_loss": core.last_loss},
+            "loop": {"actor": ctx.actor, "incarnation": ctx.incarnation, "phase": key, "started_at": out.started_at,
+                     "snapshot": name,
+                     "outbox": [{"meta": dict(m), "tensors": [x.clone() for x in ts], "timing": dict(tm)}
+                                for _, m, ts, tm in outbox],
+                     "pending": [msg_to_json(m) for m in pending_reqs], "jitter_until": jitter_until,
+                     "jitter_delay": jitter_delay, "step_ema": step_ema, "stopped": stopped, "n_end": n_end},
+        }
+        # The reply marker closes this learner's channel to the syncer in the snapshot.
+        send_syncer({"kind": "snapmark", "name": name}, [], None, taped=False)
+        ep = link.ep.state_dict()
+        # taken through: what is still boxed (sent after the syncer's cut) is sent again
+        # by a restored syncer with the same seqs
+        for r in link.box:
+            ep["next_recv"][r[0]] = min(ep["next_recv"][r[0]], r[2])
+        part["loop"]["endpoint"] = ep
+        clock = getattr(tape, "clock", None)
+        if ctx.parts is not None and msg.meta.get("pending"):
+            ctx.parts.write(dict(msg.meta["pending"]), ctx.actor, {"diloco": part}, step=core.t,
+                            clock=clock.encode() if clock is not None else None)
+
+    def serve() -> None:
+        for req in list(pending_reqs):
+            if max(core.applied) >= int(req.meta["target"]):
+                meta, tensors = core.export()
+                link.send(req.src, {"kind": "state", **meta}, tensors)
+                flush_log()
+                pending_reqs.remove(req)
+
+    def lag_loop(t: int, w: int) -> None:
+        while not stopped and lagging():  # bounded staleness: wait for the merges this round needs
+            boundary(f"t{t}.w{w}", block=True)
+            w += 1
+
+    if resume_key is not None:
+        serve()  # the rest of the inbox decision the cut interrupted
+        if resume_key.startswith("t"):
+            t_s, _, w_s = resume_key[1:].partition(".w")
+            lag_loop(int(t_s), int(w_s) + 1 if w_s else 0)
+        else:
+            n_end += 1
+    while core.t < cfg.steps and not stopped:
+        t = core.t
+        for f in ctx.faults:
+            if f.step != t or f.kind not in ("kill", "loss", "jitter"):
+                continue
+            tape.inject(f.kind, ctx.actor, {**f.detail, "step": t, "incarnation": ctx.incarnation})
+            if f.kind == "jitter":
+                jitter_until, jitter_delay = t + int(f.detail["steps"]), float(f.detail["delay_s"])
+            else:
+                out.died_at = t
+                out.final_t = t
+                if ctx.remote is not None:
+                    # Flush the tape log and wait for the syncer to have it before the
+                    # SIGKILL (a real crash would lose the tail; the replay needs it).
+                    send_syncer({"kind": "dying"}, [], None, taped=False)
+                    link.first_from(SYNCER, ("ack",))
+                if ctx.parts is not None:
+                    # An injected fault lands after a snapshot part this learner is still
+                    # writing is durable: otherwise whether the snapshot keeps this learner
+                    # would depend on disk speed, not on the seeded schedule. (A real crash
+                    # mid-write leaves the learner out; replay.snapshot's tests cover that.)
+                    ctx.parts.flush(actor=ctx.actor)
+                ctx.die()
+                return out
+        if ctx.step_delay_s:
+            time.sleep(ctx.step_delay_s)
+        t0 = time.perf_counter()
+        tape.begin_step(t)
+        ids, loss = core.train_step()
+        tape.batch(ids)
+        tape.loss(loss)
+        tape.end_step()
+        out.losses.append((t, loss))
+        dt = time.perf_counter() - t0
+        step_ema = dt if step_ema == 0.0 else step_ema + cfg.ema_alpha * (dt - step_ema)
+        p = cfg.fragment_due(t)
+        if p is not None:
+            meta = {"kind": "frag", "p": p, "t": t, "tokens": core.c_tokens[p], "steps": core.c_steps[p],
+                    "inc": ctx.incarnation, "started": out.started_at}
+            delay = jitter_delay if t < jitter_until else 0.0
+            outbox.append((time.monotonic() + delay, meta, core.fragment(p), {"step_s": step_ema}))
+        boundary(f"t{t}")
+        lag_loop(t, 0)
+    while not stopped:
+        boundary(f"end{n_end}", final=True)
+        n_end += 1
+    out.final_t = core.t
+    out.state = [(n, t.detach().clone()) for n, t in core.named_state()]
+    tape.params(out.state)
+    if ctx.remote is not None:
+        send_syncer({"kind": "bye"}, [], None, taped=False)
+    return out
+
+
+def restore_core(core: LearnerCore, part: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Load a learner's snapshot part into a fresh core; returns the part's loop state."""
+    c = part["core"]
+    core.load(c["meta"], list(c["tensors"]))
+    core.c_tokens = [int(x) for x in c["c_tokens"]]
+    core.c_steps = [int(x) for x in c["c_steps"]]
+    core.loader.load_state_dict(c["loader"])
+    core._it = None
+    core.last_loss = float(c["last_loss"])
+    return part["loop"]
+
+
+def msg_to_json(m: Message) -> dict[str, Any]:
+    return {"src": m.src, "dst": m.dst, "seq": m.seq, "meta": dict(m.meta), "tensors": [t.clone() for t in m.tensors]}
+
+
+def msg_from_json(d: Mapping[str, Any]) -> Message:
+    from replay import VectorClock
+
+    return Message(str(d["src"]), str(d["dst"]), int(d["seq"]), VectorClock(), meta=dict(d["meta"]),
+                   tensors=tuple(d["tensors"]))
+
+
+def _prefix(outbox: Sequence[tuple[float, Any, Any, Any]], now: float) -> Any:
+    for rel, *_ in outbox:
+        if rel > now:
+            return
+        yield rel
+
+
+def sigkill_self() -> None:  # pragma: no cover - the process ends here
+    os.kill(os.getpid(), signal.SIGKILL)

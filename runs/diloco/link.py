@@ -1,0 +1,123 @@
+"""An actor's message plumbing: taped sends and an inbox addressed by MsgRef.
+
+Every DiLoCo message is one Endpoint DATA message whose meta holds ``kind`` and the
+message's fields; the tape digest covers those fields and the tensors, never the
+``log`` (a remote learner's shipped tape log) or ``timing`` (wall-clock measurements,
+different in every run) entries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from replay import Endpoint, Message
+from replay.errors import PeerDiedError, ReceiveTimeoutError
+from runs.diloco.tapeio import MsgRef, TapeSink, actor_of, message_digest
+
+__all__ = ["Link", "ref_of"]
+
+_UNTAPED = ("log", "timing")
+
+
+def ref_of(msg: Message) -> MsgRef:
+    return (msg.src, msg.dst, msg.seq)
+
+
+class Link:
+    """One actor's endpoint + tape sink. ``on_dead(endpoint)`` hears of dead peers."""
+
+    def __init__(self, ep: Endpoint, tape: TapeSink, *, timeout_s: float = 120.0,
+                 on_dead: Callable[[str], None] | None = None,
+                 on_arrival: Callable[[Message], bool] | None = None) -> None:
+        self.ep = ep
+        self.tape = tape
+        self.timeout_s = timeout_s
+        self.on_dead = on_dead or (lambda e: None)
+        # on_arrival(msg) -> True when the message was consumed out of band (not buffered)
+        self.on_arrival = on_arrival or (lambda m: False)
+        self.box: "OrderedDict[MsgRef, Message]" = OrderedDict()
+
+    @property
+    def name(self) -> str:
+        return self.ep.actor
+
+    # -- sending ---------------------------------------------------------------------
+    def send(self, dst: str, meta: Mapping[str, Any], tensors: Sequence[torch.Tensor] = (), *, taped: bool = True,
+             extra: Mapping[str, Any] | None = None) -> MsgRef | None:
+        """Tape the send (before it leaves, so the tape is the same whether or not the
+        peer is still alive), then send. Returns the ref, or None if the peer is dead."""
+        ref = (self.ep.actor, dst, self.ep.next_send[dst])
+        if taped:
+            self.tape.send(ref, actor_of(dst), message_digest(meta, tensors))
+        full = dict(meta)
+        if extra:
+            full.update(extra)
+        try:
+            self.ep.send(dst, full, list(tensors))
+        except PeerDiedError:
+            self.ep.next_send[dst] = ref[2] + 1  # the seq is spent: refs stay aligned with the tape
+            self.on_dead(dst)
+            return None
+        return ref
+
+    # -- receiving -------------------------------------------------------------------
+    def _take(self, msg: Message) -> None:
+        if not self.on_arrival(msg):
+            self.box[ref_of(msg)] = msg
+
+    def poll(self, wait_s: float = 0.0) -> int:
+        """Move every arrived message into the box; True count of new ones."""
+        n = 0
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if wait_s > 0 and n == 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return n
+                    msg = self.ep.recv(timeout=left)
+                else:
+                    msg = self.ep.try_recv()
+            except ReceiveTimeoutError:
+                return n
+            except PeerDiedError as e:
+                self.on_dead(str(e.context.get("channel", "?")).split("->")[0])
+                continue
+            if msg is None:
+                return n
+            self._take(msg)
+            n += 1
+
+    def wait(self, pred: Callable[[], bool], what: str, *, tick: float = 0.5) -> None:
+        """Block until ``pred()`` holds, taking in messages meanwhile."""
+        deadline = time.monotonic() + self.timeout_s
+        while not pred():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ReceiveTimeoutError(f"{self.name} waited {self.timeout_s} s for {what}",
+                                          channel=f"*->{self.name}")
+            self.poll(wait_s=min(left, tick))
+
+    def wait_ref(self, ref: MsgRef) -> Message:
+        self.wait(lambda: ref in self.box, f"message {ref}")
+        return self.box[ref]
+
+    def first_from(self, src: str, kinds: Sequence[str]) -> Message:
+        """The oldest boxed message from ``src`` of one of ``kinds`` (waits for it)."""
+        def find() -> Message | None:
+            for m in self.box.values():
+                if m.src == src and m.meta.get("kind") in kinds:
+                    return m
+            return None
+
+        self.wait(lambda: find() is not None, f"{kinds} from {src}")
+        m = find()
+        assert m is not None
+        return m
+
+    def pop(self, ref: MsgRef) -> Message:
+        return self.box.pop(ref)

@@ -1,0 +1,164 @@
+"""The run with real processes: the syncer in this process, every learner incarnation in
+its own process, all on one torch.distributed gloo group (``TorchDistTransport``).
+
+A SIGKILLed learner cannot rejoin a gloo group (the world is fixed when the group
+forms), so each planned death has a *replacement process* that joins the group at the
+start and idles until the syncer activates it: a hot spare, as production fleets keep.
+The killed process really is gone (SIGKILL, exit -9); its replacement starts with no
+state and recovers it from a healthy peer.
+
+Learners record through :class:`~runs.diloco.tapeio.RemoteTape`; their logs ride on
+their messages to the syncer, whose :class:`~runs.diloco.tapeio.LogApplier` puts them
+on the one tape. A learner about to be killed flushes its log and waits for the
+syncer's acknowledgement first (the kill point is a logical step, so that a replay can
+stop the learner at the same point), and a finishing learner does the same.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from replay import Endpoint
+from runs.diloco.chaos import Schedule, learner_names
+from runs.diloco.config import DiLoCoConfig
+from runs.diloco.learner import LearnerCtx, run_learner, sigkill_self
+from runs.diloco.link import Link
+from runs.diloco.model import initial_state, val_corpus
+from runs.diloco.syncer import SyncerCtx, run_syncer
+from runs.diloco.tapeio import LogApplier, RemoteTape, TapeHub, endpoint_name
+
+__all__ = ["run_processes"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pg_timeout(cfg: DiLoCoConfig) -> timedelta:
+    # A receiver thread waits on gloo with the group's timeout; spares and learner<->learner
+    # channels idle for the whole run, so the timeout must exceed the run.
+    return timedelta(seconds=max(600.0, 20 * cfg.io_timeout_s))
+
+
+def _control() -> Any:
+    # the c10d store the group was built on: the snapshots' control plane (no sockets of our own)
+    from replay import TorchStoreControl
+
+    return TorchStoreControl(dist.distributed_c10d._get_default_store(), prefix="diloco/")
+
+
+def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: dict[str, Any], actor: str,
+                  inc: int, schedule_d: dict[str, Any], pythonpath: str,
+                  snap_root: str | None = None) -> None:  # pragma: no cover - child
+    torch.set_num_threads(1)
+    if os.environ.get("DILOCO_DEBUG"):
+        import faulthandler
+
+        faulthandler.dump_traceback_later(12, exit=False)
+    cfg = DiLoCoConfig.from_dict(cfg_d)
+    schedule = Schedule.from_json(schedule_d)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=_pg_timeout(cfg))
+    from replay import TorchDistTransport
+
+    transport = TorchDistTransport(actors)
+    remote = RemoteTape(actor)
+    link = Link(Endpoint(transport), remote, timeout_s=cfg.io_timeout_s * 10)
+    parts = None
+    if snap_root is not None:
+        from runs.diloco.snapshots import Snapshots
+
+        parts = Snapshots(snap_root, control=_control(), keep_last=cfg.snapshot_keep,
+                          config={"diloco": cfg.to_dict()})
+    ctx = LearnerCtx(cfg, actor, inc, link, initial_state(cfg), schedule.for_learner(actor), die=sigkill_self,
+                     remote=remote, parts=parts)
+    out = run_learner(ctx)
+    if parts is not None:
+        parts.flush()
+    if out.state or inc == 0 or out.started_at:
+        link.first_from("syncer", ("ack",))
+    os._exit(0)
+
+
+def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, dict[str, Any]], None] | None = None,
+                  after_step: Callable[[int, Any], None] | None = None, snapshots: Any = None) -> Any:
+    from replay import TorchDistTransport
+    from runs.diloco.outcome import RunResult, decide_schedule, spares_of
+
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    schedule = decide_schedule(hub, cfg)
+    names = learner_names(cfg)
+    spares = spares_of(cfg, schedule)
+    incs = [(a, k) for a in names for k in range(len(spares[a]) + 1)]
+    actors = ["syncer"] + [endpoint_name(a, k) for a, k in incs]
+    world = len(actors)
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank, (a, k) in enumerate(incs, start=1):
+        p = ctx.Process(target=_learner_proc, args=(rank, world, port, actors, cfg.to_dict(), a, k,
+                                                     schedule.to_json(), os.environ.get("PYTHONPATH", ""),
+                                                     snapshots.root if snapshots is not None else None),
+                        name=endpoint_name(a, k), daemon=True)
+        p.start()
+        procs.append(p)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
+                                timeout=_pg_timeout(cfg))
+        transport = TorchDistTransport(actors)
+        if snapshots is not None:
+            snapshots.control = _control()
+        link = Link(Endpoint(transport), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
+        applier = LogApplier(hub)
+        byes_acked: set[str] = set()
+        by_name = {p.name: p for p in procs}
+
+        def dead_probe() -> list[str]:
+            # The orchestrator sees a process exit at once; gloo may notice a dead peer
+            # only when it next sends to it.
+            return [n for n, p in by_name.items() if p.exitcode is not None and p.exitcode != 0]
+
+        sy = run_syncer(SyncerCtx(cfg, link, initial_state(cfg), schedule, spares, val_corpus(cfg),
+                                  applier=applier, on_step=on_step, after_step=after_step, dead_probe=dead_probe,
+                                  snapshots=snapshots))
+        for e in sorted(set(actors[1:])):
+            if e not in byes_acked:
+                try:
+                    link.send(e, {"kind": "ack"}, taped=False)
+                except Exception:  # a dead or finished peer needs no goodbye
+                    pass
+        deadline = time.monotonic() + cfg.io_timeout_s
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        exitcodes = {p.name: p.exitcode for p in procs}
+        try:
+            # Every peer is gone now, so each receiver thread has ended on its closed
+            # connection; destroying the group under a thread still inside gloo aborts.
+            transport.close(timeout=10.0)
+        except Exception:
+            pass
+        if applier.pending():
+            raise RuntimeError(f"{applier.pending()} remote tape entries could not be applied")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    res = RunResult(cfg, schedule, sy, [], time.monotonic() - t0)
+    res.extra["exitcodes"] = exitcodes
+    if snapshots is not None:
+        res.extra["snapshots"] = list(snapshots.outcomes)
+    return res

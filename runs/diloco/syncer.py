@@ -1,0 +1,527 @@
+"""The syncer: quorum, adaptive grace, token-weighted merge, Nesterov outer SGD.
+
+Syncer step ``s`` merges fragment ``p = s % P`` of round ``r = s // P``. In record
+mode it waits until at least K learners have an unmerged contribution for ``p`` from
+round ``r`` or later (the quorum; a learner that is ahead has its contributions merged
+in round order, and one round of staleness is still merged), then for the stragglers it
+expects, up to the adaptive grace window ("Eq. 3")::
+
+    grace = clamp(gamma * (tau * xi_step - xi_quorum - xi_sync), 0, cap)
+
+with EMAs (alpha = ``ema_alpha``) of the learners' inner-step time (``xi_step``), the
+time from a fragment's first arrival to its quorum (``xi_quorum``) and the merge time
+(``xi_sync``). All of that is wall-clock, so the outcome is one taped decision per
+step (``sync``: contributions, members, stragglers, weights, detected deaths,
+activations, receivers); quorum and merge events follow it. In force mode the plan is
+read from the tape and the syncer waits for exactly the contributions it names.
+
+The merge (float64, participants in learner order)::
+
+    w_m   = c_tokens * (c_tokens / c_steps)        token weighting, "quantity x quality"
+    avg   = sum_m (w_m / sum w) * theta_m
+    delta = Theta_p - avg                          outer gradient, anchored at Theta_p
+    v     = mu * v + delta
+    Theta_p <- Theta_p - lr * (delta + mu * v)     Nesterov
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from replay import Message
+from runs.diloco.chaos import Schedule
+from runs.diloco.config import DiLoCoConfig
+from runs.diloco.fragments import pack_fragments
+from runs.diloco.link import Link
+from runs.diloco.model import build_model, eval_loss
+from runs.diloco.tapeio import LocalTape, LogApplier, MsgRef, actor_of
+from runs.diloco.snapshots import message_from_snapshot, snapshot_message, snapshot_name
+
+__all__ = ["SyncerCore", "SyncerCtx", "SyncerOutcome", "run_syncer", "grace_window"]
+
+
+class SyncerCore:
+    """Global fragments Theta_p and their outer momentum."""
+
+    def __init__(self, cfg: DiLoCoConfig, theta0: Mapping[str, torch.Tensor]) -> None:
+        self.cfg = cfg
+        self.model = build_model(cfg)
+        self.model.load_state_dict(dict(theta0))
+        self.model.eval()
+        self.frags = pack_fragments(self.model.named_parameters(), cfg.fragments)
+        params = dict(self.model.named_parameters())
+        self.theta = [[params[n].detach().clone() for n in f.names] for f in self.frags]
+        self.mom = [[torch.zeros_like(t) for t in ts] for ts in self.theta]
+
+    def merge(self, p: int, contribs: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
+        total = math.fsum(weights)
+        if not contribs or total <= 0.0:
+            return [t.clone() for t in self.theta[p]]
+        mu, lr = self.cfg.outer_momentum, self.cfg.outer_lr
+        new = []
+        for j, cur in enumerate(self.theta[p]):
+            acc = torch.zeros(cur.shape, dtype=torch.float64)
+            for w, c in zip(weights, contribs):
+                acc += (w / total) * c[j].to(torch.float64)
+            delta = cur.to(torch.float64) - acc
+            v = mu * self.mom[p][j].to(torch.float64) + delta
+            self.mom[p][j] = v.to(torch.float32)
+            upd = cur.to(torch.float64) - lr * (delta + mu * v)
+            self.theta[p][j] = upd.to(torch.float32)
+            new.append(self.theta[p][j].clone())
+        return new
+
+    def val_loss(self, corpus: torch.Tensor) -> float:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for f, ts in zip(self.frags, self.theta):
+                for n, t in zip(f.names, ts):
+                    params[n].copy_(t)
+        return eval_loss(self.model, corpus)
+
+    def named_state(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for f, ts, ms in zip(self.frags, self.theta, self.mom):
+            out += [(f"theta.{n}", t) for n, t in zip(f.names, ts)]
+            out += [(f"momentum.{n}", m) for n, m in zip(f.names, ms)]
+        return out
+
+
+def grace_window(cfg: DiLoCoConfig, xi_step: float, xi_quorum: float, xi_sync: float) -> float:
+    g = cfg.grace_gamma * (cfg.overlap_tau * xi_step - xi_quorum - xi_sync)
+    return min(max(g, 0.0), cfg.grace_cap_s)
+
+
+class _Ema:
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+    def get(self) -> float:
+        return self.value or 0.0
+
+
+@dataclass
+class SyncerCtx:
+    cfg: DiLoCoConfig
+    link: Link
+    theta0: Mapping[str, torch.Tensor]
+    schedule: Schedule
+    spares: Mapping[str, Sequence[str]]  # actor -> replacement endpoints, in order
+    val: torch.Tensor
+    applier: LogApplier | None = None  # learners in other processes ship their tape logs
+    on_step: Callable[[int, dict[str, Any]], None] | None = None
+    # called at the end of every syncer step with the core (snapshots, tests)
+    after_step: Callable[[int, "SyncerCore"], None] | None = None
+    # endpoints known dead by the orchestrator (a process's exit code), besides what the
+    # transport reports; record mode only
+    dead_probe: Callable[[], Sequence[str]] | None = None
+    # snapshots (record mode): the store, control plane and retention (``snapshots.Snapshots``);
+    # None in a replay, which runs the protocol and tapes its events but writes nothing
+    snapshots: Any = None
+    # waits until a dead endpoint's thread has ended (so the tape holds all it received)
+    endpoint_gone: Callable[[str], None] | None = None
+    # restore: the syncer's part of a snapshot (start at its cut)
+    restore: Mapping[str, Any] | None = None
+
+
+@dataclass
+class SyncerOutcome:
+    steps: int = 0
+    val: list[tuple[int, float]] = field(default_factory=list)
+    merged: list[dict[str, Any]] = field(default_factory=list)  # one per merged contribution
+    plans: list[dict[str, Any]] = field(default_factory=list)
+    step_wall: list[float] = field(default_factory=list)  # monotonic time each step ended
+    state: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    deaths: list[tuple[int, str]] = field(default_factory=list)
+    activations: list[tuple[int, str]] = field(default_factory=list)
+
+
+def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
+    cfg, link = ctx.cfg, ctx.link
+    tape = link.tape
+    assert isinstance(tape, LocalTape)
+    force = tape.mode == "force"
+    core = SyncerCore(cfg, ctx.theta0)
+    out = SyncerOutcome()
+    names = [f"learner-{i}" for i in range(cfg.learners)]
+    active: dict[str, str] = {a: a for a in names}  # actor -> current endpoint
+    recovering: set[str] = set()
+    dead_since: dict[str, int] = {}
+    deaths_seen: dict[str, int] = {}
+    spare_used: dict[str, int] = {a: 0 for a in names}
+    detected: list[str] = []  # endpoints reported dead (record mode)
+    byes: set[str] = set()
+    joined: dict[str, int] = {}  # actor -> the inner step its current incarnation started at
+    xi_step, xi_quorum, xi_sync = _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha), _Ema(cfg.ema_alpha)
+    first_arrival: dict[int, float] = {}
+    exhausted: list[set[str]] = [set() for _ in range(cfg.fragments)]
+    gone: list[str] = []  # endpoints whose death was processed
+    lost: list[list[Any]] = []  # taped messages to those endpoints never received: (channel, chan_seq)
+    snap: dict[str, Any] = {}  # the open snapshot (at most one; see snapshots.py)
+    s0 = 0
+    if ctx.restore is not None:
+        b = ctx.restore["book"]
+        core.theta = [list(ts) for ts in ctx.restore["theta"]]
+        core.mom = [list(ms) for ms in ctx.restore["mom"]]
+        active = dict(b["active"])
+        recovering = set(b["recovering"])
+        dead_since = {str(k): int(v) for k, v in b["dead_since"]}
+        deaths_seen = {str(k): int(v) for k, v in b["deaths_seen"]}
+        spare_used = {str(k): int(v) for k, v in b["spare_used"]}
+        byes = set(b["byes"])
+        joined = {str(k): int(v) for k, v in b["joined"]}
+        exhausted = [set(x) for x in b["exhausted"]]
+        gone = list(b["gone"])
+        lost = [list(x) for x in b["lost"]]
+        for ema, v in zip((xi_step, xi_quorum, xi_sync), b["ema"]):
+            ema.value = v
+        s0 = int(ctx.restore["s"])
+
+    def on_dead(endpoint: str) -> None:
+        if not force and endpoint not in detected:
+            detected.append(endpoint)
+
+    def on_arrival(msg: Message) -> bool:
+        kind = msg.meta.get("kind")
+        if "log" in msg.meta and ctx.applier is not None:
+            nlog = int(msg.meta.get("nlog", 0))
+            ctx.applier.add(actor_of(msg.src), list(msg.meta["log"]),
+                            list(msg.tensors[len(msg.tensors) - nlog:]) if nlog else [])
+        rec = snap.get("recording", {}).get(msg.src)
+        if rec is not None and msg.src not in snap["marked"]:
+            if kind == "snapmark":
+                snap["marked"].add(msg.src)  # the channel's state is complete
+                return True
+            rec.append(snapshot_message(msg, tape.hub))
+        if kind == "dying":
+            link.send(msg.src, {"kind": "ack"}, taped=False)
+            return True
+        if kind == "log":
+            return True
+        if kind == "joined":
+            if active.get(actor_of(msg.src)) == msg.src:
+                joined[actor_of(msg.src)] = int(msg.meta["started"])
+            return True
+        if kind == "bye":
+            byes.add(msg.src)
+            return True
+        if kind == "frag":
+            timing = msg.meta.get("timing") or {}
+            if "step_s" in timing:
+                xi_step.add(float(timing["step_s"]))
+            first_arrival.setdefault(int(msg.meta["p"]), time.monotonic())
+            if actor_of(msg.src) in recovering and active.get(actor_of(msg.src)) == msg.src:
+                recovering.discard(actor_of(msg.src))
+        return False
+
+    link.on_dead = on_dead
+    link.on_arrival = on_arrival
+
+    def candidates(p: int, rnd: int) -> tuple[dict[str, MsgRef], set[str]]:
+        """Eligible contributions (latest per learner, at most one round stale) and the
+        learners whose contribution is of this round or later (they count for the quorum)."""
+        stale: dict[str, MsgRef] = {}
+        fresh: dict[str, MsgRef] = {}
+        for ref, m in link.box.items():  # arrival order = send order per learner
+            if m.meta.get("kind") == "frag" and int(m.meta["p"]) == p:
+                r = int(m.meta["t"]) // cfg.inner_h
+                if r < rnd - 1 or not all(bool(torch.isfinite(t).all()) for t in m.tensors[: _nsem(m)]):
+                    continue
+                a = actor_of(m.src)
+                if r >= rnd:
+                    fresh.setdefault(a, ref)  # the round due now; a learner ahead keeps the rest for later
+                else:
+                    stale[a] = ref  # one round late: still merged if nothing fresher came
+        return {**stale, **fresh}, set(fresh)
+
+    def plan_now(s: int, p: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        quorum_at: float | None = None
+        quorum_set: set[str] = set()
+        grace = 0.0
+        final = s // cfg.fragments == cfg.rounds - 1
+        while True:
+            link.poll(wait_s=0.002)
+            if ctx.dead_probe is not None:
+                for e in ctx.dead_probe():
+                    on_dead(e)
+            cand, fresh = candidates(p, s // cfg.fragments)
+            now = time.monotonic()
+            dead_now = {actor_of(e) for e in detected if active.get(actor_of(e)) == e}
+            # Near the end a learner may have sent its last contribution for p already
+            # (a recovered learner skips the rounds its peer had done): it cannot count.
+            able = [a for a in active if a not in recovering and a not in dead_now and a not in exhausted[p]]
+            need = max(1, min(cfg.quorum, len(able)))
+            if final:
+                # The last round is a barrier, not a race: it waits for every live learner,
+                # recovering ones included, with no grace limit. Without it a learner that
+                # is still catching up (a replacement, a straggler) is told to stop after
+                # however many steps the wall clock allowed it, so how far it got would
+                # depend on machine load. With it, every live learner ends at cfg.steps.
+                last_send = (cfg.rounds - 1) * cfg.inner_h + cfg.send_offset(p)
+                unknown = [a for a in active if a in recovering and a not in joined and a not in dead_now]
+                waiting = [a for a in active if a not in dead_now and a not in exhausted[p]
+                           and joined.get(a, 0) <= last_send]
+                if not unknown and len(fresh) >= need and all(a in fresh for a in waiting):
+                    quorum_at, quorum_set = quorum_at or now, quorum_set or set(cand)
+                    break
+            elif quorum_at is None and len(fresh) >= need:
+                quorum_at, quorum_set = now, set(cand)
+                xi_quorum.add(now - first_arrival.get(p, t0))
+                grace = grace_window(cfg, xi_step.get(), xi_quorum.get(), xi_sync.get())
+            if quorum_at is not None and not final:
+                if all(a in fresh for a in able) or now >= quorum_at + grace:
+                    break
+            if now - t0 > cfg.io_timeout_s:
+                raise TimeoutError(f"syncer step {s}: no quorum of {cfg.quorum} for fragment {p} within "
+                                   f"{cfg.io_timeout_s} s (have {sorted(cand)})")
+        members = sorted(cand, key=_order)
+        weights = []
+        for a in members:
+            m = link.box[cand[a]]
+            tok, st = float(m.meta["tokens"]), float(m.meta["steps"])
+            weights.append(tok * (tok / st) if st > 0 else 0.0)
+        dead = []
+        for e in list(detected):
+            a = actor_of(e)
+            if active.get(a) == e:
+                dead.append(a)
+            detected.remove(e)
+        dead = sorted(set(dead), key=_order)
+        activate = []
+        will_be_dead = dict(dead_since)
+        for a in dead:
+            will_be_dead[a] = s
+        for a, since in sorted(will_be_dead.items(), key=lambda x: _order(x[0])):
+            if s >= since + ctx.schedule.rejoin_after and spare_used[a] < len(ctx.spares.get(a, ())):
+                healthy = [b for b in sorted(active, key=_order) if b not in recovering and b not in will_be_dead]
+                if not healthy:
+                    continue
+                immortal = [b for b in healthy if b not in ctx.schedule.mortal()]
+                peer = (immortal or healthy)[0]
+                activate.append([a, ctx.spares[a][spare_used[a]], active[peer]])
+        send_to = sorted([e for a, e in active.items() if a not in will_be_dead] + [x[1] for x in activate])
+        return {"p": p, "minimum": need, "contribs": [list(cand[a]) for a in members], "members": members,
+                "stragglers": sorted(set(members) - quorum_set, key=_order), "weights": weights,
+                "dead": dead, "activate": activate, "send_to": send_to, "grace_s": grace,
+                "quorum_wait_s": (quorum_at or t0) - t0}
+
+    def book() -> dict[str, Any]:
+        return {"active": dict(active), "recovering": sorted(recovering), "dead_since": sorted(dead_since.items()),
+                "deaths_seen": sorted(deaths_seen.items()), "spare_used": sorted(spare_used.items()),
+                "byes": sorted(byes), "joined": sorted(joined.items()), "exhausted": [sorted(x) for x in exhausted],
+                "gone": list(gone), "lost": [list(x) for x in lost],
+                "ema": [e.value for e in (xi_step, xi_quorum, xi_sync)]}
+
+    def snapshot_begin(s: int) -> None:
+        """The syncer's cut, at the start of syncer step ``s`` (a round boundary), and its
+        markers to every participant. Learners that are dead or still recovering (not yet
+        joined) are excluded by policy (Decoupled DiLoCo): their state is not in it."""
+        def compute() -> dict[str, Any]:
+            dead_eps = set(detected)
+            # a replacement that announced where it starts has its state and is in its loop:
+            # its recovery messages are done, so it can take part
+            parts = sorted((e for a, e in active.items() if (a not in recovering or a in joined) and e not in dead_eps),
+                           key=lambda e: _order(actor_of(e)))
+            inside = {actor_of(e) for e in parts}
+            excluded = [[a, "recovering" if a in recovering else "dead"] for a in names if a not in inside]
+            return {"name": snapshot_name(s), "participants": parts, "excluded": excluded}
+
+        d = tape.decide("snapshot", f"begin:s{s}", compute)
+        name = str(d["name"])
+        for a, why in d["excluded"]:
+            tape.detected("snapshot-excluded", str(a), {"snapshot": name, "reason": str(why)})
+        pending = ctx.snapshots.begin(name) if ctx.snapshots is not None else None
+        link.poll()  # everything a dead endpoint sent is in the box (it ended before its death was processed)
+        tape.snapshot(name)
+        clock = tape.clock
+        staged = {"s": s, "theta": [[t.clone() for t in ts] for ts in core.theta],
+                  "mom": [[m.clone() for m in ms] for ms in core.mom], "book": book(),
+                  "box": [snapshot_message(m, tape.hub) for m in link.box.values()],
+                  "schedule": ctx.schedule.to_json()}
+        parts = [str(e) for e in d["participants"]]
+        for e in parts:
+            link.send(e, {"kind": "snap", "name": name, "pending": pending}, taped=False)
+        staged["endpoint"] = link.ep.state_dict()
+        # what was boxed at the cut from a participant or a dead endpoint (the box of a
+        # live non-participant depends on timing, and it is outside the cut anyway)
+        box_refs = [[m["src"], m["stamp"]] for m in staged["box"] if m["stamp"] is not None
+                    and (m["src"] in parts or m["src"] in gone)]
+        snap.clear()
+        snap.update({"name": name, "s": s, "participants": parts, "excluded": [list(x) for x in d["excluded"]],
+                     "pending": pending, "staged": staged, "recording": {e: [] for e in parts}, "marked": set(),
+                     "box_refs": box_refs, "lost": [list(x) for x in lost], "clock": clock.encode()})
+
+    def snapshot_close(s: int, final: bool) -> None:
+        """One taped decision per syncer step while a snapshot is open: closed or not yet.
+        Closing writes the syncer's part (its state at the cut and the recorded channel
+        states) and commits the checkpoint once every participant's part is durable."""
+        name = snap["name"]
+
+        def ready() -> bool:
+            if ctx.snapshots is None:
+                return True
+            return ctx.snapshots.ready(snap, dead=set(detected) | set(gone))
+
+        def compute() -> dict[str, Any]:
+            if final:
+                link.wait(ready, f"snapshot {name}: every participant's marker and part")
+            else:
+                link.poll()
+            if not ready():
+                return {"close": False}
+            assert ctx.snapshots is not None
+            return ctx.snapshots.close(snap, dead=set(detected) | set(gone))
+
+        d = tape.decide("snapshot", f"close:{name}:{'end' if final else f's{s}'}", compute)
+        if not d["close"]:
+            return
+        inside = set(d["parts"])
+        need = [e for e in snap["participants"] if actor_of(e) in inside]
+        link.wait(lambda: all(e in snap["marked"] for e in need), f"snapshot {name}: markers")
+        for a in d["excluded"]:
+            if a not in {x[0] for x in snap["excluded"]}:
+                tape.detected("snapshot-excluded", str(a), {"snapshot": name, "reason": "failed before its part "
+                                                            "was durable"})
+        # a participant that died before its marker is out of the cut: what was boxed from
+        # it at the cut depends on timing, and is not listed
+        refs = {(str(r["channel"]), int(r["chan_seq"])) for src, r in snap["box_refs"]
+                if src in need or src not in snap["participants"]}
+        refs |= {(str(c), int(q)) for c, q in snap["lost"]}
+        for e in need:
+            refs |= {(str(m["stamp"]["channel"]), int(m["stamp"]["chan_seq"])) for m in snap["recording"][e]
+                     if m["stamp"] is not None}
+        tape.snapshot_channels(name, sorted(refs))
+        tape.snapshot_outcome(name, committed=bool(d["committed"]), path=str(d["path"]), parts=list(d["parts"]),
+                              excluded=list(d["excluded"]), reason=str(d["reason"]))
+        snap.clear()
+
+    if ctx.restore is not None:
+        # The restored cut: the snapshot it belongs to is open again, recording each
+        # participant's channel until its marker; the recorded messages and the markers
+        # are re-delivered first (restore_endpoint), so the recording comes out the same.
+        rs = ctx.restore["snapshot"]
+        snap.update({"name": rs["name"], "s": s0, "participants": list(rs["participants"]),
+                     "excluded": [list(x) for x in rs["excluded"]], "pending": None, "staged": {},
+                     "recording": {e: [] for e in rs["participants"]}, "marked": set(),
+                     "box_refs": list(rs["box_refs"]), "lost": [list(x) for x in rs["lost"]], "clock": None})
+        for m in ctx.restore["box"]:
+            msg = message_from_snapshot(m)
+            link.box[(msg.src, msg.dst, msg.seq)] = msg
+    else:
+        for a in names:
+            link.send(a, {"kind": "start"}, taped=False)
+    for s in range(s0, cfg.syncer_steps):
+        p = s % cfg.fragments
+        key = f"s{s}"
+        if snap and not (ctx.restore is not None and s == s0):
+            snapshot_close(s, final=False)
+        # every snapshot_every syncer steps from step 1 (the earliest round boundary after a
+        # merge; one open snapshot at a time, so a step that finds one open takes none)
+        if cfg.snapshot_every and s % cfg.snapshot_every == 1 % cfg.snapshot_every and s > 0 and not snap:
+            snapshot_begin(s)
+        tape.begin_step(s)
+        plan = tape.decide("sync", key, lambda: plan_now(s, p))
+        first_arrival.pop(p, None)
+        t_merge = time.monotonic()
+        for a in plan["dead"]:
+            e_dead = active.get(a)
+            if e_dead is not None:
+                if ctx.endpoint_gone is not None:
+                    ctx.endpoint_gone(e_dead)
+                if ctx.applier is not None:
+                    ctx.applier.pump()
+                gone.append(e_dead)
+                for r in tape.hub.unreceived_to(e_dead):
+                    st = tape.hub.stamp(r, wait=False)
+                    assert st is not None
+                    lost.append([st.channel, st.chan_seq])
+            deaths_seen[a] = deaths_seen.get(a, 0) + 1
+            kind = _death_kind(ctx.schedule, a, deaths_seen[a])
+            tape.detected(kind, a, {"syncer_step": s, "endpoint": active.get(a)})
+            active.pop(a, None)
+            recovering.discard(a)
+            dead_since[a] = s
+            out.deaths.append((s, a))
+        for a, spare, peer in plan["activate"]:
+            kind = _death_kind(ctx.schedule, a, deaths_seen.get(a, 1))
+            link.send(spare, {"kind": "activate", "target": s, "peer": peer, "fault": kind})
+            spare_used[a] += 1
+            active[a] = spare
+            joined.pop(a, None)
+            recovering.add(a)
+            dead_since.pop(a, None)
+            out.activations.append((s, a))
+        # the effective minimum: K, or fewer at the very end (see plan_now)
+        members = tape.quorum(key, int(plan["minimum"]), plan["members"])
+        refs = [(str(r[0]), str(r[1]), int(r[2])) for r in plan["contribs"]]
+        msgs = []
+        for ref in refs:
+            msgs.append(link.wait_ref(ref))
+            tape.recv(ref)
+        _, weights = tape.merge(key, refs, plan["weights"])
+        theta_p = core.merge(p, [m.tensors[: _nsem(m)] for m in msgs], [float(w) for w in weights])
+        for ref, m in zip(refs, msgs):
+            if int(m.meta["t"]) // cfg.inner_h == cfg.rounds - 1:
+                exhausted[p].add(actor_of(m.src))
+            out.merged.append({"s": s, "actor": actor_of(m.src), "inc": int(m.meta["inc"]), "t": int(m.meta["t"]),
+                               "started": int(m.meta["started"]), "steps": int(m.meta["steps"])})
+            # this contribution and every older one of that learner for p are spent: the
+            # older ones are taped as received (and dropped), so no taped message stays
+            # "in flight" for ever (a snapshot would have to list it)
+            for r2 in sorted(r for r, x in link.box.items() if r[0] == ref[0] and r[2] <= ref[2]
+                             and x.meta.get("kind") == "frag" and int(x.meta["p"]) == p):
+                if r2 != ref:
+                    tape.recv(r2)
+                link.pop(r2)
+        for e in plan["send_to"]:
+            link.send(e, {"kind": "merged", "s": s, "p": p}, theta_p)
+        xi_sync.add(time.monotonic() - t_merge)
+        if s % max(cfg.eval_every, 1) == 0 or s == cfg.syncer_steps - 1:
+            v = core.val_loss(ctx.val)
+            tape.metric("val_loss", v)
+            out.val.append((s, v))
+        tape.end_step()
+        out.steps = s + 1
+        out.plans.append(dict(plan))
+        out.step_wall.append(time.monotonic())
+        del members
+        if ctx.after_step is not None:
+            ctx.after_step(s, core)
+        if ctx.on_step is not None:
+            ctx.on_step(s, plan)
+    if snap:
+        snapshot_close(cfg.syncer_steps, final=True)
+    for a, e in sorted(active.items(), key=lambda x: _order(x[0])):
+        link.send(e, {"kind": "stop"})
+    for a, eps in ctx.spares.items():
+        for e in eps[spare_used[a]:]:
+            link.send(e, {"kind": "stop"}, taped=False)
+    out.state = [(n, t.clone()) for n, t in core.named_state()]
+    tape.params(out.state)
+    if ctx.applier is not None:
+        link.wait(lambda: all(e in byes or e in detected for e in active.values()), "every learner's goodbye")
+        ctx.applier.pump()
+    return out
+
+
+def _nsem(m: Message) -> int:
+    return len(m.tensors) - int(m.meta.get("nlog", 0))
+
+
+def _order(actor: str) -> int:
+    return int(actor.rsplit("-", 1)[1])
+
+
+def _death_kind(schedule: Schedule, actor: str, nth: int) -> str:
+    kinds = [f.kind for f in schedule.faults if actor in f.targets and f.kind in ("kill", "loss")]
+    return kinds[nth - 1] if 0 < nth <= len(kinds) else "kill"

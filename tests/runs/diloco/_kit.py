@@ -1,0 +1,51 @@
+"""Shared helpers for the DiLoCo tests: tiny configs and tape surgery."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from runs.diloco import DiLoCoConfig
+from replay.events import KIND_BY_NAME
+from replay.tape import TapeReader, TapeWriter
+from replay.tape.reader import CLOCK_ENTRY, EVENT_HEAD
+
+
+def tiny(**kw: object) -> DiLoCoConfig:
+    base = dict(learners=4, quorum=2, fragments=2, inner_h=4, steps=32, layers=1, dim=32, seq_len=16,
+                seqs_per_learner=128, shards_per_learner=8, val_seqs=16, batch=8, grace_cap_s=0.05,
+                jitter_s=0.03, io_timeout_s=60.0)
+    base.update(kw)
+    return DiLoCoConfig(**base)  # type: ignore[arg-type]
+
+
+def copy_with_duplicate_merge(src: str | Path, dst: str | Path) -> None:
+    """Copy a tape and append, as the syncer's next event, a second copy of its last
+    merge (same contributions, its clock ticked): one merge applied twice."""
+    r = TapeReader(src)
+    w = TapeWriter(dst, dict(r.meta))
+    merge_code = KIND_BY_NAME["merge"].code
+    last_merge = None
+    last_body_of: dict[int, bytes] = {}
+    for _seg, fr in r.frames():
+        body = bytes(fr.body)
+        if fr.kind == KIND_BY_NAME["actor"].code:
+            (n,) = struct.unpack_from("<H", body, EVENT_HEAD.size)
+            w.actors.append(body[EVENT_HEAD.size + 2:EVENT_HEAD.size + 2 + n].decode())
+        else:
+            _step, aid, _n = EVENT_HEAD.unpack_from(body, 0)
+            last_body_of[aid] = body
+            if fr.kind == merge_code:
+                last_merge = body
+        w.append(fr.kind, body)
+    assert last_merge is not None
+    step, aid, n = EVENT_HEAD.unpack_from(last_merge, 0)
+    # the syncer's latest clock, with its own entry ticked once more
+    latest = last_body_of[aid]
+    _s, _a, ln = EVENT_HEAD.unpack_from(latest, 0)
+    entries = [CLOCK_ENTRY.unpack_from(latest, EVENT_HEAD.size + i * CLOCK_ENTRY.size) for i in range(ln)]
+    entries = [(i, c + 1 if i == aid else c) for i, c in entries]
+    payload = last_merge[EVENT_HEAD.size + n * CLOCK_ENTRY.size:]
+    body = EVENT_HEAD.pack(step, aid, len(entries)) + b"".join(CLOCK_ENTRY.pack(i, c) for i, c in entries) + payload
+    w.append(merge_code, body)
+    w.close()

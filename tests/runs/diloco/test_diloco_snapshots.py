@@ -1,0 +1,253 @@
+"""Chandy-Lamport snapshots of the reference run: committed as ckpt checkpoints under a
+retention policy, consistent on the tape, and a mid-run snapshot restored and continued
+under the tape matches the original run bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckpt
+from cli.main import cli
+from replay.check import check_tape
+from runs.diloco import record
+from runs.diloco.restore import restore_run
+from runs.diloco.snapshots import list_snapshots
+from replay.errors import SnapshotError
+from replay.replayer import replay
+from replay.tape import TapeReader
+
+from tests.runs.diloco._kit import tiny
+
+
+def _cfg(**kw: object):
+    # 40 steps: the loss fault's learners are back well before the end, so late
+    # snapshots have every learner in them (restorable) whatever the timing
+    return tiny(steps=40, snapshot_every=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def snap_run(tmp_path_factory: pytest.TempPathFactory):
+    d = tmp_path_factory.mktemp("snap")
+    return record(d / "tape", _cfg()), d
+
+
+def _same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> None:
+    assert [n for n, _ in a] == [n for n, _ in b]
+    for (n, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y), n
+
+
+def _assert_continues_identically(orig, rr) -> None:
+    assert rr.identical, rr.divergence
+    run = rr.run
+    _same(run.syncer.state, orig.syncer.state)  # every fragment and its outer momentum
+    mine, theirs = orig.final_learner_states(), run.final_learner_states()
+    assert sorted(theirs) == sorted(mine)
+    for a in mine:
+        _same(theirs[a], mine[a])
+    # the loss sequences after the cut: every learner's and the syncer's validation losses
+    by = {(o.actor, o.incarnation): o.losses for o in orig.learners}
+    for o in run.learners:  # (a learner restored after its last step has none)
+        full = by[(o.actor, o.incarnation)]
+        assert o.losses == full[len(full) - len(o.losses):]
+    assert run.syncer.val == [v for v in orig.syncer.val if v[0] >= rr.syncer_step]
+    assert run.syncer.plans == orig.syncer.plans[rr.syncer_step:]
+
+
+def test_snapshots_committed_kept_by_retention_and_on_the_tape(snap_run) -> None:
+    res, d = snap_run
+    outcomes = res.extra["snapshots"]
+    assert len(outcomes) >= 3 and all(o["committed"] for o in outcomes)
+    kept = list_snapshots(d / "checkpoints")
+    restorable = [o for o in outcomes if not o["excluded"]]
+    # ckpt's RetentionPolicy: the last 2, plus the newest snapshot with every learner in it
+    want = {Path(o["path"]).name for o in outcomes[-2:]} | {Path(restorable[-1]["path"]).name}
+    assert {k["name"] for k in kept} == want
+    assert not [p for p in (d / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+    for k in kept:
+        ckpt.open(k["path"]).verify()
+        assert k["meta"]["format"] == "replay-snapshot" and k["meta"]["parts"][0] == "syncer"
+        r = CliRunner().invoke(cli, ["inspect", k["path"]])
+        assert r.exit_code == 0 and f"snapshot {k['name']} (coordinator syncer)" in r.output
+        assert CliRunner().invoke(cli, ["verify", k["path"]]).exit_code == 0
+    events = list(TapeReader(res.tape).events())
+    taped = {e.payload["snapshot_id"]: e.payload for e in events if e.kind.name == "snapshot_outcome"}
+    assert sorted(taped) == sorted(Path(o["path"]).name for o in outcomes)
+    for o in outcomes:
+        t = taped[Path(o["path"]).name]
+        assert t["committed"] and sorted(t["parts"]) == sorted(o["parts"]) and t["excluded"] == o["excluded"]
+    cuts = [e for e in events if e.kind.name == "snapshot"]
+    assert {e.actor for e in cuts} == {"syncer", *(f"learner-{i}" for i in range(4))}
+    assert check_tape(res.tape) == []  # every cut consistent, every crossing message recorded
+
+
+def test_failed_learners_are_excluded_by_policy_and_taped(snap_run) -> None:
+    res, _ = snap_run
+    outcomes = res.extra["snapshots"]
+    with_dead = [o for o in outcomes if o["excluded"]]
+    assert with_dead, "chaos kills learners: some snapshot must have left one out"
+    events = list(TapeReader(res.tape).events())
+    excl = {(e.payload["detail"]["snapshot"], e.payload["target"]) for e in events
+            if e.kind.name == "fault_detected" and e.payload["fault"] == "snapshot-excluded"}
+    for o in with_dead:
+        for a in o["excluded"]:
+            assert (Path(o["path"]).name, a) in excl
+            assert a not in o["parts"]
+
+
+def test_force_replay_with_snapshots_is_identical(snap_run) -> None:
+    res, _ = snap_run
+    r = replay(res.tape, mode="force")
+    assert r.identical, r.format()
+    assert r.events_compared == sum(1 for e in TapeReader(res.tape).events() if e.kind.name != "actor")
+
+
+def test_restore_mid_run_snapshot_continues_bit_identically(snap_run) -> None:
+    res, d = snap_run
+    kept = [k for k in list_snapshots(d / "checkpoints") if not k["meta"]["excluded"]]
+    assert kept
+    snap = kept[-1]
+    assert 0 < snap["step"] < res.cfg.syncer_steps
+    rr = restore_run(res.tape, snap["path"])
+    assert rr.syncer_step == snap["step"] and rr.events_compared > 0
+    _assert_continues_identically(res, rr)
+
+
+def test_restore_earliest_snapshot_replays_the_faults_after_it(tmp_path: Path) -> None:
+    # Every snapshot kept: the earliest one with all learners in it (usually syncer step
+    # 1, before the kill) is continued; deaths, recoveries and rejoins after the cut are
+    # re-enacted by the restored actors and still match the tape bit for bit.
+    res = record(tmp_path / "tape", tiny(snapshot_every=1, snapshot_keep=50))
+    ok = [k for k in list_snapshots(tmp_path / "checkpoints") if not k["meta"]["excluded"]]
+    assert ok
+    rr = restore_run(res.tape, ok[0]["path"])
+    _assert_continues_identically(res, rr)
+    after = [a for s, a in res.syncer.deaths if s >= rr.syncer_step]
+    assert sorted(a for _, a in rr.run.syncer.deaths) == sorted(after)
+    assert sum(len(o.losses) for o in rr.run.learners) > 0
+    # a snapshot that left a failed learner out cannot be continued exactly: refused
+    partial = [k for k in list_snapshots(tmp_path / "checkpoints") if k["meta"]["excluded"]]
+    assert partial
+    with pytest.raises(SnapshotError, match="cannot be continued from it exactly"):
+        restore_run(res.tape, partial[0]["path"])
+
+
+def test_restore_refuses_a_non_snapshot(tmp_path: Path) -> None:
+    import ckpt as c
+
+    p = tmp_path / "ck"
+    c.save(p, {"x": torch.zeros(2)}, step=1)
+    with pytest.raises(SnapshotError, match="not a DiLoCo snapshot"):
+        restore_run(tmp_path / "nope.tape", p)
+
+
+def test_snapshot_parts_show_each_field_where_it_belongs(snap_run) -> None:
+    """Parameters are the weights, optimizer state the optimizer, the loader state the
+    data offsets, the run's config with its hash; and reading a part back gives exactly
+    the tree that was written (restore depends on it, bit for bit)."""
+    import json
+
+    from runs.diloco.restore import read_snapshot
+    from runs.diloco.snapshots import join_part, part_entries
+
+    res, d = snap_run
+    k = list_snapshots(d / "checkpoints")[-1]
+    r = CliRunner().invoke(cli, ["inspect", "--json", k["path"]])
+    assert r.exit_code == 0, r.output
+    parts = {p["name"]: p for p in json.loads(r.output)["parts"]}
+    assert sorted(parts) == sorted(k["meta"]["parts"])
+    cfg_hash = {p["config_hash"] for p in parts.values()}
+    assert len(cfg_hash) == 1 and None not in cfg_hash  # one config, in every part
+    for name, p in parts.items():
+        fields = {e: v["field"] for e, v in p["entries"].items()}
+        assert fields["model"] == "weights" and fields["optim"] == "optimizer" and fields["messages"] == "messages"
+        assert set(fields.values()) <= {"weights", "optimizer", "messages", "other"}
+        assert [e for e, f in fields.items() if f == "weights"] == ["model"]  # nothing else passes for weights
+        assert p["entries"]["model"]["tensors"] > 0 and p["entries"]["optim"]["tensors"] > 0
+        if name == "syncer":
+            assert p["data"] is None
+        else:
+            assert p["data"]["type"].endswith("LoaderState") and "position" in p["data"]["state"]
+    text = CliRunner().invoke(cli, ["inspect", k["path"]]).output
+    assert "optimizer  optim: " in text and "other state  diloco (plain values)" in text
+
+    # split and join are inverse on the trees read back: tensors bit-identical, all else equal
+    _meta, trees = read_snapshot(k["path"])
+    for actor, tree in trees.items():
+        entries, data = part_entries(actor, tree)
+        back = join_part(actor, {n: (v.state_dict() if hasattr(v, "state_dict") else v) for n, v in entries.items()},
+                         data.state_dict() if data is not None else None)
+        _same_tree(back, tree["diloco"])
+
+
+def _same_tree(a, b, where: str = "") -> None:
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b) or sorted(map(str, a)) == sorted(map(str, b)), where
+        for key in a:
+            _same_tree(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_tree(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+class _SyncerCrash(Exception):
+    pass
+
+
+def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) -> None:
+    """The one fault that costs a pause: the syncer dies mid-run. The run goes on from
+    the newest snapshot with every learner in it, taking fresh decisions, on a new tape
+    that holds the history inside the cut; that tape checks clean and a forced replay of
+    it from step 0 reproduces the continued run bit for bit."""
+    from runs.diloco.restore import continue_run
+
+    cfg = _cfg()
+    crash_at = 14
+
+    def die(s: int, *_: object) -> None:
+        if s == crash_at:
+            raise _SyncerCrash(f"syncer died after step {s}")
+
+    with pytest.raises(_SyncerCrash):
+        record(tmp_path / "run1" / "tape", cfg, after_step=die)
+    whole = [k for k in list_snapshots(tmp_path / "run1" / "checkpoints") if not k["meta"]["excluded"]]
+    assert whole, "a snapshot with every learner in it was taken before the crash"
+    snap = whole[-1]
+    assert snap["step"] <= crash_at
+
+    with pytest.raises(SnapshotError, match="another snapshot directory"):
+        continue_run(tmp_path / "run1" / "tape", snap["path"], tmp_path / "run1" / "tape2")
+
+    new = tmp_path / "run2" / "tape"
+    res = continue_run(tmp_path / "run1" / "tape", snap["path"], new)
+    assert len(res.syncer.plans) == cfg.syncer_steps - snap["step"]  # every remaining step, none skipped
+    header = TapeReader(new).meta
+    assert header["lineage"]["from_snapshot"] == str(Path(snap["path"]).absolute())
+    assert header["lineage"]["parent_run_id"] == TapeReader(tmp_path / "run1" / "tape").run_id.hex()
+    outcomes = res.extra["snapshots"]
+    assert outcomes[0]["path"] == str(Path(snap["path"]).absolute()) and outcomes[0]["committed"]
+    assert any(o["committed"] for o in outcomes[1:]), "the continued run goes on taking snapshots"
+    for k in list_snapshots(tmp_path / "run2" / "checkpoints"):
+        ckpt.open(k["path"]).verify()
+
+    assert check_tape(new) == []
+    rr = replay(new, mode="force")
+    assert rr.identical, rr.divergence
+    again = rr.value
+    _same(again.syncer.state, res.syncer.state)
+    # the replay ran from step 0; the continued run's validation losses are its tail
+    assert [v for v in again.syncer.val if v[0] >= snap["step"]] == res.syncer.val
+    mine, theirs = res.final_learner_states(), again.final_learner_states()
+    assert sorted(mine) == sorted(theirs)
+    for a in mine:
+        _same(theirs[a], mine[a])
