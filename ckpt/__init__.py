@@ -88,6 +88,12 @@ def load(
     from ._torchio import load_into
 
     reader = CheckpointReader(path)
+    if part is None and "sharded" in reader.meta:
+        # A sharded checkpoint (spec/sharded-format.md): DCP reshards onto this job's
+        # shards, whatever the saving world size.
+        from .dcp.integration import load_sharded
+
+        return load_sharded(reader, state, data=data, generators=generators, restore_rng=restore_rng, verify=verify, exactness=exactness)
     if part is None and len(reader.parts) > 1:
         part = _default_part(reader)
     return load_into(

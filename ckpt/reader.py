@@ -575,6 +575,10 @@ class CheckpointReader:
         """
         from ._materialize import materialize_state
 
+        if part is None and "sharded" in self.meta:  # sharded hook: global tensors (ckpt.dcp)
+            from .dcp.full import full_state
+
+            return full_state(self, verify=verify)
         return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
 
 

@@ -46,6 +46,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tape": ("cli.tape_cmd:tape", "Show, verify, check, diff and repair event tapes."),
     "replay": ("cli.tape_cmd:replay_cmd", "Re-execute a recorded run and prove it bit-identical."),
     "check-resume": ("cli.resume_cmd:check_resume_cmd", "Kill and resume a training entry point; compare bits."),
+    "import": ("cli.dcp_cmd:import_group", "Convert another format into a checkpoint (import dcp SRC DST)."),
+    "export": ("cli.dcp_cmd:export_group", "Convert a checkpoint into another format (export dcp SRC DST)."),
 }
 
 
