@@ -76,6 +76,7 @@ class LedgerTapeWriter:
 
     def close(self) -> None:
         if self._fd >= 0:
+            os.write(self._fd, fmt.encode_record(self._seq, fmt.CLOSE_KIND, b"", self._salt)[0])  # §5.5
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1

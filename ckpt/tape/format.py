@@ -47,14 +47,14 @@ from ckpt.errors import TapeCorruptError, TapeFormatError, TapeLimitError, TapeT
 
 __all__ = [
     "MAGIC", "VERSION_MAJOR", "VERSION_MINOR", "HEADER_FIXED", "RECORD_HEADER", "MAX_RECORD", "MAX_META",
-    "MAX_BLOCK_RAW", "BLOCK_KIND", "FLAG_CHAIN", "FLAG_ZSTD", "SegmentHeader", "Frame", "Scan",
+    "MAX_BLOCK_RAW", "BLOCK_KIND", "CLOSE_KIND", "FLAG_CHAIN", "FLAG_ZSTD", "SegmentHeader", "Frame", "Scan",
     "encode_segment_header", "decode_segment_header", "encode_record", "pack_record_into", "encode_block",
-    "scan_segment", "checksum",
+    "scan_segment", "checksum", "strict_pairs",
 ]
 
 MAGIC = b"CKPTTAPE"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 1  # 1.1 added the close record (spec §5.5)
 HEADER_FIXED = 64
 RECORD_HEADER = 40
 MAX_RECORD = 16 << 20  # 16 MiB per record body (and per compressed block body)
@@ -62,6 +62,7 @@ MAX_META = 1 << 20  # 1 MiB of header metadata
 MAX_BLOCK_RAW = 16 << 20  # decompressed size of one block
 MAX_BLOCK_RECORDS = 1 << 20
 BLOCK_KIND = 0xFFFF
+CLOSE_KIND = 0xFFFE  # the close record: a cleanly closed tape ends with it (spec §5.5)
 FLAG_CHAIN = 1
 FLAG_ZSTD = 2
 _KNOWN_FLAGS = FLAG_CHAIN | FLAG_ZSTD
@@ -75,6 +76,23 @@ _U64 = struct.Struct("<Q")
 _BLK = struct.Struct("<II")  # count, raw_len
 
 _xxh64 = xxhash.xxh3_64_intdigest
+
+
+def strict_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """msgpack ``object_pairs_hook`` for tape payloads and metadata (spec §6.1.1 "Map keys").
+
+    A plain decode lets the last of two equal keys win, merges ``true``/``1`` and
+    ``1``/``1.0``, and raises a bare ``TypeError`` on a list or map key; two readers
+    could then disagree on what the tape says. Keys MUST be strings or integers (not
+    booleans), and a key MUST NOT repeat."""
+    out: dict[Any, Any] = {}
+    for k, v in pairs:
+        if type(k) is not str and type(k) is not int:
+            raise ValueError(f"map key {k!r} of type {type(k).__name__} (keys must be str or int)")
+        if k in out:
+            raise ValueError(f"map repeats the key {k!r}")
+        out[k] = v
+    return out
 
 
 def checksum(data: bytes | bytearray | memoryview, seed: int) -> int:
@@ -144,7 +162,8 @@ def decode_segment_header(buf: bytes | memoryview) -> SegmentHeader:
     if flags & ~_KNOWN_FLAGS:
         raise TapeFormatError(f"reserved header flag bits set: {flags:#x}", offset=12)
     try:
-        meta = msgpack.unpackb(bytes(mv[HEADER_FIXED:end]), raw=False, ext_hook=_ext_refused)
+        meta = msgpack.unpackb(bytes(mv[HEADER_FIXED:end]), raw=False, strict_map_key=False, ext_hook=_ext_refused,
+                               object_pairs_hook=strict_pairs)
     except Exception as e:  # msgpack raises several unrelated types; all mean "bad metadata"
         raise TapeFormatError(f"segment metadata is not valid msgpack: {e}", offset=HEADER_FIXED) from None
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
@@ -204,6 +223,7 @@ class Scan:
     last_checksum: int = 0
     records: int = 0
     torn_reason: str = ""
+    closed: bool = False  # the segment ends with a close record (§5.5)
 
     @property
     def dropped(self) -> int:
@@ -302,6 +322,24 @@ def scan_segment(buf: bytes | memoryview, hdr: SegmentHeader, *, final: bool, sc
             raise TapeCorruptError(f"sequence number {seq} where {st.next_seq} was expected (record lost, "
                                    f"duplicated or reordered){where}", offset=pos, seq=seq)
         body = mv[pos + RECORD_HEADER : pos + RECORD_HEADER + n]
+        if kind == CLOSE_KIND:
+            # The close record says "the writer finished and nothing follows": it carries
+            # no body, ends the tape's last segment, and nothing may come after it.
+            if hdr.chain and prev != st.last_checksum:
+                raise TapeCorruptError(f"hash chain broken at the close record{where}", offset=pos, seq=seq)
+            if not hdr.chain and prev != 0:
+                raise TapeFormatError(f"prev field set on an unchained tape{where}", offset=pos, seq=seq)
+            if n != 0:
+                raise TapeFormatError(f"close record with a {n}-byte body (must be empty){where}", offset=pos,
+                                      seq=seq)
+            if not final:
+                raise TapeCorruptError(f"close record in a non-final segment{where}", offset=pos, seq=seq)
+            if pos + RECORD_HEADER != size:
+                raise TapeCorruptError(f"{size - pos - RECORD_HEADER} bytes after the close record{where}",
+                                       offset=pos + RECORD_HEADER, seq=seq + 1)
+            st.closed = True
+            st.end = pos + RECORD_HEADER
+            return
         if kind == BLOCK_KIND:
             if prev != 0:
                 raise TapeFormatError(f"block frame with non-zero prev{where}", offset=pos, seq=seq)
@@ -347,7 +385,7 @@ def _expand_block(body: memoryview, offset: int, seq: int, hdr: SegmentHeader, s
             raise TapeCorruptError(f"bad record inside a valid block at inner offset {pos}{where}", offset=offset,
                                    seq=st.next_seq)
         c, n, kind, flags, s, _salt, prev = _REC.unpack_from(rmv, pos)
-        if flags != 0 or kind == BLOCK_KIND:
+        if flags != 0 or kind == BLOCK_KIND or kind == CLOSE_KIND:
             raise TapeFormatError(f"bad inner record header{where}", offset=offset, seq=s)
         if s != st.next_seq:
             raise TapeCorruptError(f"sequence number {s} where {st.next_seq} was expected{where}", offset=offset,

@@ -13,9 +13,9 @@ from typing import Any, Iterator
 from ckpt import errors as _ce
 from ckpt.tape import format as _low
 from ckpt.tape.format import (  # noqa: F401 - re-exported
-    BLOCK_KIND, FLAG_CHAIN, FLAG_ZSTD, HEADER_FIXED, MAGIC, MAX_BLOCK_RAW, MAX_BLOCK_RECORDS, MAX_META, MAX_RECORD,
+    BLOCK_KIND, CLOSE_KIND, FLAG_CHAIN, FLAG_ZSTD, HEADER_FIXED, MAGIC, MAX_BLOCK_RAW, MAX_BLOCK_RECORDS, MAX_META, MAX_RECORD,
     RECORD_HEADER, VERSION_MAJOR, VERSION_MINOR, Frame, Scan, SegmentHeader, checksum, encode_block,
-    pack_record_into,
+    pack_record_into, strict_pairs,
 )
 from replay.errors import TapeCorruptError, TapeError, TapeFormatError, TapeLimitError, TapeTruncatedError
 
