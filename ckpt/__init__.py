@@ -69,18 +69,31 @@ def load(
     restore_rng: bool = True,
     verify: bool = True,
     exactness: str = "warn",
+    cast: bool = False,
 ) -> "LoadResult":
-    """Load a checkpoint into ``state`` in place (the resume path).
+    """Load a checkpoint into ``state`` in place (the resume path). All or nothing.
 
-    Tensors whose dtype and shape match are filled in their existing storage;
-    others are created fresh (moved with ``map_location``). Every chunk read is
-    verified unless ``verify=False``. RNG streams are restored last. ``exactness``
-    compares the saving environment with this one: ``strict`` refuses, ``warn``
-    names every difference, ``off`` skips the check.
+    Tensors are filled in their existing storage; a saved tensor whose target has
+    another dtype or shape raises ``StateMismatchError`` naming the key and both
+    (``cast=True`` converts a dtype difference; shapes must always match). Saved
+    tensors with no target tensor are created fresh (moved with ``map_location``).
+    Every check, and the hash of every chunk, happens before any target is written:
+    after an error the targets are as they were (the one exception,
+    ``CheckpointChangedError``, means a file was modified during the load). Modules
+    whose ``state_dict()`` does not share their live storage are restored through
+    ``load_state_dict``. RNG streams are restored last. ``exactness`` compares the
+    saving environment with this one: ``strict`` refuses, ``warn`` names every
+    difference, ``off`` skips the check.
     """
     from ._torchio import load_into
 
     reader = CheckpointReader(path)
+    if part is None and "sharded" in reader.meta:
+        # A sharded checkpoint (spec/sharded-format.md): DCP reshards onto this job's
+        # shards, whatever the saving world size.
+        from .dcp.integration import load_sharded
+
+        return load_sharded(reader, state, data=data, generators=generators, restore_rng=restore_rng, verify=verify, exactness=exactness)
     if part is None and len(reader.parts) > 1:
         part = _default_part(reader)
     return load_into(
@@ -93,6 +106,7 @@ def load(
         restore_rng_state=restore_rng,
         verify=verify,
         exactness=exactness,
+        cast=cast,
     )
 
 

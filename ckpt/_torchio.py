@@ -1,8 +1,29 @@
-"""The torch side of reading: fresh tensors, in-place restore, applying to Statefuls."""
+"""In-place load: all or nothing, in two passes, with no second copy of the state.
+
+``prepare_load`` does everything that can fail on the checkpoint's content or on a
+mismatch with the targets, and writes nothing the caller holds:
+
+1. decode and check the structure file and every reference in it (``_statecheck``);
+2. plan every tensor: its target must have the saved dtype and shape (``cast=True``
+   allows a dtype difference), and a Stateful whose ``state_dict()`` tensors are not its
+   live storage is marked to be restored through ``load_state_dict`` (its keys must
+   match, so that call cannot fail on them);
+3. open every tensor file it reads and keep the descriptors (a retention that renames
+   or deletes the checkpoint meanwhile cannot change what is read), then hash every
+   chunk it will copy, through a bounded scratch buffer (pass 1). Tensors that land in
+   fresh memory rather than in a target are read (and verified) in this pass.
+
+``PreparedLoad.apply`` then reads the bytes into the targets through the same
+descriptors, hashing them again as they land (pass 2), and applies Statefuls, trees,
+data-loader state and RNG streams (RNG last, rolled back if it does not restore).
+Pass 2 fails only if a committed file was modified in place between the passes (the
+format forbids it; media faults aside). That is detected, raised as
+:class:`CheckpointChangedError`, and then the targets may hold a mix: see the spec's
+"In-place load" section. Peak memory: the targets, the fresh tensors, one scratch piece.
+"""
 
 from __future__ import annotations
 
-import mmap
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -10,16 +31,17 @@ from typing import Any, Mapping
 
 import torch
 
+from ._materialize import TensorSource, empty_for, place, resolve
+from ._statecheck import check_part, replica_target
 from .context.env import capture_env, env_differences
-from .context.rng import restore_rng
-from .errors import EnvironmentMismatchError, FormatError, SizeMismatchError, StateMismatchError
+from .context.rng import capture_rng, restore_rng
+from .errors import CheckpointChangedError, CkptError, EnvironmentMismatchError, StateMismatchError
 from .format import dtypes
-from .format.manifest import Manifest, PartEntry, TensorEntry
-from .format.tree import DeviceRef, DtypeRef, ReplicaRef, TensorRef
-from .reader import CheckpointReader
+from .format.manifest import FileEntry, Manifest, PartEntry, TensorEntry
+from .format.tree import TensorRef
 from .writer import tensor_memoryview
 
-__all__ = ["read_tensor", "materialize_state", "load_into", "LoadResult", "ExactnessWarning"]
+__all__ = ["load_into", "prepare_load", "PreparedLoad", "LoadResult", "ExactnessWarning"]
 
 
 class ExactnessWarning(RuntimeWarning):
@@ -42,144 +64,6 @@ class LoadResult:
     extra: Any = None
 
 
-def _empty(t: TensorEntry) -> torch.Tensor:
-    # Plain allocation. Advising transparent huge pages was tried and measured: in a
-    # fresh process it made loads 3-4x slower (THP allocation and compaction cost).
-    return torch.empty(t.shape, dtype=dtypes.torch_dtype(t.dtype))
-
-
-def _place(t: torch.Tensor, map_location: Any) -> torch.Tensor:
-    if map_location is None:
-        return t
-    if callable(map_location):
-        return map_location(t)
-    return t.to(map_location)
-
-
-def read_tensor(reader: CheckpointReader, pe: PartEntry, t: TensorEntry, *, map_location: Any, verify: bool) -> torch.Tensor:
-    out = _empty(t)
-    reader.read_tensor_bytes_into(pe, t, tensor_memoryview(out), verify=verify)
-    return _place(out, map_location)
-
-
-def _resolve(obj: Any, tensors: Mapping[str, torch.Tensor], path: str) -> Any:
-    if isinstance(obj, TensorRef):
-        try:
-            return tensors[obj.key]
-        except KeyError:
-            raise FormatError("structure refers to a tensor the manifest does not list", path=path, key=obj.key) from None
-    if isinstance(obj, DtypeRef):
-        try:
-            return dtypes.torch_dtype(obj.name)
-        except KeyError:
-            raise FormatError(f"unknown dtype {obj.name!r}", path=path) from None
-    if isinstance(obj, DeviceRef):
-        return torch.device(obj.device)
-    if isinstance(obj, dict):
-        return {k: _resolve(v, tensors, path) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_resolve(v, tensors, path) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_resolve(v, tensors, path) for v in obj)
-    return obj
-
-
-def _replica_target(reader: CheckpointReader, pe: PartEntry, name: str, saved: Any) -> tuple[PartEntry, Any]:
-    hops = 0
-    while isinstance(saved, ReplicaRef):
-        hops += 1
-        if hops > 4:
-            raise FormatError("replica references form a chain", path=reader.path, key=name)
-        pe = reader.part(saved.part)
-        saved = reader.tree(pe.name)["state"].get(name)
-        if saved is None:
-            raise FormatError(f"replica part {pe.name!r} lacks entry {name!r}", path=reader.path, key=name)
-    return pe, saved
-
-
-def _stream_fresh(reader: CheckpointReader, pe: PartEntry, verify: bool) -> dict[str, torch.Tensor]:
-    fresh: dict[str, torch.Tensor] = {}
-
-    def dest(t: TensorEntry) -> memoryview:
-        out = _empty(t)
-        fresh[t.key] = out
-        return tensor_memoryview(out)
-
-    reader.stream_part_into(pe, dest, verify=verify)
-    return fresh
-
-
-def _mmap_fresh(reader: CheckpointReader, pe: PartEntry, verify: bool) -> dict[str, torch.Tensor]:
-    """Tensors backed by a private (copy-on-write) mapping of the tensor file.
-
-    No copy and no first-touch of anonymous memory: pages come from the page cache as
-    they are used. Verification still hashes every byte before anything is returned.
-    Writes to the tensors stay private to this process. The caller must not truncate
-    or rewrite the file while the tensors live (ckpt never rewrites a committed file);
-    a truncated mapping faults with SIGBUS, which is why this path is opt-in.
-    """
-    f = pe.file("tensors")
-    if f is None:
-        return {}
-    reader._header(pe)  # the safetensors header must agree with the manifest first
-    fp = reader._fp(f)
-    fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        size = os.fstat(fd).st_size
-        if size != f.size:
-            raise SizeMismatchError(f"file is {size} bytes, manifest says {f.size}", path=fp, offset=min(size, f.size))
-        mm = mmap.mmap(fd, f.size, access=mmap.ACCESS_COPY) if f.size else None
-    finally:
-        os.close(fd)
-    if mm is None:
-        return {t.key: _empty(t) for t in pe.tensors}
-    if verify:
-        from .reader import _ChunkVerifier
-
-        v = _ChunkVerifier(fp, f)
-        v.update(memoryview(mm))
-        v.finish()
-    base = torch.frombuffer(mm, dtype=torch.uint8)
-    out: dict[str, torch.Tensor] = {}
-    for t in pe.tensors:
-        dt = dtypes.torch_dtype(t.dtype)
-        size_ = dtypes.itemsize(t.dtype)
-        view = None
-        if t.nbytes and t.offset % size_ == 0:
-            try:
-                view = base[t.offset : t.offset + t.nbytes].view(dt).view(t.shape)
-            except RuntimeError:
-                view = None  # a dtype torch cannot view bytes as: copy instead
-        if view is None:
-            view = _empty(t)
-            if t.nbytes:
-                tensor_memoryview(view)[:] = memoryview(mm)[t.offset : t.offset + t.nbytes]
-        out[t.key] = view
-    return out
-
-
-def materialize_state(
-    reader: CheckpointReader, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool = False
-) -> dict[str, Any]:
-    tree = reader.tree(pe.name, verify=verify)
-    cache: dict[str, dict[str, torch.Tensor]] = {}
-    fetch = _mmap_fresh if mmap else _stream_fresh
-
-    def tensors_of(p: PartEntry) -> dict[str, torch.Tensor]:
-        if p.name not in cache:
-            cache[p.name] = {k: _place(v, map_location) for k, v in fetch(reader, p, verify).items()}
-        return cache[p.name]
-
-    out = {}
-    for name, saved in tree["state"].items():
-        src, saved = _replica_target(reader, pe, name, saved)
-        out[name] = _resolve(saved, tensors_of(src), reader.path)
-    return out
-
-
-# --- in-place load -------------------------------------------------------------------------
-
-
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -192,47 +76,89 @@ def _lookup(cur: Any, key: Any) -> Any:
     return None
 
 
+def _describe(t: torch.Tensor | TensorEntry) -> str:
+    if isinstance(t, TensorEntry):
+        return f"{t.dtype}{list(t.shape)}"
+    try:
+        name = dtypes.dtype_name(t.dtype)
+    except (KeyError, ValueError, TypeError):
+        name = str(t.dtype)
+    return f"{name}{list(t.shape)}"
+
+
 class _Plan:
     """Decides, per saved tensor, where its bytes go: an existing tensor or a fresh one."""
 
-    def __init__(self, map_location: Any) -> None:
+    def __init__(self, map_location: Any, cast: bool, path: str) -> None:
         self.map_location = map_location
-        self.cpu_dest: dict[str, torch.Tensor] = {}  # key -> CPU tensor the bytes land in
-        self.final: dict[str, torch.Tensor] = {}  # key -> tensor that appears in the result
+        self.cast = cast
+        self.path = path
+        # Keyed by (part, tensor key): tensor keys are unique within a part only (a
+        # replicated entry's keys may repeat another part's).
+        self.cpu_dest: dict[tuple[str, str], torch.Tensor] = {}  # where the bytes land (CPU)
+        self.final: dict[tuple[str, str], torch.Tensor] = {}  # what appears in the result
         self.copy_after: list[tuple[torch.Tensor, torch.Tensor]] = []  # (src cpu, dst)
+        self.targets: set[tuple[str, str]] = set()  # bytes that land in memory the caller holds
         self.in_place = 0
         self.fresh = 0
-        self._fresh_keys: list[str] = []
+        self._fresh_keys: list[tuple[str, str]] = []
 
-    def walk(self, saved: Any, cur: Any, entries: Mapping[str, TensorEntry]) -> None:
+    def walk(self, saved: Any, cur: Any, pe: PartEntry, where: str) -> None:
+        self._walk(saved, cur, pe.name, {t.key: t for t in pe.tensors}, where)
+
+    def _walk(self, saved: Any, cur: Any, part: str, entries: Mapping[str, TensorEntry], where: str) -> None:
         if isinstance(saved, TensorRef):
-            self._tensor(saved.key, cur, entries)
+            self._tensor((part, saved.key), cur, entries, where)
         elif isinstance(saved, dict):
             for k, v in saved.items():
-                self.walk(v, _lookup(cur, k), entries)
+                self._walk(v, _lookup(cur, k), part, entries, f"{where}/{k}")
         elif isinstance(saved, (list, tuple)):
             for i, v in enumerate(saved):
-                self.walk(v, _lookup(cur, i), entries)
+                self._walk(v, _lookup(cur, i), part, entries, f"{where}/{i}")
 
-    def _tensor(self, key: str, cur: Any, entries: Mapping[str, TensorEntry]) -> None:
+    def tensors_of(self, part: str) -> dict[str, torch.Tensor]:
+        """The result tensors of one part, by tensor key (what ``resolve`` looks up)."""
+        return {k: t for (p, k), t in self.final.items() if p == part}
+
+    def dest(self, part: str) -> Any:
+        return lambda t: tensor_memoryview(self.cpu_dest[(part, t.key)])
+
+    def _tensor(self, key: tuple[str, str], cur: Any, entries: Mapping[str, TensorEntry], where: str) -> None:
         if key in self.final:
             return  # an alias of a tensor already planned
-        e = entries[key]
+        e = entries[key[1]]
         want = dtypes.torch_dtype(e.dtype)
-        if isinstance(cur, torch.Tensor) and cur.dtype == want and tuple(cur.shape) == e.shape and cur.layout == torch.strided:
+        if isinstance(cur, torch.Tensor) and cur.layout == torch.strided:
+            if tuple(cur.shape) != e.shape or (cur.dtype != want and not self.cast):
+                # Never converted silently: a float64 checkpoint into a float32 module
+                # would be downcast by copy_/load_state_dict without a word.
+                raise StateMismatchError(
+                    f"saved tensor is {_describe(e)}, the target is {_describe(cur)}"
+                    + ("" if tuple(cur.shape) != e.shape else " (pass cast=True to convert the dtype)"),
+                    path=self.path,
+                    key=where,
+                    saved_dtype=e.dtype,
+                    saved_shape=list(e.shape),
+                    target_dtype=str(cur.dtype),
+                    target_shape=list(cur.shape),
+                )
+            if any(st == 0 and n > 1 for st, n in zip(cur.stride(), cur.shape)):
+                raise StateMismatchError("cannot restore into an expanded (stride-0) tensor in place", path=self.path, key=where)
             self.in_place += 1
             self.final[key] = cur
-            # Raw bytes may land only in plain memory: a conj/neg view would read them
-            # back transformed, so those go through copy_ like non-contiguous targets.
-            if cur.device.type == "cpu" and cur.is_contiguous() and not cur.is_conj() and not cur.is_neg():
+            self.targets.add(key)
+            # Raw bytes may land only in plain memory of the saved dtype: a conj/neg view
+            # would read them back transformed, so those go through copy_ (which also
+            # performs an opted-in cast) like non-contiguous and non-CPU targets.
+            if cur.device.type == "cpu" and cur.dtype == want and cur.is_contiguous() and not cur.is_conj() and not cur.is_neg():
                 self.cpu_dest[key] = cur.detach()
             else:
-                tmp = torch.empty(e.shape, dtype=want)
+                tmp = empty_for(e)
                 self.cpu_dest[key] = tmp
                 self.copy_after.append((tmp, cur))
             return
         self.fresh += 1
-        out = _empty(e)
+        out = empty_for(e)
         self.cpu_dest[key] = out
         self.final[key] = out
         self._fresh_keys.append(key)
@@ -240,13 +166,27 @@ class _Plan:
     def finish(self) -> None:
         with torch.no_grad():
             for src, dst in self.copy_after:
-                try:
-                    dst.copy_(src)
-                except RuntimeError as e:  # e.g. an expanded (stride-0) target
-                    raise StateMismatchError(f"cannot restore into the existing tensor in place: {e}") from None
+                dst.copy_(src)
         if self.map_location is not None:
             for k in self._fresh_keys:
-                self.final[k] = _place(self.final[k], self.map_location)
+                self.final[k] = place(self.final[k], self.map_location)
+
+
+def _check_assign(target: Any, saved: Any, path: str, ckpt_path: str) -> None:
+    """Refuse, before anything is written, a tree ``_assign`` could not write in place."""
+    if isinstance(target, dict) and isinstance(saved, dict):
+        for k, v in saved.items():
+            cur = target.get(k)
+            if isinstance(cur, (dict, list)) and type(cur) is type(v):
+                _check_assign(cur, v, f"{path}/{k}", ckpt_path)
+        return
+    if isinstance(target, list) and isinstance(saved, list):
+        return
+    if isinstance(target, torch.Tensor) and isinstance(saved, TensorRef):
+        return
+    raise StateMismatchError(
+        f"cannot load a {type(saved).__name__} into a {type(target).__name__} in place", path=ckpt_path, key=path
+    )
 
 
 def _assign(target: Any, result: Any, path: str, ckpt_path: str) -> None:
@@ -271,16 +211,198 @@ def _assign(target: Any, result: Any, path: str, ckpt_path: str) -> None:
     )
 
 
-def _tensor_keys(obj: Any, out: set[str], prefix: str = "") -> None:
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _tensor_keys(v, out, f"{prefix}/{k}")
+def _live_storages(module: torch.nn.Module) -> set[int]:
+    out = set()
+    for t in (*module.parameters(), *module.buffers()):
+        if t.numel():
+            out.add(t.untyped_storage().data_ptr())
+    return out
+
+
+def _reaches_live(module: torch.nn.Module, cur: Mapping[str, Any]) -> bool:
+    """Whether writing into ``state_dict()``'s tensors writes the module's own storage.
+
+    EMA/LoRA-style wrappers return copies (or merged tensors) from ``state_dict()``;
+    bytes written there never reach the model, so such modules go through
+    ``load_state_dict``. Proven only by storage identity with parameters/buffers.
+    """
+    live = _live_storages(module)
+    for v in cur.values():
+        if isinstance(v, torch.Tensor) and v.numel() and v.untyped_storage().data_ptr() not in live:
+            return False
+    return True
+
+
+@dataclass(slots=True)
+class _Read:
+    """One part's tensor file: what pass 2 still has to read, through which descriptor."""
+
+    pe: PartEntry
+    fd: int
+    file: FileEntry
+    wanted: set[str]
+    whole: bool  # every tensor of the part is wanted: stream the file in order
+    done: bool = False  # read in pass 1 (nothing in it lands in a target)
+
+
+@dataclass(slots=True)
+class _Entry:
+    obj: Any
+    saved: Any
+    cur: Any
+    via_load_state_dict: bool
+    part: str  # the part that holds the entry's bytes (a replica's source)
+
+
+@dataclass
+class PreparedLoad:
+    """A load that has passed every check and pass 1; :meth:`apply` writes the targets."""
+
+    reader: TensorSource
+    pe: PartEntry
+    ctx: dict[str, Any]
+    plan: _Plan
+    entries: dict[str, _Entry]
+    reads: list[_Read]
+    data: Any
+    generators: Mapping[str, Any] | None
+    restore_rng_state: bool
+    verify: bool
+    diffs: list[str]
+    _closed: bool = field(default=False)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            for r in self.reads:
+                os.close(r.fd)
+
+    def __enter__(self) -> "PreparedLoad":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _pass2(self) -> None:
+        plan = self.plan
+        for r in self.reads:
+            if r.done:
+                continue
+            try:
+                if r.whole:
+                    self.reader.stream_part_into(
+                        r.pe, plan.dest(r.pe.name), verify=self.verify, fd=r.fd
+                    )
+                else:
+                    for t in r.pe.tensors:
+                        if t.key in r.wanted:
+                            self.reader.read_tensor_bytes_into(
+                                r.pe, t, plan.dest(r.pe.name)(t), verify=self.verify, fd=r.fd
+                            )
+            except (CkptError, OSError) as e:
+                raise CheckpointChangedError(
+                    f"the file changed after it was verified, while it was copied into the targets "
+                    f"({type(e).__name__}: {e}); targets may hold a mix of old and new values",
+                    path=os.path.join(self.reader.path, r.file.name),
+                    key=getattr(e, "key", None),
+                ) from e
+
+    def apply(self) -> LoadResult:
+        if self._closed:
+            raise CkptError("this prepared load was already applied or closed", path=self.reader.path)
+        try:
+            self._pass2()
+        finally:
+            self.close()
+        reader, plan, ctx = self.reader, self.plan, self.ctx
+        plan.finish()
+        for name, ent in self.entries.items():
+            result = resolve(ent.saved, plan.tensors_of(ent.part), reader.path)
+            if not _stateful(ent.obj):
+                _assign(ent.obj, result, name, reader.path)
+            elif not (isinstance(ent.obj, torch.nn.Module) and not ent.via_load_state_dict and _all_in_place(result, ent.cur)):
+                # Skipped only when every tensor was proven written into the module's
+                # own storage; everything else (optimizers, wrappers) goes through it.
+                try:
+                    ent.obj.load_state_dict(result)
+                except (RuntimeError, KeyError, ValueError, TypeError) as e:
+                    raise StateMismatchError(f"load_state_dict of {name!r} failed: {e}", path=reader.path, key=name) from None
+        if self.data is not None:
+            self.data.load_state_dict(resolve(ctx["data"], plan.tensors_of(self.pe.name), reader.path))
+        restored: list[str] = []
+        # RNG last: nothing above may consume a draw after the streams are restored. A
+        # restore that fails halfway is rolled back to the streams as they were.
+        if self.restore_rng_state and ctx.get("rng") is not None:
+            before = capture_rng(self.generators)
+            try:
+                restored = restore_rng(ctx["rng"], self.generators, path=reader.path)
+            except BaseException:
+                restore_rng(before, self.generators, path=reader.path)
+                raise
+        extra = resolve(ctx.get("extra"), plan.tensors_of(self.pe.name), reader.path) if ctx.get("extra") is not None else None
+        return LoadResult(
+            path=reader.path,
+            id=reader.manifest.id,  # type: ignore[attr-defined]
+            step=reader.manifest.step,  # type: ignore[attr-defined]
+            part=self.pe.name,
+            context=ctx,
+            manifest=reader.manifest,  # type: ignore[attr-defined]
+            env_differences=tuple(self.diffs),
+            exact=not self.diffs,
+            restored_rng=tuple(restored),
+            in_place=plan.in_place,
+            fresh=plan.fresh,
+            extra=extra,
+        )
+
+
+def _env_gate(reader: TensorSource, ctx: Mapping[str, Any], exactness: str) -> list[str]:
+    if exactness == "off":
+        return []
+    diffs = env_differences(ctx.get("env") or {}, capture_env())
+    topo = ctx.get("topology") or {}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        ws = torch.distributed.get_world_size()
     else:
-        out.add(prefix)
+        ws = 1
+    if topo.get("world_size", 1) != ws:
+        diffs.append(f"world_size: {topo.get('world_size')} -> {ws} (reduction order changes; numerics cannot be bit-identical)")
+    if diffs and exactness == "strict":
+        raise EnvironmentMismatchError(
+            "environment differs from the one that saved; refusing an exactness claim: " + "; ".join(diffs),
+            path=reader.path,
+            differences=diffs,
+        )
+    if diffs:
+        warnings.warn(
+            f"checkpoint {reader.path}: environment differs, resume will not be bit-exact: " + "; ".join(diffs),
+            ExactnessWarning,
+            stacklevel=4,
+        )
+    return diffs
 
 
-def load_into(
-    reader: CheckpointReader,
+def _check_rng_targets(reader: TensorSource, ctx: Mapping[str, Any], generators: Mapping[str, Any] | None, restore: bool) -> None:
+    rng = ctx.get("rng")
+    if not restore or rng is None:
+        if generators:
+            raise StateMismatchError("generators given but restore_rng=False or no RNG saved", path=reader.path, key="rng")
+        return
+    saved = rng.get("generators", {})
+    for name in generators or {}:
+        if name not in saved:
+            raise StateMismatchError(f"generator {name!r} was not saved in this checkpoint", path=reader.path, key=f"rng/generators/{name}")
+    cuda = rng.get("cuda")
+    if cuda:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < len(cuda):
+            raise StateMismatchError(
+                f"checkpoint holds CUDA RNG state for {len(cuda)} devices, this process has {have}", path=reader.path, key="rng/cuda"
+            )
+
+
+def prepare_load(
+    reader: TensorSource,
     state: Mapping[str, Any] | None,
     *,
     part: str | None = None,
@@ -290,117 +412,99 @@ def load_into(
     restore_rng_state: bool = True,
     verify: bool = True,
     exactness: str = "warn",
-) -> LoadResult:
+    cast: bool = False,
+) -> PreparedLoad:
+    """Every check and pass 1 of an in-place load; nothing the caller holds is written."""
     if exactness not in ("strict", "warn", "off"):
         raise ValueError(f"exactness must be 'strict', 'warn' or 'off', not {exactness!r}")
     pe = reader.part(part)
     tree = reader.tree(pe.name, verify=verify)
+    check_part(reader, pe, verify=verify)
     ctx = tree["context"]
     saved_state = tree["state"]
     state = state or {}
-
     # The exactness gate runs first: under strict, refuse before touching any tensor.
-    diffs: list[str] = []
-    saved_env = ctx.get("env") or {}
-    if exactness != "off":
-        diffs = env_differences(saved_env, capture_env())
-        topo = ctx.get("topology") or {}
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            ws = torch.distributed.get_world_size()
-        else:
-            ws = 1
-        if topo.get("world_size", 1) != ws:
-            diffs.append(f"world_size: {topo.get('world_size')} -> {ws} (reduction order changes; numerics cannot be bit-identical)")
-        if diffs and exactness == "strict":
-            raise EnvironmentMismatchError(
-                "environment differs from the one that saved; refusing an exactness claim: " + "; ".join(diffs),
-                path=reader.path,
-                differences=diffs,
-            )
-        if diffs:
-            warnings.warn(
-                f"checkpoint {reader.path}: environment differs, resume will not be bit-exact: " + "; ".join(diffs),
-                ExactnessWarning,
-                stacklevel=3,
-            )
+    diffs = _env_gate(reader, ctx, exactness)
 
-    plan = _Plan(map_location)
-    currents: dict[str, Any] = {}
-    sources: dict[str, tuple[PartEntry, Any]] = {}
+    plan = _Plan(map_location, cast, reader.path)
+    entries: dict[str, _Entry] = {}
+    parts: dict[str, PartEntry] = {pe.name: pe}
     for name, obj in state.items():
         if name not in saved_state:
             raise StateMismatchError(
                 f"entry {name!r} is not in this checkpoint (it has {sorted(saved_state)})", path=reader.path, key=name
             )
-        src_pe, saved = _replica_target(reader, pe, name, saved_state[name])
-        sources[name] = (src_pe, saved)
-        cur = obj.state_dict() if _stateful(obj) else obj
-        currents[name] = cur
-        plan.walk(saved, cur, {t.key: t for t in src_pe.tensors})
-    if data is not None:
-        plan.walk(ctx.get("data"), None, {t.key: t for t in pe.tensors})
-
-    # Read, part by part. When every tensor of a part is wanted, stream the file in
-    # order (one read + one hash pass); otherwise read the wanted ones chunk-verified.
-    by_part: dict[str, PartEntry] = {src.name: src for src, _ in sources.values()}
-    by_part.setdefault(pe.name, pe)
-    for p in by_part.values():
-        keys = {t.key for t in p.tensors}
-        wanted = keys & set(plan.cpu_dest)
-        if not wanted:
-            continue
-        if wanted == keys:
-            reader.stream_part_into(p, lambda t: tensor_memoryview(plan.cpu_dest[t.key]), verify=verify)
-        else:
-            for t in p.tensors:
-                if t.key in wanted:
-                    reader.read_tensor_bytes_into(p, t, tensor_memoryview(plan.cpu_dest[t.key]), verify=verify)
-    plan.finish()
-
-    for name, obj in state.items():
-        src_pe, saved = sources[name]
-        result = _resolve(saved, plan.final, reader.path)
-        cur = currents[name]
-        if _stateful(obj):
-            if isinstance(obj, torch.nn.Module) and isinstance(result, Mapping) and _all_in_place(result, cur):
-                continue  # every tensor was restored into the module's own storage
-            try:
-                obj.load_state_dict(result)
-            except (RuntimeError, KeyError, ValueError, TypeError) as e:
-                raise StateMismatchError(f"load_state_dict of {name!r} failed: {e}", path=reader.path, key=name) from None
-        else:
-            _assign(obj, result, name, reader.path)
-
+        src_pe, saved = replica_target(reader, pe, name, saved_state[name], verify=verify)
+        parts.setdefault(src_pe.name, src_pe)
+        stateful = _stateful(obj)
+        cur = obj.state_dict() if stateful else obj
+        via_lsd = False
+        if isinstance(obj, torch.nn.Module):
+            via_lsd = not (isinstance(cur, Mapping) and _reaches_live(obj, cur))
+            if isinstance(cur, Mapping) and isinstance(saved, dict) and set(cur) != set(saved):
+                missing, unexpected = sorted(set(cur) - set(saved)), sorted(set(saved) - set(cur))
+                raise StateMismatchError(
+                    f"module {name!r} does not match the checkpoint: missing {missing[:10]}, unexpected {unexpected[:10]}",
+                    path=reader.path,
+                    key=name,
+                )
+        elif not stateful:
+            _check_assign(obj, saved, name, reader.path)
+        plan.walk(saved, cur, src_pe, name)
+        entries[name] = _Entry(obj, saved, cur, via_lsd, src_pe.name)
     if data is not None:
         if ctx.get("data") is None:
             raise StateMismatchError("checkpoint holds no data-loader state", path=reader.path, key="@data")
-        data.load_state_dict(_resolve(ctx["data"], plan.final, reader.path))
+        plan.walk(ctx["data"], None, pe, "@data")
+    _check_rng_targets(reader, ctx, generators, restore_rng_state)
 
-    restored: list[str] = []
-    # RNG last: nothing above may consume a draw after the streams are restored.
-    if restore_rng_state and ctx.get("rng") is not None:
-        restored = restore_rng(ctx["rng"], generators, path=reader.path)
-    elif generators:
-        raise StateMismatchError("generators given but restore_rng=False or no RNG saved", path=reader.path, key="rng")
-    extra = _resolve(ctx.get("extra"), plan.final, reader.path) if ctx.get("extra") is not None else None
-    return LoadResult(
-        path=reader.path,
-        id=reader.manifest.id,
-        step=reader.manifest.step,
-        part=pe.name,
-        context=ctx,
-        manifest=reader.manifest,
-        env_differences=tuple(diffs),
-        exact=not diffs,
-        restored_rng=tuple(restored),
-        in_place=plan.in_place,
-        fresh=plan.fresh,
-        extra=extra,
-    )
+    prepared = PreparedLoad(reader, pe, ctx, plan, entries, [], data, generators, restore_rng_state, verify, diffs)
+    try:
+        for p in parts.values():
+            wanted = {t.key for t in p.tensors if (p.name, t.key) in plan.cpu_dest}
+            if not wanted:
+                continue
+            opened = reader.open_tensor_file(p)
+            if opened is None:
+                continue
+            fd, f = opened
+            r = _Read(p, fd, f, wanted, whole=len(wanted) == len(p.tensors))
+            prepared.reads.append(r)
+            if not any((p.name, k) in plan.targets for k in wanted):
+                # Nothing here lands in a target: read it (verified) now, once.
+                _read_now(reader, r, plan, verify)
+                r.done = True
+            elif verify:
+                # Pass 1: hash every chunk that pass 2 will copy, nothing written.
+                if r.whole:
+                    reader.verify_file(f, fd=fd)
+                else:
+                    for t in p.tensors:
+                        if t.key in wanted:
+                            reader.verify_file(f, fd=fd, span=(t.offset, t.offset + t.nbytes))
+    except BaseException:
+        prepared.close()
+        raise
+    return prepared
+
+
+def _read_now(reader: TensorSource, r: _Read, plan: _Plan, verify: bool) -> None:
+    if r.whole:
+        reader.stream_part_into(r.pe, plan.dest(r.pe.name), verify=verify, fd=r.fd)
+        return
+    for t in r.pe.tensors:
+        if t.key in r.wanted:
+            reader.read_tensor_bytes_into(r.pe, t, plan.dest(r.pe.name)(t), verify=verify, fd=r.fd)
+
+
+def load_into(reader: TensorSource, state: Mapping[str, Any] | None, **options: Any) -> LoadResult:
+    """``prepare_load`` then ``apply``: the targets change only if every check passed."""
+    with prepare_load(reader, state, **options) as prepared:
+        return prepared.apply()
 
 
 def _all_in_place(result: Mapping[str, Any], cur: Mapping[str, Any]) -> bool:
-    if set(result) != set(cur):
+    if not isinstance(result, Mapping) or not isinstance(cur, Mapping) or set(result) != set(cur):
         return False
     for k, v in result.items():
         c = cur[k]

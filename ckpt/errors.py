@@ -6,6 +6,7 @@ keeps working for callers who do not know this package::
 
     CkptError
     ├── CheckpointNotFoundError      (FileNotFoundError)  no such checkpoint
+    │   └── CheckpointVanishedError                      removed (e.g. by retention) while read
     ├── IncompleteCheckpointError    (CkptError)          uncommitted / temporary dir
     ├── FormatError                  (ValueError)         bytes that do not parse
     │   ├── UnsupportedVersionError                       unknown major version
@@ -15,6 +16,8 @@ keeps working for callers who do not know this package::
     │   ├── ChecksumMismatchError                         a chunk or manifest digest differs
     │   ├── SizeMismatchError                             truncated or extended file
     │   ├── MissingFileError                              a file the manifest names is absent
+    │   ├── CheckpointChangedError                        a file changed between the two passes
+    │   │                                                 of an in-place load (targets may be mixed)
     │   └── UnexpectedFileError                           a file the manifest does not name
     ├── CheckpointExistsError        (FileExistsError)    refusing to replace a checkpoint
     ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
@@ -35,6 +38,7 @@ from typing import Any
 __all__ = [
     "CkptError",
     "CheckpointNotFoundError",
+    "CheckpointVanishedError",
     "IncompleteCheckpointError",
     "FormatError",
     "UnsupportedVersionError",
@@ -44,6 +48,7 @@ __all__ = [
     "ChecksumMismatchError",
     "SizeMismatchError",
     "MissingFileError",
+    "CheckpointChangedError",
     "UnexpectedFileError",
     "CheckpointExistsError",
     "StateMismatchError",
@@ -99,6 +104,12 @@ class CheckpointNotFoundError(CkptError, FileNotFoundError):
     exit_code = 5
 
 
+class CheckpointVanishedError(CheckpointNotFoundError):
+    """The checkpoint was there when opened and is gone now: another process (retention,
+    a user) removed it while this reader was reading. Not corruption: the bytes read so
+    far were valid; a resume falls back to an older checkpoint."""
+
+
 class IncompleteCheckpointError(CkptError):
     """The directory is not a committed checkpoint (no MANIFEST, or a temporary dir)."""
 
@@ -143,6 +154,16 @@ class MissingFileError(IntegrityError):
 
 class UnexpectedFileError(IntegrityError):
     pass
+
+
+class CheckpointChangedError(IntegrityError):
+    """A committed file changed under an in-place load after its verifying pass.
+
+    Every chunk had matched in the first pass, so the file was modified in place while
+    the load copied it (the format forbids that; a media fault can do it). Unlike every
+    other load error, the targets may now hold a mix of old and new values: load a
+    checkpoint again (``CheckpointManager.resume`` does) before using them.
+    """
 
 
 class CheckpointExistsError(CkptError, FileExistsError):

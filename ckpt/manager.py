@@ -33,9 +33,12 @@ raised as ``BackgroundSaveError`` by the next call into the manager (``after_ste
 ``save``, ``wait``, ``resume`` or ``close``), never swallowed.
 
 **Latest valid.** ``resume()`` lists committed ``step-*`` directories (``.tmp-*`` are
-never candidates), newest first, verifies each in full and loads the first that
-verifies. Each one skipped is named in a ``ResumeFallbackWarning`` with the error that
-disqualified it (file, chunk, offset).
+never candidates), newest first, and loads the first that loads: every chunk verified
+and every check passed before any target is written (``ckpt.load`` is all or nothing),
+so it falls back past a checkpoint that fails *for any reason* (corrupt, content load
+cannot take, state that does not fit); only the strict exactness gate propagates. Each
+one skipped is named in a ``ResumeFallbackWarning`` with the error that disqualified it
+(file, chunk, offset).
 
 **Retention.** ``RetentionPolicy``: keep the last K, keep every step divisible by N, keep
 the best M by a metric passed to ``after_step(metrics=...)`` (stored in the manifest's
@@ -103,8 +106,12 @@ Handled, with where:
   versions: recorded in every part and compared on load (``exactness="strict"`` refuses,
   ``"warn"`` names every difference). Commit SHA and config hash are recorded.
 
-Out of scope (documented, not handled): sharded FSDP/DTensor placements (we save full
-per-rank state dicts); Megatron/DTensor RNG trackers; mps/xpu RNG; shuffle buffers and
+**Sharded state.** A state whose modules/optimizers hold DTensors (FSDP2, tensor
+parallel) is saved through ``ckpt.dcp`` (one part per rank, DCP's planner, resharding
+on resume to any world size and mesh; spec/sharded-format.md). Such saves are blocking
+(``async_save`` does not apply): DCP's collectives share the default group with the loop.
+
+Out of scope (documented, not handled): Megatron/DTensor RNG trackers; mps/xpu RNG; shuffle buffers and
 token-packing remainders in the data layer; DDP bucket sizes, NCCL algorithm pinning and
 collective order (recorded only where they are env variables); ``torch.compile`` caches
 and the SDPA backend choice; section K (DiLoCo learner/syncer state) belongs to
@@ -126,11 +133,8 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from .errors import (
     BackgroundSaveError,
-    CheckpointNotFoundError,
     CkptError,
-    FormatError,
-    IncompleteCheckpointError,
-    IntegrityError,
+    EnvironmentMismatchError,
     RunDirLockedError,
     UnsupportedValueError,
 )
@@ -268,9 +272,11 @@ def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy)
     return {k: tuple(v) for k, v in keep.items()}
 
 
-# Errors that mean "this checkpoint is not usable": fall back to an older one. Other
-# errors (the state does not fit, strict environment gate) are the caller's to see.
-_UNUSABLE = (IntegrityError, FormatError, IncompleteCheckpointError, CheckpointNotFoundError)
+# resume() falls back past a checkpoint that fails to load for any reason (corrupt,
+# re-signed with content load cannot take, state that does not fit, vanished). Only
+# the caller's own refusal propagates: the strict exactness gate, which every older
+# checkpoint of the run would fail too (falling back would silently start afresh).
+_REFUSALS: tuple[type[BaseException], ...] = (EnvironmentMismatchError,)
 
 
 @dataclass(slots=True)
@@ -376,6 +382,10 @@ class CheckpointManager:
             self._dist = None
             self.rank = 0
             self.world_size = 1
+        from .dcp.integration_probe import holds_dtensor
+
+        #: DTensor state (FSDP2/TP): saved and resumed through ckpt.dcp (sharded hook)
+        self.sharded = holds_dtensor(self.state)
         if missing := [k for k in self.replicated if k not in self.state]:
             raise ValueError(f"replicated entries {missing} are not in the state")
 
@@ -532,43 +542,87 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failure()
-        from ._torchio import load_into
+        from ._torchio import prepare_load
 
-        choice = ""
+        names: list[str] = []
         if self.rank == 0:
             for rec in reversed(list_checkpoints(self.run_dir)):
                 if not rec.committed:
                     warnings.warn(f"skipping {rec.path}: no MANIFEST, the save never committed", ResumeFallbackWarning, stacklevel=2)
                     continue
-                try:
-                    CheckpointReader(rec.path, storage=self._storage).verify()
-                except _UNUSABLE as e:
-                    warnings.warn(f"skipping {rec.path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=2)
-                    continue
-                choice = rec.name
-                break
+                names.append(rec.name)
         if self._ctl is not None:
-            choice = self._ctl.broadcast_bytes(choice.encode() if self.rank == 0 else None).decode()
-        if not choice:
-            return None
-        path = os.path.join(self.run_dir, choice)
-        reader = CheckpointReader(path, storage=self._storage)
-        part = None
-        if len(reader.parts) > 1 or self._dist is not None:
-            from .writer import part_name_for_rank
+            payload = "\n".join(names).encode() if self.rank == 0 else None
+            names = [n for n in self._ctl.broadcast_bytes(payload).decode().split("\n") if n]
+        changed: Exception | None = None  # an apply failed: targets stay unusable until a load succeeds
+        result = None
+        for choice in names:
+            path = os.path.join(self.run_dir, choice)
+            prepared = None
+            error: BaseException | None = None
+            sharded = False
+            try:
+                reader = CheckpointReader(path, storage=self._storage)
+                sharded = "sharded" in reader.meta  # --- sharded hook (ckpt.dcp) ---
+                part = None
+                if len(reader.parts) > 1 or self._dist is not None:
+                    from .writer import part_name_for_rank
 
-            part = part_name_for_rank(self.rank)
-        result = load_into(
-            reader,
-            self.state,
-            part=part,
-            data=self.data,
-            # deferred: restore_rng() restores the generators with the other streams
-            generators=None if defer_rng else (self.generators or None),
-            restore_rng_state=not defer_rng,
-            verify=self.rank != 0,  # rank 0 has just verified every byte
-            exactness=exactness or self.exactness,
-        )
+                    part = part_name_for_rank(self.rank)
+                if sharded:
+                    # every chunk of every rank's part, before any target is written
+                    if self.rank == 0:
+                        reader.verify()
+                else:
+                    # Every check and the hash of every chunk, before any target is written.
+                    prepared = prepare_load(
+                        reader,
+                        self.state,
+                        part=part,
+                        data=self.data,
+                        # deferred: restore_rng() restores the generators with the other streams
+                        generators=None if defer_rng else (self.generators or None),
+                        restore_rng_state=not defer_rng,
+                        verify=True,
+                        exactness=exactness or self.exactness,
+                    )
+            except _REFUSALS:
+                raise
+            except Exception as e:  # any reason: this checkpoint cannot be loaded here
+                error = e
+            failed = error is not None
+            if self._ctl is not None:  # all ranks load the same checkpoint or none does
+                failed = bool(self._ctl.all_reduce_max([int(failed)])[0])
+            if failed:
+                if prepared is not None:
+                    prepared.close()
+                why = f"{type(error).__name__}: {error}" if error is not None else "another rank could not load it"
+                warnings.warn(f"skipping {path}: {why}", ResumeFallbackWarning, stacklevel=2)
+                continue
+            if sharded:  # collective: DCP reshards onto this job's shards
+                from .dcp.integration import load_sharded
+
+                result = load_sharded(
+                    reader, self.state, data=self.data, generators=self.generators or None, restore_rng=not defer_rng,
+                    verify=self.rank != 0, exactness=exactness or self.exactness,
+                )
+                break
+            assert prepared is not None
+            try:
+                result = prepared.apply()
+            except Exception as e:  # a file changed between the passes, a Stateful refused
+                if self._ctl is not None:
+                    raise  # ranks cannot agree on a fallback after some applied theirs
+                # The targets may be mixed now: only a complete load of an older
+                # checkpoint (which rewrites every target) makes them usable again.
+                changed = e
+                warnings.warn(f"skipping {path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=2)
+                continue
+            break
+        if result is None:
+            if changed is not None:
+                raise changed
+            return None
         if defer_rng:
             self._deferred_rng = result.context.get("rng")
         lineage = result.context.get("lineage") or {}
@@ -627,6 +681,9 @@ class CheckpointManager:
         # At most one save in flight, and the staging buffer is still being read by it.
         self._join()
         self._raise_failure()
+        if self.sharded:
+            self._save_sharded(step, metrics, extra, t0)
+            return
         stateful = {k: callable(getattr(v, "state_dict", None)) for k, v in self.state.items()}
         if self._dist is not None and self.rank != 0:
             # Replicated entries are written by rank 0 only; no need to snapshot them here.
@@ -745,6 +802,29 @@ class CheckpointManager:
             job.state = {}
             job.data = None
             job.done.set()
+
+    def _save_sharded(self, step: int, metrics: Mapping[str, Any] | None, extra: Any, t0: float) -> None:
+        """Sharded hook (ckpt.dcp): a collective DCP save on this thread, every rank
+        together. It blocks (DCP's collectives run on the default group, which the
+        training loop also uses; a background thread would interleave with it)."""
+        from .dcp.integration import save_sharded
+
+        path = os.path.join(self.run_dir, checkpoint_name(step))
+        meta = {"run_id": self.run_id, "metrics": dict(metrics or {}), "resumed_from": self.resumed_from}
+        lineage = {
+            "run_id": self.run_id,
+            "resumed_from": self.resumed_from["id"] if self.resumed_from else None,
+            "resumed_from_name": self.resumed_from["name"] if self.resumed_from else None,
+        }
+        self._last_save_step = step
+        self._last_save_time = self._clock()
+        info = save_sharded(
+            path, self.state, config=self.config, data=self.data, step=step, generators=self.generators or None,
+            extra=extra, lineage=lineage, code_dir=self.code_dir, overwrite=True, meta=meta, storage=self._storage,
+        )
+        deleted = self._apply_retention() if self.rank == 0 else ()
+        stall = time.perf_counter() - t0
+        self.reports.append(SaveReport(step, path, False, stall, stall, info.bytes, deleted))
 
     # -- housekeeping ------------------------------------------------------------------
     def _apply_retention(self, *, upcoming: int | None = None) -> tuple[str, ...]:

@@ -10,15 +10,19 @@ time: ``ckpt inspect`` and ``ckpt verify`` use it without torch.
 from __future__ import annotations
 
 import os
+import queue
 import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from ._pipeline import OrderedFeeder
+from ._statecheck import check_part
 from .errors import (
     ChecksumMismatchError,
     CheckpointNotFoundError,
+    CheckpointVanishedError,
+    CkptError,
     FormatError,
     IncompleteCheckpointError,
     LimitExceededError,
@@ -29,7 +33,8 @@ from .errors import (
 )
 from .format.codec import zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
-from .format.manifest import MANIFEST_NAME, TMP_PREFIX, content_id, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
+from .format.context import check_context, check_entry_names
+from .format.manifest import MANIFEST_NAME, TMP_PREFIX, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
 from .format.safetensors import check_against_manifest, parse_header
 from .format.tree import decode_tree
 from .knobs import knobs
@@ -50,12 +55,16 @@ class VerifyReport:
 class _ChunkVerifier:
     """Compares each chunk's digest as soon as the chunk is complete."""
 
-    def __init__(self, path: str, entry: FileEntry) -> None:
+    def __init__(self, path: str, entry: FileEntry, *, first: int = 0, key: str | None = None) -> None:
+        """``first``: the chunk the fed bytes start at (a range, not the whole file)."""
         self.path = path
         self.entry = entry
+        self.first = first
+        self.key = key
         self.hasher = ChunkHasher(entry.chunk_size, self._check)
 
     def _check(self, idx: int, digest: bytes) -> None:
+        idx += self.first
         want = self.entry.digests[idx * DIGEST_SIZE : (idx + 1) * DIGEST_SIZE]
         if digest != want:
             cs = self.entry.chunk_size
@@ -64,6 +73,7 @@ class _ChunkVerifier:
                 f"chunk {idx} (bytes {lo}..{hi}) does not match its digest",
                 path=self.path,
                 offset=lo,
+                key=self.key,
                 chunk=idx,
                 byte_range=(lo, hi),
             )
@@ -76,6 +86,8 @@ class _ChunkVerifier:
 
 
 _PIPELINE_MIN_BYTES = 32 << 20
+#: the most a verifying read holds beside its destination (verify, lazy tensor reads)
+_VERIFY_PIECE = 8 << 20
 
 
 class _PipelinedVerifier:
@@ -161,19 +173,37 @@ class CheckpointReader:
         try:
             mst = self._storage.lstat(mpath)
         except FileNotFoundError:
+            try:
+                self._storage.lstat(p)
+            except FileNotFoundError:  # the directory itself went away after the first lstat
+                raise CheckpointVanishedError("the checkpoint was removed while it was being opened", path=p) from None
             raise IncompleteCheckpointError("no MANIFEST: the save never committed", path=p) from None
         if not stat.S_ISREG(mst.st_mode):
             raise UnsafePathError("MANIFEST is not a regular file", path=mpath)
         limit = knobs().max_manifest_bytes + 64
         if mst.st_size > limit:
             raise LimitExceededError(f"MANIFEST is {mst.st_size} bytes, above the limit", path=mpath)
-        manifest = decode_manifest(self._storage.read(mpath, 0, mst.st_size), path=mpath)
-        if content_id(manifest.parts) != manifest.id:
-            # The manifest digest covers the id, so this only trips on a writer bug or a
-            # hand-edited manifest that was re-signed: either way not what was written.
-            raise ChecksumMismatchError("manifest id does not match the digest of its parts", path=mpath, key="id")
-        self._check_files(manifest)
+        try:
+            data = self._storage.read(mpath, 0, mst.st_size)
+        except FileNotFoundError:
+            raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
+        manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
+        try:
+            self._check_files(manifest)
+        except MissingFileError:
+            self._raise_if_vanished()
+            raise
         return manifest
+
+    def _raise_if_vanished(self) -> None:
+        """Retention and replacement rename a checkpoint away before deleting it, so a
+        path that stops existing under a reader means "removed", not "corrupt"."""
+        try:
+            self._storage.lstat(os.path.join(self.path, MANIFEST_NAME))
+        except FileNotFoundError:
+            raise CheckpointVanishedError(
+                "the checkpoint was removed while it was being read (e.g. by retention)", path=self.path
+            ) from None
 
     def _check_files(self, m: Manifest) -> None:
         expected = {MANIFEST_NAME}
@@ -192,7 +222,11 @@ class CheckpointReader:
                 raise SizeMismatchError(
                     f"file is {st.st_size} bytes, manifest says {f.size}", path=fp, offset=min(st.st_size, f.size)
                 )
-        extra = [n for n in self._storage.listdir(self.path) if n not in expected]
+        try:
+            listing = self._storage.listdir(self.path)
+        except FileNotFoundError:
+            raise CheckpointVanishedError("the checkpoint was removed while it was being opened", path=self.path) from None
+        extra = [n for n in listing if n not in expected]
         if extra:
             raise UnexpectedFileError(f"files not named in the manifest: {extra[:5]}", path=os.path.join(self.path, extra[0]))
 
@@ -217,9 +251,23 @@ class CheckpointReader:
     def _fp(self, f: FileEntry) -> str:
         return os.path.join(self.path, f.name)
 
+    def _open_fd(self, fp: str) -> int:
+        try:
+            return os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
     # -- structure files ------------------------------------------------------------------
+    def _read(self, fp: str, offset: int, size: int) -> bytes:
+        try:
+            return self._storage.read(fp, offset, size)
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
     def _read_verified(self, f: FileEntry, verify: bool) -> bytes:
-        data = self._storage.read(self._fp(f), 0, f.size)
+        data = self._read(self._fp(f), 0, f.size)
         if len(data) != f.size:
             raise SizeMismatchError(f"read {len(data)} of {f.size} bytes", path=self._fp(f), offset=len(data))
         if verify:
@@ -240,6 +288,8 @@ class CheckpointReader:
             tree = decode_tree(raw, path=self._fp(f))
             if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
                 raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
+            check_entry_names(tree["state"], path=self._fp(f))
+            check_context(tree["context"], path=self._fp(f))
             self._trees[pe.name] = tree
         return self._trees[pe.name]
 
@@ -255,9 +305,9 @@ class CheckpointReader:
         if f is None or pe.name in self._headers:
             return
         fp = self._fp(f)
-        prefix = self._storage.read(fp, 0, 8)
+        prefix = self._read(fp, 0, 8)
         n, _ = parse_header(prefix, f.size, path=fp)
-        full = self._storage.read(fp, 0, 8 + n)
+        full = self._read(fp, 0, 8 + n)
         n, header = parse_header(full, f.size, path=fp)
         check_against_manifest(header, n, f.size, pe.tensors, path=fp)
         self._headers[pe.name] = (n, header)
@@ -269,13 +319,25 @@ class CheckpointReader:
                 return pe, t
         raise FormatError("no such tensor in this checkpoint", path=self.path, key=key)
 
-    def read_tensor_bytes_into(self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True) -> None:
-        """Read one tensor's bytes into ``dst``, verifying every chunk it overlaps."""
+    def read_tensor_bytes_into(
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, fd: int | None = None
+    ) -> None:
+        """Read one tensor's bytes into ``dst``, verifying every chunk it overlaps.
+
+        ``fd``: read through this descriptor of the part's tensor file (see
+        :meth:`open_tensor_file`) instead of through the storage by path.
+        """
         self._header(pe)
         f = pe.files[t.file]
         fp = self._fp(f)
+
+        def pread_into(offset: int, buf: memoryview) -> int:
+            if fd is not None:
+                return preadv_full(fd, buf, offset)
+            return self._storage.pread_into(fp, offset, buf)
+
         if not verify:
-            got = self._storage.pread_into(fp, t.offset, dst)
+            got = pread_into(t.offset, dst)
             if got != t.nbytes:
                 raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + got, key=t.key)
             return
@@ -285,24 +347,36 @@ class CheckpointReader:
         if last < first:
             return
         lo, hi = first * cs, min((last + 1) * cs, f.size)
-        # Read whole chunks into a scratch buffer (a lazy read of one tensor touches at
-        # most two extra partial chunks), verify, then copy out.
-        buf = bytearray(hi - lo)
-        got = self._storage.pread_into(fp, lo, memoryview(buf))
-        if got != hi - lo:
-            raise SizeMismatchError("file ended inside a tensor", path=fp, offset=lo + got, key=t.key)
-        view = memoryview(buf)
-        for idx in range(first, last + 1):
-            a, b = idx * cs - lo, min((idx + 1) * cs, f.size) - lo
-            if _digest(view[a:b]) != f.digests[idx * DIGEST_SIZE : (idx + 1) * DIGEST_SIZE]:
-                raise ChecksumMismatchError(
-                    f"chunk {idx} (bytes {lo + a}..{lo + b}) does not match its digest",
-                    path=fp,
-                    offset=lo + a,
-                    key=t.key,
-                    chunk=idx,
-                )
-        dst[:] = view[t.offset - lo : t.offset - lo + t.nbytes]
+        # Hash the chunks the tensor overlaps in pieces of at most _VERIFY_PIECE bytes,
+        # copying the tensor's bytes out as they pass: memory is the tensor plus one
+        # piece, never a whole declared chunk (a MANIFEST may declare 1 GiB chunks).
+        # When the chunks fit one piece (the usual case: 4 MiB chunks, small tensors),
+        # dst is written only after every chunk it overlaps has matched; a longer range
+        # is copied as it is verified, so after an error dst may hold part of the bytes.
+        if dst.format != "B" or dst.ndim != 1:
+            dst = dst.cast("B")
+        try:
+            whole = hi - lo <= _VERIFY_PIECE
+            scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
+            verifier = _ChunkVerifier(fp, f, first=first, key=t.key)
+            pos = lo
+            while pos < hi:
+                n = min(len(scratch), hi - pos)
+                piece = scratch[:n]
+                got = pread_into(pos, piece)
+                if got != n:
+                    raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got, key=t.key)
+                verifier.update(piece)
+                a, b = max(pos, t.offset), min(pos + n, t.offset + t.nbytes)
+                if a < b and not whole:
+                    dst[a - t.offset : b - t.offset] = piece[a - pos : b - pos]
+                pos += n
+            verifier.finish()
+            if whole:
+                dst[:] = scratch[t.offset - lo : t.offset - lo + t.nbytes]
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
 
     def stream_part_into(
         self,
@@ -310,13 +384,15 @@ class CheckpointReader:
         destinations: Callable[[TensorEntry], memoryview],
         *,
         verify: bool = True,
+        fd: int | None = None,
     ) -> None:
         """Read every tensor of a part in file order straight into caller memory.
 
         Verification hashes the destination memory right after each read, so a full
         load costs one read and one hash pass, with no scratch copy. Because tensors
         tile the data region (checked against the safetensors header), the hashed
-        ranges cover every byte of the file.
+        ranges cover every byte of the file. ``fd``: read through this descriptor
+        (from :meth:`open_tensor_file`; the caller closes it) instead of opening the path.
         """
         f = pe.file("tensors")
         if f is None:
@@ -324,7 +400,9 @@ class CheckpointReader:
         self._header(pe)
         n, _ = self._headers[pe.name]
         fp = self._fp(f)
-        fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        own_fd = fd is None
+        if fd is None:
+            fd = self._open_fd(fp)
         verifier: _ChunkVerifier | _PipelinedVerifier | None = None
         try:
             if verify:
@@ -356,7 +434,107 @@ class CheckpointReader:
         finally:
             if isinstance(verifier, _PipelinedVerifier):
                 verifier.abort()
-            os.close(fd)
+            if own_fd:
+                os.close(fd)
+
+    def open_tensor_file(self, pe: PartEntry) -> tuple[int, FileEntry] | None:
+        """Check a part's safetensors header and open its tensor file (caller closes the fd).
+
+        A held descriptor keeps reading the same bytes even if the checkpoint is renamed
+        or deleted meanwhile (retention renames before it deletes): an in-place load
+        verifies and then copies through one descriptor per file.
+        """
+        f = pe.file("tensors")
+        if f is None:
+            return None
+        self._header(pe)
+        return self._open_fd(self._fp(f)), f
+
+    def verify_bytes(self, f: FileEntry, data: Any) -> None:
+        """Check the whole content of file ``f``, already in memory, against its digests."""
+        v = _ChunkVerifier(self._fp(f), f)
+        v.update(data)
+        v.finish()
+
+    def verify_file(
+        self,
+        f: FileEntry,
+        *,
+        fd: int | None = None,
+        span: tuple[int, int] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Re-hash every chunk of file ``f`` in bounded pieces; returns the bytes hashed.
+
+        ``span=(lo, hi)``: only the chunks that bytes ``lo..hi`` overlap.
+        """
+        fp = self._fp(f)
+        cs = f.chunk_size
+        lo, hi = (0, f.size) if span is None else span
+        if hi <= lo:
+            return 0
+        first = lo // cs
+        pos, end = first * cs, min(((hi - 1) // cs + 1) * cs, f.size)
+        v = _ChunkVerifier(fp, f, first=first)
+        own_fd = fd is None
+        if fd is None:
+            fd = self._open_fd(fp)
+        try:
+            # The buffer follows the bytes read, never the declared chunk size: a
+            # MANIFEST may declare 1 GiB chunks for a 4 KiB file (§12).
+            start = pos
+            if end - pos >= _PIPELINE_MIN_BYTES:
+                # Two half pieces: one is hashed on a second thread while the next is read
+                # (preadv and xxh3 release the GIL); memory stays one _VERIFY_PIECE.
+                step = _VERIFY_PIECE // 2
+                free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+                for _ in range(2):
+                    free.put(memoryview(bytearray(step)))
+                failed: list[BaseException] = []
+
+                def consume(item: tuple[memoryview, int]) -> None:
+                    buf, n = item
+                    try:
+                        if not failed:
+                            v.update(buf[:n])
+                    except BaseException as e:  # re-raised on the reading thread
+                        failed.append(e)
+                    finally:
+                        free.put(buf)  # always returned, or the reader would wait forever
+
+                feeder = OrderedFeeder(consume, "ckpt-verify")
+                try:
+                    while pos < end and not failed:
+                        want = min(step, end - pos)
+                        mv = free.get()
+                        got = preadv_full(fd, mv[:want], pos)
+                        if got != want:
+                            raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                        feeder.feed((mv, want))
+                        pos += want
+                        if progress is not None:
+                            progress(want)
+                finally:
+                    feeder.finish()
+                if failed:
+                    raise failed[0]
+            else:
+                step = min(cs, end - pos, _VERIFY_PIECE) or 1
+                mv = memoryview(bytearray(step))
+                while pos < end:
+                    want = min(step, end - pos)
+                    got = preadv_full(fd, mv[:want], pos)
+                    if got != want:
+                        raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                    v.update(mv[:want])
+                    pos += want
+                    if progress is not None:
+                        progress(want)
+            v.finish()
+        finally:
+            if own_fd:
+                os.close(fd)
+        return pos - start
 
     # -- verification ----------------------------------------------------------------------
     def verify(self, *, quick: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
@@ -364,30 +542,15 @@ class CheckpointReader:
         report = VerifyReport(self.path, quick=quick)
         for pe in self.parts:
             self._header(pe)
-            self.tree(pe.name, verify=not quick)
+            # Decoded and checked as load would take it: a checkpoint that verifies
+            # does not fail in load on its own content (spec §13).
+            check_part(self, pe, verify=not quick)
             for f in pe.files:
                 report.files += 1
                 if quick:
                     continue
-                fp = self._fp(f)
-                v = _ChunkVerifier(fp, f)
-                fd = os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
-                try:
-                    buf = bytearray(f.chunk_size)
-                    mv = memoryview(buf)
-                    for idx in range(chunk_count(f.size, f.chunk_size)):
-                        want = min(f.chunk_size, f.size - idx * f.chunk_size)
-                        got = preadv_full(fd, mv[:want], idx * f.chunk_size)
-                        if got != want:
-                            raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=idx * f.chunk_size + got)
-                        v.update(mv[:want])
-                        report.chunks += 1
-                        report.bytes += want
-                        if progress is not None:
-                            progress(want)
-                    v.finish()
-                finally:
-                    os.close(fd)
+                report.bytes += self.verify_file(f, progress=progress)
+                report.chunks += chunk_count(f.size, f.chunk_size)
         return report
 
     def iter_tensor_keys(self, part: str | None = None) -> Iterator[str]:
@@ -396,7 +559,7 @@ class CheckpointReader:
     # -- torch-facing conveniences (import torch lazily) -------------------------------
     def tensor(self, key: str, *, part: str | None = None, map_location: Any = None, verify: bool = True) -> Any:
         """Read one tensor lazily: only the chunks it overlaps are read and verified."""
-        from ._torchio import read_tensor
+        from ._materialize import read_tensor
 
         pe, t = self._entry(key, part)
         return read_tensor(self, pe, t, map_location=map_location, verify=verify)
@@ -407,18 +570,16 @@ class CheckpointReader:
         """The whole saved state of a part, as plain trees of fresh tensors.
 
         ``mmap=True`` backs the tensors by a private copy-on-write mapping of the file
-        instead of reading them into new memory (faster; see ``_torchio._mmap_fresh``
+        instead of reading them into new memory (faster; see ``_materialize._mmap_fresh``
         for the one caveat: do not truncate the file while the tensors are alive).
         """
-        from ._torchio import materialize_state
+        from ._materialize import materialize_state
 
+        if part is None and "sharded" in self.meta:  # sharded hook: global tensors (ckpt.dcp)
+            from .dcp.full import full_state
+
+            return full_state(self, verify=verify)
         return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
-
-
-def _digest(b: Any) -> bytes:
-    from .format.digest import digest_bytes
-
-    return digest_bytes(b)
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, storage: Storage = local) -> CheckpointReader:

@@ -23,7 +23,7 @@ from ckpt.format.codec import foreign_value
 from replay.clock import VectorClock
 from replay.errors import TapeFormatError
 
-__all__ = ["Kind", "KINDS", "KIND_BY_NAME", "KIND_BY_CODE", "Event", "FIELD_TYPES", "kind"]
+__all__ = ["Kind", "KINDS", "KIND_BY_NAME", "KIND_BY_CODE", "Event", "FIELD_TYPES", "kind", "strict_pairs", "unpack_msgpack"]
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -147,8 +147,42 @@ def _ext_refused(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} is not allowed on a tape")
 
 
+def strict_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """msgpack ``object_pairs_hook`` for tape payloads and metadata (spec §6.1.1 "Map keys").
+
+    A plain decode lets the last of two equal keys win, merges ``true``/``1`` and
+    ``1``/``1.0``, and raises a bare ``TypeError`` on a list or map key; two readers
+    could then disagree on what the tape says. Keys MUST be strings or integers (not
+    booleans), and a key MUST NOT repeat."""
+    out: dict[Any, Any] = {}
+    for k, v in pairs:
+        if type(k) is not str and type(k) is not int:
+            raise ValueError(f"map key {k!r} of type {type(k).__name__} (keys must be str or int)")
+        if k in out:
+            raise ValueError(f"map repeats the key {k!r}")
+        out[k] = v
+    return out
+
+
+def unpack_msgpack(data: bytes) -> Any:
+    """Decode one msgpack object under the tape rules; ``ValueError`` says what is wrong."""
+    try:
+        v = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_refused,
+                            object_pairs_hook=strict_pairs)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError, RecursionError) as e:
+        raise ValueError(f"bad msgpack: {e}") from None
+    bad = foreign_value(v)
+    if bad is not None:  # msgpack decodes ext -1 (Timestamp) without asking ext_hook
+        raise ValueError(f"msgpack extension value at {bad} is not allowed on a tape")
+    return v
+
+
 def _enc_msgpack(out: bytearray, v: Any, name: str) -> None:
     raw = msgpack.packb(v, use_bin_type=True, use_single_float=False, strict_types=False)
+    try:
+        unpack_msgpack(raw)  # a recorder never writes what a reader refuses
+    except ValueError as e:
+        raise ValueError(f"field {name}: {e}") from None
     if len(raw) > MAX_MSGPACK:
         raise ValueError(f"field {name}: msgpack value larger than {MAX_MSGPACK} bytes")
     out += _U32.pack(len(raw))
@@ -243,14 +277,7 @@ def _dec_msgpack(mv: memoryview, pos: int) -> tuple[Any, int]:
     if n > MAX_MSGPACK:
         raise ValueError(f"msgpack length {n} above limit {MAX_MSGPACK}")
     _need(mv, pos, n)
-    try:
-        v = msgpack.unpackb(bytes(mv[pos : pos + n]), raw=False, strict_map_key=False, ext_hook=_ext_refused)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise ValueError(f"bad msgpack: {e}") from None
-    bad = foreign_value(v)
-    if bad is not None:  # msgpack decodes ext -1 (Timestamp) without asking ext_hook
-        raise ValueError(f"msgpack extension value at {bad} is not allowed on a tape")
-    return v, pos + n
+    return unpack_msgpack(bytes(mv[pos : pos + n])), pos + n
 
 
 _ENCODERS: dict[str, Callable[[bytearray, Any, str], None]] = {
@@ -341,7 +368,10 @@ class Event:
 
     @property
     def payload(self) -> dict[str, Any]:
-        return self.kind.unpack(self.raw)
+        try:
+            return self.kind.unpack(self.raw)
+        except TapeFormatError as e:
+            raise TapeFormatError(e.message, **{**e.context, "seq": self.seq}) from None
 
     def same(self, other: "Event") -> bool:
         """Equal in everything replay promises to reproduce (the tape seq is not)."""

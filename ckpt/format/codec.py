@@ -14,7 +14,7 @@ import zstandard
 from ..errors import FormatError, LimitExceededError
 from ..knobs import knobs
 
-__all__ = ["packb", "unpackb", "zstd_compress", "zstd_decompress", "foreign_value"]
+__all__ = ["packb", "unpackb", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
 
 
 def packb(obj: Any) -> bytes:
@@ -47,6 +47,31 @@ def foreign_value(obj: Any) -> str | None:
     return None
 
 
+class DuplicateKeyError(ValueError):
+    """Raised inside msgpack's pairs hook; callers turn it into their own FormatError."""
+
+
+def strict_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """msgpack ``object_pairs_hook``: build a map, refusing keys that collide.
+
+    A plain decode lets the last of two equal keys win, silently, and Python's
+    equality merges ``true``/``1``, ``1``/``1.0`` and ``0.0``/``-0.0``; two readers
+    could then disagree on a document's meaning. Spec (checkpoint §7.3, "Map keys"):
+    keys equal as values are duplicates and refused, and so are NaN keys (never equal
+    to themselves, so no lookup could find them)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: dict[Any, Any] = {}
+        for k, _ in pairs:
+            if k in seen:
+                raise DuplicateKeyError(f"map repeats the key {k!r} (as {seen[k]!r}); keys equal as values are duplicates")
+            seen[k] = k
+    for k in out:
+        if type(k) is float and k != k:
+            raise DuplicateKeyError("map has a NaN key")
+    return out
+
+
 def unpackb(
     data: bytes | memoryview,
     *,
@@ -68,6 +93,7 @@ def unpackb(
         max_array_len=min(n, k.max_container_len),
         max_map_len=min(n // 2 + 1, k.max_container_len),
         max_ext_len=min(n, k.max_state_raw_bytes),
+        object_pairs_hook=strict_map,
     )
     if ext_hook is not None:
         kwargs["ext_hook"] = ext_hook
@@ -92,7 +118,7 @@ def zstd_compress(data: bytes, level: int | None = None) -> bytes:
     return zstandard.ZstdCompressor(level=lvl, write_content_size=True, write_checksum=False).compress(data)
 
 
-def zstd_decompress(data: bytes, raw_size: int, *, path: str | None = None) -> bytes:
+def zstd_decompress(data: bytes, raw_size: int, *, path: str | None = None) -> bytearray:
     limit = knobs().max_state_raw_bytes
     if raw_size < 0 or raw_size > limit:
         raise LimitExceededError(f"declared raw size {raw_size} exceeds the limit {limit}", path=path, offset=0)
@@ -104,19 +130,41 @@ def zstd_decompress(data: bytes, raw_size: int, *, path: str | None = None) -> b
         raise FormatError(
             f"zstd frame declares {params.content_size} bytes, manifest says {raw_size}", path=path, offset=0
         )
-    # Grow the output only as bytes actually come out of the frame: a one-shot
-    # decompress() allocates the declared content size up front, so an 18-byte frame
-    # claiming 1 GiB would cost 1 GiB before failing.
+    # Memory follows the bytes that really come out of the frame, never the declared
+    # size alone: an 18-byte frame claiming 1 GiB costs nothing before failing. The first
+    # _GROW_LIMIT bytes grow a buffer step by step; a frame that really produces more is
+    # moved once into a buffer of the declared size (calloc'd: pages are touched only as
+    # bytes arrive). The buffer is returned as is: no bytes() copy, which doubled the
+    # peak for a legitimate large document (spec §7.1, §14).
     out = bytearray()
+    filled = 0
     try:
-        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
-            while len(out) <= raw_size:
-                chunk = reader.read(min(1 << 20, raw_size + 1 - len(out)))
+        with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:
+            while filled <= raw_size and filled < _GROW_LIMIT:
+                chunk = reader.read(min(1 << 20, raw_size + 1 - filled))
                 if not chunk:
                     break
                 out += chunk
+                filled = len(out)
+            if filled >= _GROW_LIMIT and filled <= raw_size:
+                big = bytearray(raw_size + 1)
+                big[:filled] = out
+                out = big
+                view = memoryview(out)
+                try:
+                    while filled <= raw_size:
+                        got = reader.readinto(view[filled : filled + min(1 << 20, raw_size + 1 - filled)])
+                        if not got:
+                            break
+                        filled += got
+                finally:
+                    view.release()
     except zstandard.ZstdError as e:
         raise FormatError(f"malformed zstd data: {e}", path=path, offset=0) from None
-    if len(out) != raw_size:
-        raise FormatError(f"zstd output is {len(out)} bytes, expected {raw_size}", path=path, offset=0)
-    return bytes(out)
+    if filled != raw_size:
+        raise FormatError(f"zstd output is {filled} bytes, expected {raw_size}", path=path, offset=0)
+    del out[raw_size:]  # the probe byte (and the spare capacity) go in place
+    return out
+
+
+_GROW_LIMIT = 32 << 20

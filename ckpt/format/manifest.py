@@ -53,7 +53,9 @@ TMP_PREFIX = ".tmp-"
 _HEADER = struct.Struct("<8sHHIQ")
 HEADER_SIZE = _HEADER.size  # 24
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+# Used with fullmatch only: with match() "$" also matches before a trailing newline,
+# so "step-1\n" passed.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 ROLES = ("tensors", "state")
 CODECS = (None, "zstd")
 KINDS = ("checkpoint", "snapshot")
@@ -61,7 +63,7 @@ KINDS = ("checkpoint", "snapshot")
 
 def check_name(name: Any, *, what: str, path: str | None = None) -> str:
     """A file or part name: one path component, no traversal, no hidden files."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name or name == MANIFEST_NAME:
+    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None or ".." in name or name == MANIFEST_NAME:
         raise UnsafePathError(f"unsafe or invalid {what} name {name!r}", path=path, key=str(name)[:80])
     return name
 
@@ -225,7 +227,14 @@ def decode_manifest(data: bytes, *, path: str | None = None) -> Manifest:
 
         raise ChecksumMismatchError("manifest digest does not match its bytes", path=path, offset=end)
     body = unpackb(memoryview(data)[HEADER_SIZE:end], path=path, what="manifest body", offset=HEADER_SIZE)
-    return _validate(body, (major, minor), path)
+    m = _validate(body, (major, minor), path)
+    if content_id(m.parts) != m.id:
+        # Spec §5.2: readers MUST recompute the id. The manifest digest covers the id,
+        # so this only trips on a writer bug or a hand-edited manifest that was re-signed.
+        from ..errors import ChecksumMismatchError
+
+        raise ChecksumMismatchError("manifest id does not match the digest of its parts", path=path, key="id")
+    return m
 
 
 def _validate(body: Any, version: tuple[int, int], path: str | None) -> Manifest:
@@ -233,7 +242,7 @@ def _validate(body: Any, version: tuple[int, int], path: str | None) -> Manifest
     _need(isinstance(body, dict), "body is not a map", path)
     _need(body.get("format") == "ckpt-replay/checkpoint", "format tag is missing or wrong", path, "format")
     cid = body.get("id")
-    _need(isinstance(cid, str) and re.fullmatch(r"[0-9a-f]{32}", cid or "") is not None, "bad id", path, "id")
+    _need(isinstance(cid, str) and re.fullmatch(r"[0-9a-f]{32}", cid) is not None, "bad id", path, "id")
     kind = body.get("kind")
     _need(kind in KINDS, f"unknown kind {kind!r}", path, "kind")
     step = body.get("step")
@@ -278,6 +287,15 @@ def _validate(body: Any, version: tuple[int, int], path: str | None) -> Manifest
                 fw,
             )
             _need(role == "state" or codec is None, "tensor files are never compressed", path, fw)
+            # A state file is read whole into memory: bound it by the state limit whatever
+            # its codec (a zstd frame never exceeds its content by more than a few bytes
+            # per 128 KiB block, so the raw limit plus 1/64 covers any honest frame).
+            _need(
+                role != "state" or size <= k.max_state_raw_bytes + (k.max_state_raw_bytes >> 6) + 4096,
+                f"state file size {size} above the state document limit",
+                path,
+                fw,
+            )
             files.append(FileEntry(name, role, size, cs, digests, codec, raw_size))
         _need(sum(f.role == "state" for f in files) == 1, "a part needs exactly one state file", path, where)
         _need(sum(f.role == "tensors" for f in files) <= 1, "a part has at most one tensor file", path, where)
@@ -292,7 +310,7 @@ def _validate(body: Any, version: tuple[int, int], path: str | None) -> Manifest
             _need(isinstance(key, str) and 0 < len(key) <= 4096, "bad tensor key", path, tw)
             _need(key not in seen_keys, f"duplicate tensor key {key!r}", path, tw)
             seen_keys.add(key)
-            _need(dt in dtypes.DTYPES, f"unknown dtype {dt!r}", path, tw)
+            _need(isinstance(dt, str) and dt in dtypes.DTYPES, f"unknown dtype {dt!r}", path, tw)
             _need(
                 isinstance(shape, list) and len(shape) <= k.max_tensor_rank and all(_int(s, 0, 2**62) for s in shape),
                 "bad shape",
@@ -301,8 +319,11 @@ def _validate(body: Any, version: tuple[int, int], path: str | None) -> Manifest
             )
             _need(_int(fidx, 0, len(files) - 1) and files[fidx].role == "tensors", "bad file index", path, tw)
             numel = 1
+            span = 1  # product of max(d, 1): an empty tensor's strides still multiply out
             for s in shape:
                 numel *= s
+                span *= max(s, 1)
+            _need(span <= 2**62, "shape's element count overflows (product of the nonzero dimensions above 2^62)", path, tw)
             _need(nbytes == numel * dtypes.itemsize(dt), "nbytes does not match dtype and shape", path, tw)
             _need(_int(off, 0, k.max_file_bytes) and off + nbytes <= files[fidx].size, "tensor outside its file", path, tw)
             tensors.append(TensorEntry(key, dt, tuple(shape), fidx, off, nbytes))

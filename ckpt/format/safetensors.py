@@ -65,10 +65,21 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+_MEMBER_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # json gives int, float or bool; only int is an int here
+
+
 def parse_header(prefix: bytes, file_size: int, *, path: str | None = None) -> tuple[int, dict[str, Any]]:
     """Parse ``prefix`` = the first 8 bytes, then call again with the header bytes.
 
     Returns (header_length, header dict). Raises before allocating for absurd sizes.
+    Decoding is strict (spec §6.1 "Header decoding"): the length is a multiple of 8,
+    the JSON object starts at the first byte and only spaces follow it, no key repeats,
+    every tensor member has exactly ``dtype`` (str), ``shape`` (array of int) and
+    ``data_offsets`` (two ints), and ``__metadata__`` maps str to str.
     """
     if len(prefix) < 8:
         raise FormatError("safetensors file shorter than its 8-byte length prefix", path=path, offset=len(prefix))
@@ -78,16 +89,40 @@ def parse_header(prefix: bytes, file_size: int, *, path: str | None = None) -> t
         raise LimitExceededError(f"safetensors header claims {n} bytes, above the limit {limit}", path=path, offset=0)
     if 8 + n > file_size:
         raise FormatError(f"safetensors header claims {n} bytes but the file has {file_size}", path=path, offset=0)
+    if n % 8 or n == 0:
+        raise FormatError(f"safetensors header length {n} is not a positive multiple of 8", path=path, offset=0)
     if len(prefix) < 8 + n:
         return n, {}
     try:
-        header = json.loads(bytes(prefix[8 : 8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+        text = str(memoryview(prefix)[8 : 8 + n], "utf-8")
+        if not text.startswith("{"):
+            raise json.JSONDecodeError("the header must start with '{'", text, 0)
+        header, end = json.JSONDecoder(object_pairs_hook=_no_duplicates).raw_decode(text)
     except _DuplicateKey as e:
         raise FormatError(f"safetensors header repeats the key {e.args[0]!r}", path=path, offset=8) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"safetensors header is not valid JSON: {e}", path=path, offset=8) from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit, nesting
+        raise FormatError(f"safetensors header is not valid JSON: {type(e).__name__}: {str(e)[:200]}", path=path, offset=8) from None
+    if text[end:].strip(" "):
+        raise FormatError("safetensors header has bytes other than spaces after its JSON object", path=path, offset=8 + end)
     if not isinstance(header, dict):
         raise FormatError("safetensors header is not a JSON object", path=path, offset=8)
+    for key, h in header.items():
+        if key == "__metadata__":
+            if not isinstance(h, dict) or not all(isinstance(v, str) for v in h.values()):
+                raise FormatError("safetensors __metadata__ must map strings to strings", path=path, offset=8)
+            continue
+        if not isinstance(h, dict) or set(h) != _MEMBER_KEYS:
+            raise FormatError("a safetensors member must have exactly dtype, shape and data_offsets", path=path, offset=8, key=key)
+        shape, off = h["shape"], h["data_offsets"]
+        if (
+            not isinstance(h["dtype"], str)
+            or not isinstance(shape, list)
+            or not all(_is_int(d) and d >= 0 for d in shape)
+            or not isinstance(off, list)
+            or len(off) != 2
+            or not all(_is_int(o) and o >= 0 for o in off)
+        ):
+            raise FormatError("safetensors member has a malformed dtype, shape or data_offsets", path=path, offset=8, key=key)
     return n, header
 
 

@@ -22,6 +22,7 @@ and other library types, so this file never imports torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,7 +30,8 @@ import msgpack
 
 from ..errors import FormatError, LimitExceededError, UnsupportedValueError
 from ..knobs import knobs
-from .codec import unpackb
+from . import dtypes
+from .codec import DuplicateKeyError, unpackb
 
 __all__ = [
     "EXT_TENSOR",
@@ -45,6 +47,8 @@ __all__ = [
     "to_wire",
     "decode_tree",
     "render_path",
+    "check_device",
+    "DEVICE_TYPES",
 ]
 
 EXT_TENSOR = 1
@@ -56,6 +60,25 @@ EXT_DEVICE = 6
 
 _I64_MIN = -(1 << 63)
 _U64_MAX = (1 << 64) - 1
+
+# BIGINT canonical form (spec §7.3): ASCII digits only (str.isdigit() also accepts
+# "٣٣"), no leading zeros, no "+", no "-0"; the value itself must be out of msgpack's
+# int range, since an in-range int has exactly one encoding: a msgpack int.
+_BIGINT_RE = re.compile(r"-?[1-9][0-9]{0,4095}")
+
+#: Device types a DEVICE value may name (spec §7.3 "Device strings"): the types
+#: torch.device accepts. An index, when present, is a decimal without leading zeros.
+DEVICE_TYPES = (
+    "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga", "maia",
+    "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
+)
+_DEVICE_RE = re.compile(r"(%s)(:(0|[1-9][0-9]{0,8}))?" % "|".join(DEVICE_TYPES))
+
+
+def check_device(text: str, *, path: str | None = None) -> str:
+    if _DEVICE_RE.fullmatch(text) is None:
+        raise FormatError(f"invalid device string {text[:80]!r}", path=path, offset=0)
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +127,8 @@ def to_wire(obj: Any, hook: Hook, path: tuple[Any, ...] = (), depth: int = 0) ->
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
+            if type(k) is float and k != k:
+                raise UnsupportedValueError("a NaN map key cannot be looked up; readers refuse it", key=render_path(path))
             wk = to_wire(k, hook, path + (k,), depth + 1)
             if isinstance(wk, (dict, list)):
                 raise UnsupportedValueError("unhashable map key", key=render_path(path + (k,)))
@@ -161,15 +186,20 @@ def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
         if code == EXT_TENSOR:
             return TensorRef(text)
         if code == EXT_DTYPE:
+            if text not in dtypes.DTYPES:
+                raise FormatError(f"unknown dtype {text[:80]!r}", path=path, offset=0)
             return DtypeRef(text)
         if code == EXT_BIGINT:
-            if not text or len(text) > 4096 or not text.lstrip("-").isdigit():
-                raise FormatError("malformed big integer", path=path, offset=0)
-            return int(text)
+            if len(text) > 4096 or _BIGINT_RE.fullmatch(text) is None:
+                raise FormatError(f"malformed big integer {text[:40]!r}", path=path, offset=0)
+            v = int(text)
+            if _I64_MIN <= v <= _U64_MAX:
+                raise FormatError(f"big integer {text[:40]} is in msgpack's int range (not canonical)", path=path, offset=0)
+            return v
         if code == EXT_REPLICA:
             return ReplicaRef(text)
         if code == EXT_DEVICE:
-            return DeviceRef(text)
+            return DeviceRef(check_device(text, path=path))
         raise FormatError(f"unknown extension type {code}", path=path, offset=0)
 
     def expand(obj: Any, depth: int) -> Any:
@@ -193,6 +223,9 @@ def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
                 rebuilt = {}
                 for k, v in obj.items():
                     rebuilt[expand(k, depth + 1) if type(k) is _TuplePayload else k] = v
+                if len(rebuilt) != len(obj):
+                    # two tuple keys with different bytes but equal values, e.g. (1,) and (1.0,)
+                    raise FormatError("map repeats a tuple key (keys equal as values are duplicates)", path=path, offset=0)
                 obj = rebuilt
             for k, v in obj.items():
                 tv = type(v)
@@ -202,4 +235,45 @@ def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
         return obj
 
     tree = unpackb(data, path=path, what="state tree", ext_hook=ext_hook)
-    return expand(tree, 0)
+    try:
+        out = expand(tree, 0)
+    except (TypeError, DuplicateKeyError) as e:  # an unhashable value inside a tuple key
+        raise FormatError(f"malformed state tree: {e}", path=path, offset=0) from None
+    _check_replicas(out, path)
+    return out
+
+
+def _check_replicas(doc: Any, path: str | None) -> None:
+    """REPLICA may only be the whole value of a top-level entry (spec §9): anywhere else
+    (deeper in a tree, as a key, in the context) it would reach callers as an internal
+    placeholder instead of state."""
+    allowed = doc.get("state") if type(doc) is dict else None
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        v, where = stack.pop()
+        t = type(v)
+        if t is dict:
+            for k, x in v.items():
+                if type(k) is ReplicaRef or (type(k) is tuple and _holds_replica(k)):
+                    raise FormatError(f"REPLICA used as a map key at {where or '/'}", path=path, offset=0)
+                if type(x) is ReplicaRef:
+                    if v is not allowed:
+                        raise FormatError(f"REPLICA below a top-level entry at {where}/{k}", path=path, offset=0)
+                else:
+                    stack.append((x, f"{where}/{k}"))
+        elif t is list or t is tuple:
+            for i, x in enumerate(v):
+                if type(x) is ReplicaRef:
+                    raise FormatError(f"REPLICA below a top-level entry at {where}/{i}", path=path, offset=0)
+                stack.append((x, f"{where}/{i}"))
+
+
+def _holds_replica(t: tuple[Any, ...]) -> bool:
+    stack = list(t)
+    while stack:
+        x = stack.pop()
+        if type(x) is ReplicaRef:
+            return True
+        if type(x) is tuple:
+            stack.extend(x)
+    return False

@@ -39,18 +39,19 @@ import xxhash
 import zstandard
 
 from ckpt.format.codec import foreign_value
+from replay.events import strict_pairs
 from replay.errors import TapeCorruptError, TapeFormatError, TapeLimitError, TapeTruncatedError
 
 __all__ = [
     "MAGIC", "VERSION_MAJOR", "VERSION_MINOR", "HEADER_FIXED", "RECORD_HEADER", "MAX_RECORD", "MAX_META",
-    "MAX_BLOCK_RAW", "BLOCK_KIND", "FLAG_CHAIN", "FLAG_ZSTD", "SegmentHeader", "Frame", "Scan",
+    "MAX_BLOCK_RAW", "BLOCK_KIND", "CLOSE_KIND", "FLAG_CHAIN", "FLAG_ZSTD", "SegmentHeader", "Frame", "Scan",
     "encode_segment_header", "decode_segment_header", "encode_record", "pack_record_into", "encode_block",
     "scan_segment", "checksum",
 ]
 
 MAGIC = b"CKPTTAPE"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 1  # 1.1 added the close record (spec §5.5)
 HEADER_FIXED = 64
 RECORD_HEADER = 40
 MAX_RECORD = 16 << 20  # 16 MiB per record body (and per compressed block body)
@@ -58,6 +59,7 @@ MAX_META = 1 << 20  # 1 MiB of header metadata
 MAX_BLOCK_RAW = 16 << 20  # decompressed size of one block
 MAX_BLOCK_RECORDS = 1 << 20
 BLOCK_KIND = 0xFFFF
+CLOSE_KIND = 0xFFFE  # the close record: a cleanly closed tape ends with it (spec §5.5)
 FLAG_CHAIN = 1
 FLAG_ZSTD = 2
 _KNOWN_FLAGS = FLAG_CHAIN | FLAG_ZSTD
@@ -140,7 +142,8 @@ def decode_segment_header(buf: bytes | memoryview) -> SegmentHeader:
     if flags & ~_KNOWN_FLAGS:
         raise TapeFormatError(f"reserved header flag bits set: {flags:#x}", offset=12)
     try:
-        meta = msgpack.unpackb(bytes(mv[HEADER_FIXED:end]), raw=False, ext_hook=_ext_refused)
+        meta = msgpack.unpackb(bytes(mv[HEADER_FIXED:end]), raw=False, strict_map_key=False, ext_hook=_ext_refused,
+                               object_pairs_hook=strict_pairs)
     except Exception as e:  # msgpack raises several unrelated types; all mean "bad metadata"
         raise TapeFormatError(f"segment metadata is not valid msgpack: {e}", offset=HEADER_FIXED) from None
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
@@ -200,6 +203,7 @@ class Scan:
     last_checksum: int = 0
     records: int = 0
     torn_reason: str = ""
+    closed: bool = False  # the segment ends with a close record (§5.5)
 
     @property
     def dropped(self) -> int:
@@ -298,6 +302,24 @@ def scan_segment(buf: bytes | memoryview, hdr: SegmentHeader, *, final: bool, sc
             raise TapeCorruptError(f"sequence number {seq} where {st.next_seq} was expected (record lost, "
                                    f"duplicated or reordered){where}", offset=pos, seq=seq)
         body = mv[pos + RECORD_HEADER : pos + RECORD_HEADER + n]
+        if kind == CLOSE_KIND:
+            # The close record says "the writer finished and nothing follows": it carries
+            # no body, ends the tape's last segment, and nothing may come after it.
+            if hdr.chain and prev != st.last_checksum:
+                raise TapeCorruptError(f"hash chain broken at the close record{where}", offset=pos, seq=seq)
+            if not hdr.chain and prev != 0:
+                raise TapeFormatError(f"prev field set on an unchained tape{where}", offset=pos, seq=seq)
+            if n != 0:
+                raise TapeFormatError(f"close record with a {n}-byte body (must be empty){where}", offset=pos,
+                                      seq=seq)
+            if not final:
+                raise TapeCorruptError(f"close record in a non-final segment{where}", offset=pos, seq=seq)
+            if pos + RECORD_HEADER != size:
+                raise TapeCorruptError(f"{size - pos - RECORD_HEADER} bytes after the close record{where}",
+                                       offset=pos + RECORD_HEADER, seq=seq + 1)
+            st.closed = True
+            st.end = pos + RECORD_HEADER
+            return
         if kind == BLOCK_KIND:
             if prev != 0:
                 raise TapeFormatError(f"block frame with non-zero prev{where}", offset=pos, seq=seq)
@@ -343,7 +365,7 @@ def _expand_block(body: memoryview, offset: int, seq: int, hdr: SegmentHeader, s
             raise TapeCorruptError(f"bad record inside a valid block at inner offset {pos}{where}", offset=offset,
                                    seq=st.next_seq)
         c, n, kind, flags, s, _salt, prev = _REC.unpack_from(rmv, pos)
-        if flags != 0 or kind == BLOCK_KIND:
+        if flags != 0 or kind == BLOCK_KIND or kind == CLOSE_KIND:
             raise TapeFormatError(f"bad inner record header{where}", offset=offset, seq=s)
         if s != st.next_seq:
             raise TapeCorruptError(f"sequence number {s} where {st.next_seq} was expected{where}", offset=offset,

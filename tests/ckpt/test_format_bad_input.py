@@ -547,7 +547,8 @@ def test_deeply_nested_tuples_hit_the_nesting_limit(good: Path) -> None:
 
 
 def test_tensor_reference_the_manifest_does_not_list(good: Path) -> None:
-    raw = msgpack.packb({"state": {"m": msgpack.ExtType(EXT_TENSOR, b"model/nope")}, "context": {}})
+    context = msgpack.unpackb(msgpack.packb(ckpt.open(good).context(), use_bin_type=True), raw=False)  # a valid §8 context
+    raw = msgpack.packb({"state": {"m": msgpack.ExtType(EXT_TENSOR, b"model/nope")}, "context": context}, use_bin_type=True)
     _state_bomb(good, raw)
     with pytest.raises(FormatError, match="does not list") as ei:
         ckpt.open(good).state()
