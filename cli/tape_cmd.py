@@ -130,9 +130,12 @@ def show_cmd(path: str, actors: tuple[str, ...], kinds: tuple[str, ...], from_st
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @handle_errors
 def verify_cmd(path: str, as_json: bool) -> None:
-    """Check framing, checksums, sequence numbers, hash chain and event encoding.
+    """Check framing, checksums, sequence numbers, hash chain, every event and payload,
+    the step index against the records, and that the tape was closed.
 
-    Exit 0 valid; 3 corrupt (offset and seq named); 4 torn tail (repairable)."""
+    Exit 0 valid and closed; 3 corrupt (offset and seq named; a step index that disagrees
+    with the records too); 4 incomplete: a torn tail (repairable) or a tape that was never
+    closed (its writer died, or its end was cut off at a record boundary)."""
     from replay.tape import TapeReader
 
     r = TapeReader(path)
@@ -143,10 +146,14 @@ def verify_cmd(path: str, as_json: bool) -> None:
     else:
         feats = ", ".join(f for f, on in (("hash chain", r.header.chain), ("zstd blocks", r.header.zstd)) if on)
         click.echo(f"ok: {path}: {rep.events} events (seq 0..{rep.last_seq}) in {rep.segments} segment(s), "
-                   f"{rep.valid_bytes} bytes{' (' + feats + ')' if feats else ''}")
+                   f"{rep.valid_bytes} bytes{' (' + feats + ')' if feats else ''}, step index {rep.index}")
     if rep.dropped_bytes:
         click.echo(f"torn tail: {rep.dropped_bytes} bytes after the last valid record ({rep.torn_reason}); "
                    f"`ckpt tape repair {path}` truncates them", err=True)
+    if not rep.closed:
+        click.echo(f"not closed (ends at seq {rep.last_seq}): the tape has no close record, so its writer never "
+                   "finished or its end (records or segments) is missing", err=True)
+    if rep.dropped_bytes or not rep.closed:
         raise click.exceptions.Exit(4)
 
 
@@ -160,7 +167,13 @@ def check_cmd(paths: tuple[str, ...], as_json: bool) -> None:
     one history. Exit 0 when none is violated, 6 otherwise."""
     from replay.check import check_tapes
 
-    violations = check_tapes(list(paths))
+    readers: list[Any] = []
+    violations = check_tapes(list(paths), readers=readers)
+    for r in readers:
+        # The history is judged as far as it goes; say where a tape was cut short (§5.5).
+        if not r.closed:
+            click.echo(f"note: {r.path} is not closed (ends at seq {r.last_seq}): the history checked may be "
+                       "incomplete", err=True)
     path = " ".join(paths)
     if as_json:
         click.echo(json.dumps([v.to_json() for v in violations], indent=2))
@@ -249,7 +262,9 @@ def _order(pair: tuple[Any, Any]) -> tuple[int, int]:
 def repair_cmd(path: str, dry_run: bool, salvage: bool) -> None:
     """Truncate a torn tail (explicitly, reporting the bytes), then rebuild the step index.
 
-    A corrupt middle record is refused (exit 3) unless --salvage is given."""
+    A corrupt middle record is refused (exit 3) unless --salvage is given. Never follows a
+    symlink: a segment that is one is refused, the index is replaced, not written through.
+    A repaired tape is still not closed (`tape verify` says so): what was lost stays lost."""
     from replay import repair_tape
 
     rep = repair_tape(path, dry_run=dry_run, salvage=salvage)
@@ -285,20 +300,46 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
               help="verify: tape is the oracle; force: also take taped decisions; fork: record a new tape.")
 @click.option("--out", type=click.Path(path_type=str), default=None, help="fork: the new tape.")
 @click.option("--set", "sets", multiple=True, help="fork: change a config value, KEY=JSON (repeatable).")
-@click.option("--entry-point", default=None, help="Override the taped module:function.")
+@click.option("--entry-point", default=None,
+              help="Run this module:function (or file.py:function) instead of the taped one; naming it yourself "
+                   "counts as trusting it.")
+@click.option("--trust", is_flag=True,
+              help="Run the entry point the tape names. Without it (or the CKPT_REPLAY_TRUST allow-list) ckpt replay "
+                   "prints the entry point and the file it resolves to, and stops (exit 2).")
+@click.option("--import-path", "import_path", multiple=True, type=click.Path(file_okay=False, path_type=str),
+              help="Directory to import the entry point from (repeatable). The current directory is never added "
+                   "implicitly.")
 @click.option("--reference", type=click.Path(exists=True, path_type=str), default=None,
               help="A .safetensors file of the original run's tensors at the divergence step (max abs diffs).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
 @handle_errors
 def replay_cmd(path: str, from_checkpoint: str | None, until: int | None, mode: str, out: str | None,
-               sets: tuple[str, ...], entry_point: str | None, reference: str | None, as_json: bool) -> None:
-    """Re-execute the run recorded on a tape. Exit 0 identical, 6 diverged, 3 corrupt tape."""
-    from replay.replayer import replay
+               sets: tuple[str, ...], entry_point: str | None, trust: bool, import_path: tuple[str, ...],
+               reference: str | None, as_json: bool) -> None:
+    """Re-execute the run recorded on a tape. Exit 0 identical, 6 diverged, 3 corrupt tape.
+
+    Replaying imports and runs the tape's entry point: code, exactly like running the
+    training script. A tape from someone else can name any module or file, so by default
+    ckpt replay only prints the entry point and the file it resolves to, and exits 2.
+    Run it with --trust, or list its directory in CKPT_REPLAY_TRUST (directories
+    separated by the OS path separator). --entry-point names the code yourself. The
+    current directory is never put on sys.path; use --import-path DIR."""
+    from replay.replayer import TRUST_ENV, replay, resolve_entry_point, trusted_by_env
+    from replay.tape import TapeReader
 
     if mode == "fork" and not out:
         raise click.BadParameter("fork writes a new tape: give --out", param_hint="--out")
     if sets and mode != "fork":
         raise click.BadParameter("--set changes the run: use --mode fork", param_hint="--set")
+    spec = entry_point or TapeReader(path).meta.get("entry_point")
+    if spec:
+        ep = resolve_entry_point(str(spec), search_path=import_path)
+        click.echo(f"entry point: {ep.spec}\n  resolves to: {ep.file if ep.file is not None else '(not found)'}",
+                   err=True)
+        if not (trust or entry_point or trusted_by_env(ep)):
+            click.echo(f"refusing to run code named by the tape {path}: replaying runs it. Pass --trust if you "
+                       f"trust this tape, or list the file's directory in {TRUST_ENV}.", err=True)
+            raise click.exceptions.Exit(2)
     ref = None
     if reference is not None:
         from safetensors.torch import load_file
@@ -306,7 +347,8 @@ def replay_cmd(path: str, from_checkpoint: str | None, until: int | None, mode: 
         tensors = load_file(reference)
         ref = lambda step: tensors  # noqa: E731 - one file, whatever the step
     result = replay(path, mode=mode, from_checkpoint=from_checkpoint, until=until, reference=ref,
-                    entry_point=entry_point, out=out, config_overrides=_parse_set(sets) or None)
+                    entry_point=entry_point, out=out, config_overrides=_parse_set(sets) or None,
+                    search_path=import_path)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2, default=str))
     else:

@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import msgpack
 
 from ckpt.format.codec import foreign_value
+from ckpt.tape.format import strict_pairs  # one definition, next to the framing it serves
 from replay.clock import VectorClock
 from replay.errors import TapeFormatError
 
-__all__ = ["Kind", "KINDS", "KIND_BY_NAME", "KIND_BY_CODE", "Event", "FIELD_TYPES", "kind"]
+__all__ = ["Kind", "KINDS", "KIND_BY_NAME", "KIND_BY_CODE", "Event", "FIELD_TYPES", "kind", "strict_pairs", "unpack_msgpack"]
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -147,8 +148,25 @@ def _ext_refused(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} is not allowed on a tape")
 
 
+def unpack_msgpack(data: bytes) -> Any:
+    """Decode one msgpack object under the tape rules; ``ValueError`` says what is wrong."""
+    try:
+        v = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_refused,
+                            object_pairs_hook=strict_pairs)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError, RecursionError) as e:
+        raise ValueError(f"bad msgpack: {e}") from None
+    bad = foreign_value(v)
+    if bad is not None:  # msgpack decodes ext -1 (Timestamp) without asking ext_hook
+        raise ValueError(f"msgpack extension value at {bad} is not allowed on a tape")
+    return v
+
+
 def _enc_msgpack(out: bytearray, v: Any, name: str) -> None:
     raw = msgpack.packb(v, use_bin_type=True, use_single_float=False, strict_types=False)
+    try:
+        unpack_msgpack(raw)  # a recorder never writes what a reader refuses
+    except ValueError as e:
+        raise ValueError(f"field {name}: {e}") from None
     if len(raw) > MAX_MSGPACK:
         raise ValueError(f"field {name}: msgpack value larger than {MAX_MSGPACK} bytes")
     out += _U32.pack(len(raw))
@@ -243,14 +261,7 @@ def _dec_msgpack(mv: memoryview, pos: int) -> tuple[Any, int]:
     if n > MAX_MSGPACK:
         raise ValueError(f"msgpack length {n} above limit {MAX_MSGPACK}")
     _need(mv, pos, n)
-    try:
-        v = msgpack.unpackb(bytes(mv[pos : pos + n]), raw=False, strict_map_key=False, ext_hook=_ext_refused)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise ValueError(f"bad msgpack: {e}") from None
-    bad = foreign_value(v)
-    if bad is not None:  # msgpack decodes ext -1 (Timestamp) without asking ext_hook
-        raise ValueError(f"msgpack extension value at {bad} is not allowed on a tape")
-    return v, pos + n
+    return unpack_msgpack(bytes(mv[pos : pos + n])), pos + n
 
 
 _ENCODERS: dict[str, Callable[[bytearray, Any, str], None]] = {
@@ -312,6 +323,17 @@ KINDS: tuple[Kind, ...] = (
                                   ("parts", "strs"), ("excluded", "strs"), ("reason", "str")),
          "The coordinator committed (1) or aborted (0) a distributed snapshot: parts are the actors whose state "
          "it holds, excluded the failed ones left out, reason why it aborted (the writer fsyncs the tape here)."),
+    Kind(22, "ledger_open", (("run_id", "str"), ("start_step", "i64"), ("source", "str"), ("rng", "digests")),
+         "A process starts its step ledger (ckpt.ledger) at start_step; source names the checkpoint it resumed "
+         "from (empty for a fresh start); rng holds the digest of each RNG stream right after that."),
+    Kind(23, "ledger_step", (("has", "u32"), ("batch", "d128"), ("loss", "f64"), ("rng", "digests"),
+                             ("params", "d128")),
+         "One optimizer step of the ledger: has bit 0 batch, bit 1 loss, bit 2 params say which fields were "
+         "recorded (the others are zero); batch digests every tensor the step consumed; rng is each stream's "
+         "digest after the step."),
+    Kind(24, "resume_check", (("verdict", "str"), ("first", "i64"), ("last", "i64"), ("report", "str")),
+         "The verification of a resume against the ledger: verdict exact, diverged or skipped over steps "
+         "first..last, with the full report text."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
@@ -341,7 +363,10 @@ class Event:
 
     @property
     def payload(self) -> dict[str, Any]:
-        return self.kind.unpack(self.raw)
+        try:
+            return self.kind.unpack(self.raw)
+        except TapeFormatError as e:
+            raise TapeFormatError(e.message, **{**e.context, "seq": self.seq}) from None
 
     def same(self, other: "Event") -> bool:
         """Equal in everything replay promises to reproduce (the tape seq is not)."""

@@ -39,7 +39,8 @@ from replay.tape.reader import EVENT_HEAD, TapeReader, decode_event
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["replay", "record", "fork", "load_entry_point", "ReplayResult", "Divergence", "TensorDiff", "Oracle"]
+__all__ = ["replay", "record", "fork", "load_entry_point", "resolve_entry_point", "trusted_by_env", "EntryPoint",
+           "TRUST_ENV", "ReplayResult", "Divergence", "TensorDiff", "Oracle"]
 
 _ACTOR_CODE = KIND_BY_NAME["actor"].code
 _PARAMS_CODE = KIND_BY_NAME["params"].code
@@ -399,19 +400,78 @@ class Oracle:
 
 
 def _abs_diff(ref: "torch.Tensor", live: "torch.Tensor") -> tuple[float | None, int | None]:
-    a, b = ref.detach().cpu(), live.detach().cpu()
-    if a.shape != b.shape:
+    from ckpt.diff import tensor_diff  # the one tensor comparison
+
+    d = tensor_diff(ref, live)
+    if d.reason and d.max_abs is None:
         return None, None
-    differing = int((a != b).sum().item()) if a.dtype == b.dtype else int(a.numel())
-    return float((a.double() - b.double()).abs().max().item()) if a.numel() else 0.0, differing
+    return d.max_abs, d.differing
 
 
 # -- entry points ------------------------------------------------------------------------------
-def load_entry_point(spec: str) -> Callable[[Recorder], Any]:
-    """Resolve ``module:function`` or ``path/to/file.py:function``."""
+TRUST_ENV = "CKPT_REPLAY_TRUST"
+
+
+@dataclass(frozen=True, slots=True)
+class EntryPoint:
+    """Where ``module:function`` (or ``file.py:function``) resolves, found without running it."""
+
+    spec: str
+    module: str  # the module name, or the file path as given
+    attr: str
+    file: Path | None  # the source file that would be executed; None when it cannot be found
+
+    def describe(self) -> str:
+        return f"{self.spec} -> {self.file if self.file is not None else '(not found)'}"
+
+
+def resolve_entry_point(spec: str, *, search_path: tuple[str, ...] = ()) -> EntryPoint:
+    """Find the file ``spec`` names **without importing anything** (a package's
+    ``__init__`` is code too). ``search_path``: directories searched before ``sys.path``;
+    the current directory is never added implicitly (spec §14)."""
     if ":" not in spec:
         raise ReplayError(f"entry point must be 'module:function', got {spec!r}")
     mod_name, _, attr = spec.rpartition(":")
+    if mod_name.endswith(".py"):
+        p = Path(mod_name)
+        return EntryPoint(spec, mod_name, attr, p.resolve() if p.is_file() else None)
+    loaded = sys.modules.get(mod_name)
+    if loaded is not None:
+        f = getattr(loaded, "__file__", None)
+        return EntryPoint(spec, mod_name, attr, Path(f).resolve() if f else None)
+    from importlib.machinery import PathFinder
+
+    where: list[str] | None = [*search_path, *sys.path]
+    found = None
+    for part in mod_name.split("."):
+        found = PathFinder.find_spec(part, where)
+        if found is None:
+            return EntryPoint(spec, mod_name, attr, None)
+        where = list(found.submodule_search_locations or [])
+    origin = found.origin if found is not None else None
+    return EntryPoint(spec, mod_name, attr, Path(origin).resolve() if origin and origin != "namespace" else None)
+
+
+def trusted_by_env(ep: EntryPoint, env: Mapping[str, str] | None = None) -> bool:
+    """True when ``ep``'s file lies under a directory listed in ``CKPT_REPLAY_TRUST``
+    (``os.pathsep``-separated), the documented allow-list of ``ckpt replay``."""
+    raw = (os.environ if env is None else env).get(TRUST_ENV, "")
+    if ep.file is None or not raw:
+        return False
+    for d in raw.split(os.pathsep):
+        if d and ep.file.is_relative_to(Path(d).resolve()):
+            return True
+    return False
+
+
+def load_entry_point(spec: str, *, search_path: tuple[str, ...] = ()) -> Callable[[Recorder], Any]:
+    """Import and return ``module:function`` or ``path/to/file.py:function``.
+
+    This runs the module's code. ``search_path`` directories are searched first; the
+    current directory is not put on ``sys.path`` (it is there only if the interpreter
+    put it there, as ``python -m`` does)."""
+    ep = resolve_entry_point(spec, search_path=search_path)
+    mod_name, attr = ep.module, ep.attr
     if mod_name.endswith(".py"):
         path = Path(mod_name)
         name = "_ckpt_entry_" + xxhash.xxh3_64_hexdigest(str(path.resolve()).encode())
@@ -424,9 +484,16 @@ def load_entry_point(spec: str) -> Callable[[Recorder], Any]:
             sys.modules[name] = module
             s.loader.exec_module(module)
     else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(mod_name)
+        added = [d for d in search_path if d not in sys.path]
+        sys.path[:0] = added
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise ReplayError(f"entry point {spec!r}: cannot import {mod_name!r} ({e}); the current directory is "
+                              "not searched unless named (ckpt replay --import-path DIR)") from None
+        finally:
+            for d in added:
+                sys.path.remove(d)
     try:
         fn = getattr(module, attr)
     except AttributeError:
@@ -448,8 +515,12 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
            until: int | None = None, reference: Reference | None = None, entry_point: str | None = None,
            out: str | os.PathLike[str] | None = None, config_overrides: Mapping[str, Any] | None = None,
            align_snapshot: str | None = None, entry: Callable[[Recorder], Any] | None = None,
-           **writer_opts: Any) -> ReplayResult:
+           search_path: tuple[str, ...] = (), **writer_opts: Any) -> ReplayResult:
     """Re-execute the run recorded on ``tape``; see the module docstring for the modes.
+
+    This imports and runs the entry point the tape names (or ``entry_point``): call it
+    only on tapes you trust. ``ckpt replay`` asks first (``--trust``). ``search_path``:
+    directories to import it from (the current directory is not added implicitly).
 
     ``align_snapshot`` (verify/force) continues a run restored from that snapshot: each
     actor's taped events before its own cut are taken as done. ``entry`` is the function
@@ -465,12 +536,12 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
     if mode == "fork":
         if entry is not None or align_snapshot is not None:
             raise ValueError("entry= and align_snapshot= re-execute a tape: mode verify or force")
-        return _fork(reader, ep, config, out, from_checkpoint, config_overrides, writer_opts)
+        return _fork(reader, ep, config, out, from_checkpoint, config_overrides, writer_opts, search_path)
     if mode not in ("verify", "force"):
         raise ValueError(f"mode must be verify, force or fork, got {mode!r}")
     if config_overrides:
         raise ValueError("config overrides change the run: use mode='fork'")
-    fn = entry if entry is not None else load_entry_point(ep)
+    fn = entry if entry is not None else load_entry_point(ep, search_path=search_path)
     oracle = Oracle(reader, until=until, align=from_checkpoint is not None, reference=reference,
                     align_snapshot=align_snapshot)
     rec = Recorder(None, oracle=oracle, mode=mode, actor=meta.get("default_actor", "main"), config=config,
@@ -493,8 +564,8 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
 
 
 def _fork(reader: TapeReader, ep: str, config: dict[str, Any], out: str | os.PathLike[str] | None,
-          from_checkpoint: str | None, overrides: Mapping[str, Any] | None, writer_opts: Mapping[str, Any]
-          ) -> ReplayResult:
+          from_checkpoint: str | None, overrides: Mapping[str, Any] | None, writer_opts: Mapping[str, Any],
+          search_path: tuple[str, ...] = ()) -> ReplayResult:
     if out is None:
         raise ValueError("fork writes a new tape: pass out=")
     meta = reader.meta
@@ -502,7 +573,7 @@ def _fork(reader: TapeReader, ep: str, config: dict[str, Any], out: str | os.Pat
     lineage = {"parent_run_id": reader.run_id.hex(), "parent_tape": str(reader.path),
                "parent_config_hash": meta.get("config_hash"), "from_checkpoint": from_checkpoint,
                "changes": dict(overrides or {})}
-    fn = load_entry_point(ep)
+    fn = load_entry_point(ep, search_path=search_path)
     with Recorder.open(str(out), entry_point=ep, config=new_config, resume_from=from_checkpoint,
                        initial_checkpoint=from_checkpoint, lineage=lineage,
                        actor=meta.get("default_actor", "main"),

@@ -178,7 +178,10 @@ class TorchDistTransport:
         dist.isend(buf, self._global(dst), group=self._group, tag=self._tag).wait()
 
     def _recv_bytes(self, buf: torch.Tensor, src: str) -> None:
-        dist.irecv(buf, self._global(src), group=self._group, tag=self._tag).wait()
+        try:
+            dist.irecv(buf, self._global(src), group=self._group, tag=self._tag).wait()
+        except RuntimeError as exc:  # the connection, not our own code: the peer is gone
+            raise _TransportFailure() from exc
 
     def _recv_segment(self, dst: torch.Tensor, src: str, chunk: int) -> None:
         for a, b in wire.chunk_spans(dst.numel(), chunk):
@@ -197,13 +200,13 @@ class TorchDistTransport:
             seq: int | None = None
             try:
                 self._recv_bytes(hdr, src)
-                h = wire.decode_header(hdr.cpu().numpy().tobytes())
+                h = wire.decode_header(_host_bytes(hdr))
                 if h.kind is MessageKind.BYE:
                     return
                 seq = h.seq
                 meta = torch.empty(h.meta_len, dtype=torch.uint8, device=self._device)
                 self._recv_segment(meta, src, h.chunk_bytes)
-                blob = wire.decode_meta(meta.cpu().numpy().tobytes(), n_tensors=h.n_tensors,
+                blob = wire.decode_meta(_host_bytes(meta), n_tensors=h.n_tensors,
                                         payload_len=h.payload_len)
                 if blob.src != src or blob.dst != self._actor:
                     raise ChannelError(f"message addressed {blob.src}->{blob.dst} arrived on this channel")
@@ -229,12 +232,32 @@ class TorchDistTransport:
                 self._inbox.put(ChannelError(f"malformed message, channel closed: {exc.message}", channel=chan,
                                              seq=seq if seq is not None else next_seq))
                 return
-            except RuntimeError as exc:
+            except _TransportFailure as exc:
                 if self._closing.is_set():
                     return
                 where = "mid-message" if seq is not None else "between messages"
-                self._inbox.put(PeerGone(src, f"{where}: {_first_line(exc)}", seq))
+                self._inbox.put(PeerGone(src, f"{where}: {_first_line(exc.__cause__ or exc)}", seq))
                 return
+            except Exception as exc:
+                # A failure on *this* side (a decode bug, a missing library, memory): the
+                # peer is alive and may be blocked sending to us, so this must not read as
+                # "peer gone" (a survivor would wait for a replacement forever). Report it
+                # as a channel error; the endpoint raises it to its owner, whose process
+                # fails, and the sender's blocked send then fails on the closed connection.
+                self._inbox.put(ChannelError(f"receiver failed, channel closed: {type(exc).__name__}: "
+                                             f"{_first_line(exc)}", channel=chan,
+                                             seq=seq if seq is not None else next_seq))
+                return
+
+
+class _TransportFailure(Exception):
+    """A receive failed in the transport (``__cause__`` holds gloo's error)."""
+
+
+def _host_bytes(t: torch.Tensor) -> bytes:
+    """A small uint8 tensor's bytes, without numpy (``Tensor.numpy()`` raises "Numpy is not
+    available" when numpy is missing, which once left the gloo demo hanging)."""
+    return bytes(t.cpu().tolist())
 
 
 def _first_line(exc: BaseException) -> str:

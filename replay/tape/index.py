@@ -16,13 +16,14 @@ the run id's first 8 bytes. A torn last entry is ignored.
 from __future__ import annotations
 
 import os
+import secrets
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
-__all__ = ["IndexEntry", "INDEX_MAGIC", "encode_index_header", "encode_entry", "read_index", "write_index"]
+__all__ = ["IndexEntry", "INDEX_MAGIC", "create_exclusive", "encode_index_header", "encode_entry", "read_index", "write_index"]
 
 INDEX_MAGIC = b"CKPTTIDX"
 _HDR = struct.Struct("<8sHHI16s")
@@ -79,13 +80,33 @@ def read_index(path: Path, run_id: bytes) -> list[IndexEntry] | None:
     return out
 
 
+def create_exclusive(path: Path) -> int:
+    """Create ``path`` for writing; fail if anything (a file, a symlink, even a dangling
+    one) is already there. O_EXCL|O_CREAT never follows a final symlink; O_NOFOLLOW says
+    so twice, for platforms that read the flags loosely. Every file a tape tool creates
+    goes through here."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    return os.open(path, flags, 0o644)
+
+
 def write_index(path: Path, run_id: bytes, entries: list[IndexEntry]) -> None:
     """Replace the sidecar atomically (tmp + rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(encode_index_header(run_id))
-        for e in entries:
-            f.write(encode_entry(e, run_id))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # Exclusive create under a random name in the tape's directory, then rename: a
+    # symlink planted at the index or at a temporary name is never followed (issue: a
+    # fixed ``.tmp`` name opened with O_TRUNC wrote through a link).
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = create_exclusive(tmp)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(encode_index_header(run_id))
+            for e in entries:
+                f.write(encode_entry(e, run_id))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

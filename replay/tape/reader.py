@@ -25,6 +25,7 @@ __all__ = ["TapeReader", "VerifyReport", "decode_event", "read_events", "EVENT_H
 
 EVENT_HEAD = struct.Struct("<qHH")  # step, actor id, clock entry count
 CLOCK_ENTRY = struct.Struct("<HQ")
+_STEP = struct.Struct("<q")
 _ACTOR_KIND = 1
 
 
@@ -38,6 +39,8 @@ class VerifyReport:
     dropped_bytes: int
     torn_reason: str
     last_seq: int
+    closed: bool  # ends with a close record (§5.5); False: the writer never finished, or the end is lost
+    index: str  # "ok", "absent", "ignored (...)" (damaged or foreign: a hint that is not used)
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -122,6 +125,7 @@ class TapeReader:
         self.valid_end: tuple[int, int] = (0, self.header.size)
         self.records = 0
         self.last_seq = -1
+        self.closed = False
         self._actors: list[str] = []
 
     # -- metadata ----------------------------------------------------------------------
@@ -152,12 +156,18 @@ class TapeReader:
         if hdr.run_id != self.header.run_id or hdr.segment != i or hdr.flags != self.header.flags:
             raise TapeCorruptError("segment belongs to another tape or is out of place", path=str(seg.path),
                                    segment=i)
+        if i == 0 and (hdr.first_seq != 0 or hdr.chain_prev != 0):
+            # §3: a tape's first segment starts at seq 0 with no chain link; anything else
+            # is a tape missing its beginning (or a segment cut out of another tape).
+            raise TapeCorruptError(f"first segment starts at seq {hdr.first_seq} (chain_prev {hdr.chain_prev:#x}); "
+                                   "a tape starts at seq 0", path=str(seg.path), segment=0, offset=48)
         return hdr
 
     def frames(self, *, start_segment: int = 0, salvage: bool = False) -> Iterator[tuple[int, fmt.Frame]]:
         """Yield ``(segment, frame)`` for every valid record, in order."""
         n = len(self.segment_paths)
         self.records, self.dropped_bytes, self.torn_reason, self.last_seq = 0, 0, "", -1
+        self.closed = False
         next_seq: int | None = None
         last_ck = 0
         for i in range(start_segment, n):
@@ -186,6 +196,7 @@ class TapeReader:
             self.records += scan.records
             self.last_seq = scan.next_seq - 1
             self.valid_end = (i, scan.end)
+            self.closed = scan.closed
             if scan.torn_reason:
                 self.torn_reason = scan.torn_reason
                 self.dropped_bytes = scan.dropped
@@ -193,19 +204,26 @@ class TapeReader:
                     return
 
     def events(self, *, from_step: int | None = None) -> Iterator[Event]:
-        """Decode every event in tape order (from the first with step >= ``from_step``)."""
+        """Decode every event in tape order (from the first with step >= ``from_step``).
+
+        With ``from_step`` the step index lets the reader skip *decoding* the records
+        before the entry it names; every skipped record is still validated and its step
+        read, and one at or above the entry's step (a wrong or forged index, §10) raises
+        :class:`TapeCorruptError` instead of silently dropping events."""
         names: list[str] = self._actors
         names.clear()
-        start_seg, start_seq = 0, 0
+        start_seq, limit_step = 0, 0
         if from_step is not None:
             entry = self._seek_entry(from_step)
             if entry is not None:
-                start_seg, start_seq = entry.segment, entry.seq
-                if start_seg:
-                    seg = _Segment(self.segment_paths[start_seg])
-                    names.extend(fmt.decode_segment_header(seg.data).meta.get("actors", []))
-        for i, fr in self.frames(start_segment=start_seg):
+                start_seq, limit_step = entry.seq, entry.step
+        for i, fr in self.frames():
             if fr.seq < start_seq and fr.kind != _ACTOR_KIND:
+                if len(fr.body) >= 8 and _STEP.unpack_from(fr.body, 0)[0] >= limit_step:
+                    raise TapeCorruptError(f"step index {self.index_path} is wrong: record seq {fr.seq} before its "
+                                           f"entry (step {limit_step}, seq {start_seq}) has step "
+                                           f"{_STEP.unpack_from(fr.body, 0)[0]}", path=str(self.segment_paths[i]),
+                                           offset=fr.offset, seq=fr.seq)
                 continue  # validated, not decoded: the index let us skip it
             ev = decode_event(fr, names, f" in {self.segment_paths[i]}")
             if from_step is not None and ev.step < from_step:
@@ -220,10 +238,15 @@ class TapeReader:
         entries = self.index()
         if not entries:
             return None
+        # The last entry at or below ``step``: its guarantee (no earlier non-actor record
+        # has a step >= its step) makes everything before it safe to skip. An entry above
+        # ``step`` would skip the events of steps in between if the index is sparse.
+        best = None
         for e in entries:
-            if e.step >= step:
-                return e if self._entry_valid(e) else None
-        return None
+            if e.step > step:
+                break
+            best = e
+        return best if best is not None and self._entry_valid(best) else None
 
     def _entry_valid(self, e: IndexEntry) -> bool:
         # The tape is the authority: trust an entry only if the frame it names is there.
@@ -237,30 +260,60 @@ class TapeReader:
 
     def rebuild_index(self) -> list[IndexEntry]:
         """Recompute the step index from the tape and replace the sidecar."""
-        names: list[str] = []
-        entries: list[IndexEntry] = []
-        top: int | None = None
-        for i, fr in self.frames():
-            ev = decode_event(fr, names)
-            # Actor declarations are bookkeeping (the writer's index skips them too).
-            if fr.kind != _ACTOR_KIND and (top is None or ev.step > top):
-                top = ev.step
-                entries.append(IndexEntry(ev.step, ev.seq, i, fr.offset))
+        entries = self._expected_index(decode_payloads=False)[0]
         write_index(self.index_path, self.run_id, entries)
         return entries
 
-    # -- whole-tape operations -------------------------------------------------------------
-    def verify(self) -> VerifyReport:
-        """Read every record and decode every event; raises on corruption."""
+    def _expected_index(self, *, decode_payloads: bool) -> tuple[list[IndexEntry], int]:
+        """The index the tape implies (§10), and the number of events; validates every record."""
         names: list[str] = []
+        entries: list[IndexEntry] = []
+        top: int | None = None
         n = 0
         for i, fr in self.frames():
-            decode_event(fr, names, f" in {self.segment_paths[i]}")
+            where = f" in {self.segment_paths[i]}"
+            ev = decode_event(fr, names, where)
+            if decode_payloads:
+                try:
+                    ev.payload
+                except TapeError as e:
+                    raise type(e)(e.message + where, **{**e.context, "offset": fr.offset}) from None
             n += 1
+            # Actor declarations are bookkeeping: §10's guarantee excludes them (a seek
+            # decodes every declaration it passes), so the index does not point at them.
+            if fr.kind != _ACTOR_KIND and (top is None or ev.step > top):
+                top = ev.step
+                entries.append(IndexEntry(ev.step, ev.seq, i, fr.offset))
+        return entries, n
+
+    def _check_index(self, expected: list[IndexEntry]) -> str:
+        """Compare the sidecar with the index the records imply (§10 "Validation")."""
+        p = self.index_path
+        if not p.exists() and not p.is_symlink():
+            return "absent"
+        got = read_index(p, self.run_id)
+        if got is None:
+            return "ignored (damaged, foreign or unreadable; `ckpt tape repair` rebuilds it)"
+        for k, (g, x) in enumerate(zip(got, expected)):
+            if g != x:
+                raise TapeCorruptError(f"step index entry {k} is {g} but the records give {x}", path=str(p),
+                                       offset=32 + 32 * k)
+        if self.closed and len(got) != len(expected):
+            raise TapeCorruptError(f"step index has {len(got)} entries, the closed tape's records give "
+                                   f"{len(expected)}", path=str(p), offset=32 + 32 * min(len(got), len(expected)))
+        # A tape that was not closed may have entries past its last record (the writer
+        # writes an entry before the record it names) or lack its last ones (not synced).
+        return "ok"
+
+    # -- whole-tape operations -------------------------------------------------------------
+    def verify(self) -> VerifyReport:
+        """Read every record, decode every event and payload, check the step index; raises on corruption."""
+        expected, n = self._expected_index(decode_payloads=True)
+        index = self._check_index(expected)
         seg, end = self.valid_end
         valid = sum(p.stat().st_size for p in self.segment_paths[:seg]) + end
         return VerifyReport(str(self.path), len(self.segment_paths), self.records, n, valid, self.dropped_bytes,
-                            self.torn_reason, self.last_seq)
+                            self.torn_reason, self.last_seq, self.closed, index)
 
 
 def read_events(path: str | os.PathLike[str], **kw: Any) -> list[Event]:

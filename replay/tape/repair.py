@@ -4,14 +4,19 @@ A crash while a record is being appended leaves a torn tail (tape-format.md §7)
 reader stops before it. ``repair`` cuts the files back to the last valid record (whole
 segments after it are removed), reporting every byte it drops, and rebuilds the index.
 A corrupt record in the middle is refused (``TapeCorruptError``) unless ``salvage``.
+It never writes through a symbolic link (a symlinked segment is refused; the index is
+written under a fresh name and renamed), and a repaired tape stays "not closed".
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from replay.errors import TapeFormatError
 from replay.tape.reader import TapeReader
 
 __all__ = ["Cut", "RepairReport", "repair"]
@@ -38,6 +43,23 @@ class RepairReport:
         return sum(c.old_size - c.new_size for c in self.cuts)
 
 
+def _truncate_no_follow(path: str, size: int) -> None:
+    """Truncate a segment in place, refusing a symlink (it could point outside the tape)."""
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TapeFormatError("segment is a symbolic link; repair never writes through one", path=path) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TapeFormatError("segment is not a regular file", path=path)
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def repair(path: str | os.PathLike[str], *, dry_run: bool = False, salvage: bool = False) -> RepairReport:
     """Truncate ``path``'s torn tail (every valid record is kept) and rebuild its index."""
     r = TapeReader(path)
@@ -45,7 +67,9 @@ def repair(path: str | os.PathLike[str], *, dry_run: bool = False, salvage: bool
         for _ in r.frames(salvage=True):
             pass
     else:
-        r.verify()  # raises on a corrupt middle record
+        # Framing only (not verify): a wrong step index must not block the repair that rebuilds it.
+        for _ in r.frames():  # raises on a corrupt middle record
+            pass
     seg, end = r.valid_end
     cuts: list[Cut] = []
     for i, p in enumerate(r.segment_paths):
@@ -59,11 +83,8 @@ def repair(path: str | os.PathLike[str], *, dry_run: bool = False, salvage: bool
         return report
     for c in cuts:
         if c.remove:
-            os.remove(c.file)
+            os.remove(c.file)  # removes a link itself, never its target
         else:
-            with open(c.file, "r+b") as fh:
-                fh.truncate(c.new_size)
-                fh.flush()
-                os.fsync(fh.fileno())
+            _truncate_no_follow(c.file, c.new_size)
     TapeReader(Path(path)).rebuild_index()
     return report

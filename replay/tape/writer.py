@@ -14,6 +14,7 @@ close. A crash between syncs leaves a torn tail, which readers drop by rule.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import struct
@@ -25,9 +26,9 @@ import xxhash
 
 from replay.errors import ReplayError, TapeLimitError
 from replay.tape import format as fmt
-from replay.tape.index import IndexEntry, encode_entry, encode_index_header
+from replay.tape.index import IndexEntry, create_exclusive, encode_entry, encode_index_header
 
-__all__ = ["TapeWriter", "segment_name", "index_path"]
+__all__ = ["TapeWriter", "segment_name", "index_path", "create_replacing"]
 
 _DEFAULT_BUFFER = 1 << 20
 _pack_tail = struct.Struct("<IHHQQQ").pack_into  # record header bytes 8..40 (format.py §5.1)
@@ -41,6 +42,25 @@ def segment_name(n: int) -> str:
 
 def index_path(path: Path, is_dir: bool) -> Path:
     return path / "index" if is_dir else path.with_name(path.name + ".idx")
+
+
+def create_replacing(path: Path, head: bytes) -> int:
+    """Create a fresh file holding ``head`` and rename it onto ``path``; return its open fd.
+
+    The file is created exclusively under a random name in ``path``'s own directory, so
+    a symlink planted at ``path`` (or at a predictable temporary name) is replaced as a
+    link, never followed: nothing outside the tape is opened for writing."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = create_exclusive(tmp)
+    try:
+        os.write(fd, head)
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return fd
 
 
 def _fsync_dir(path: Path) -> None:
@@ -96,10 +116,11 @@ class TapeWriter:
         self._index_fd = -1
         if self.is_dir:
             os.mkdir(self.path)  # FileExistsError if it exists: never mix two runs in one directory
-        if index:
-            self._index_fd = os.open(index_path(self.path, self.is_dir), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.write(self._index_fd, encode_index_header(self.run_id))
+        # The tape itself is created first (exclusively): the name is ours before the
+        # sidecar next to it is touched.
         self._open_segment()
+        if index:
+            self._index_fd = create_replacing(index_path(self.path, self.is_dir), encode_index_header(self.run_id))
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -121,7 +142,7 @@ class TapeWriter:
                                            first_seq=self._seq, chain_prev=self._last if self._chain else 0,
                                            flags=self._flags, meta=meta)
         target = self.path / segment_name(self._segment) if self.is_dir else self.path
-        self._fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+        self._fd = create_exclusive(target)
         os.write(self._fd, header)
         # The header is made durable before any record can follow it, so a crash never
         # leaves records behind a header that might not exist.
@@ -247,13 +268,38 @@ class TapeWriter:
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
+        """Write everything, end the tape with its close record (§5.5) and fsync it.
+
+        A tape without a close record was cut short (crash, kill, lost last segment);
+        ``ckpt tape verify`` tells it apart from a cleanly closed one."""
         if self._closed:
             return
         try:
-            self.sync()
+            self._drain()
+            if self._index_fd >= 0:
+                os.fsync(self._index_fd)  # a closed tape's index is complete (§10 validation)
+            # Plain, after the last block, never compressed: a reader finds it at the end.
+            raw, _ = fmt.encode_record(self._seq, fmt.CLOSE_KIND, b"", self._salt, self._last if self._chain else 0)
+            os.write(self._fd, raw)
+            self._seg_written += len(raw)
+            os.fsync(self._fd)
         finally:
             self._closed = True
             self._cap = 0  # every later append takes the slow path, which refuses
+            os.close(self._fd)
+            if self._index_fd >= 0:
+                os.close(self._index_fd)
+
+    def abandon(self) -> None:
+        """Hand buffered records to the OS and release the files *without* a close record:
+        exactly what a killed process leaves (an injected crash uses it; so do tests)."""
+        if self._closed:
+            return
+        try:
+            self._drain()
+        finally:
+            self._closed = True
+            self._cap = 0
             os.close(self._fd)
             if self._index_fd >= 0:
                 os.close(self._index_fd)

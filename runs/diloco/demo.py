@@ -138,7 +138,7 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     echo(f"output directory: {out}")
     last = base.checkpoints[-1] if base.checkpoints else str(out / "checkpoints")
     last_snap = snaps[-1] if snaps else last
-    echo(f"next: ckpt tape show {tape} | ckpt replay {tape} --mode force | ckpt ls {out / 'checkpoints'}"
+    echo(f"next: ckpt tape show {tape} | ckpt replay {tape} --mode force --trust | ckpt ls {out / 'checkpoints'}"
          f" | ckpt inspect {last_snap}")
     return rep
 

@@ -89,14 +89,15 @@ def test_verify_ok_torn_corrupt(tape: Path, tmp_path: Path) -> None:
 
 def test_repair(tape: Path, tmp_path: Path) -> None:
     torn = tmp_path / "torn.tape"
-    full = tape.read_bytes()
+    full = tape.read_bytes()[:-40]  # without its close record: what a killed writer leaves
     torn.write_bytes(full + b"\x01\x02\x03")
     r = run("tape", "repair", str(torn), "--dry-run")
     assert r.exit_code == 0 and "would drop 3 bytes" in r.output and torn.stat().st_size == len(full) + 3
     r = run("tape", "repair", str(torn))
     assert r.exit_code == 0 and "dropped 3 bytes" in r.output
     assert torn.read_bytes() == full
-    assert run("tape", "verify", str(torn)).exit_code == 0
+    r = CliRunner().invoke(cli, ["tape", "verify", str(torn)])
+    assert r.exit_code == 4 and "not closed (ends at seq" in r.output and "torn tail" not in r.output
     assert "nothing to repair" in run("tape", "repair", str(torn)).output
     bad = tmp_path / "bad.tape"
     data = bytearray(full)
@@ -106,7 +107,8 @@ def test_repair(tape: Path, tmp_path: Path) -> None:
     assert r.exit_code == 3 and "followed by a valid record" in r.output
     r = run("tape", "repair", str(bad), "--salvage")
     assert r.exit_code == 0 and "dropped" in r.output
-    assert run("tape", "verify", str(bad)).exit_code == 0
+    r = CliRunner().invoke(cli, ["tape", "verify", str(bad)])
+    assert r.exit_code == 4 and "not closed" in r.output and "torn tail" not in r.output
 
 
 def test_check(multi: Path, tmp_path: Path) -> None:
@@ -136,17 +138,17 @@ def test_diff(tape: Path, tmp_path: Path) -> None:
 
 
 def test_replay_cli_identical_and_fork(tape: Path, tmp_path: Path) -> None:
-    r = run("replay", str(tape))
+    r = run("replay", str(tape), "--trust")
     assert r.exit_code == 0 and "IDENTICAL" in r.output
-    r = run("replay", str(tape), "--until", "1", "--json")
-    assert json.loads(r.output)["stopped_at"] == 1
+    r = run("replay", str(tape), "--until", "1", "--json", "--trust")
+    assert json.loads(r.stdout)["stopped_at"] == 1
     out = tmp_path / "fork.tape"
-    r = run("replay", str(tape), "--mode", "fork", "--out", str(out), "--set", "seed=5")
+    r = run("replay", str(tape), "--mode", "fork", "--out", str(out), "--set", "seed=5", "--trust")
     assert r.exit_code == 0 and "forked" in r.output
     from replay import TapeReader
 
     assert TapeReader(out).meta["lineage"]["changes"] == {"seed": 5}
-    r = CliRunner().invoke(cli, ["replay", str(tape), "--set", "seed=5"])
+    r = CliRunner().invoke(cli, ["replay", str(tape), "--set", "seed=5", "--trust"])
     assert r.exit_code == 2 and "--mode fork" in r.output
 
 
@@ -185,8 +187,66 @@ def test_real_subprocess(tape: Path, tmp_path: Path) -> None:
     p = sh("tape", "show", str(tape), "--kind", "loss", "--json")
     assert p.returncode == 0 and len(p.stdout.splitlines()) == 4
     p = sh("replay", str(tape))
+    assert p.returncode == 2 and f"resolves to: {ENTRY}" in p.stderr and "--trust" in p.stderr, p.stderr
+    p = sh("replay", str(tape), "--trust")
     assert p.returncode == 0 and "IDENTICAL" in p.stdout, p.stderr
     torn = tmp_path / "t.tape"
-    torn.write_bytes(tape.read_bytes()[:-1])
+    torn.write_bytes(tape.read_bytes()[:-41])
     p = sh("tape", "verify", str(torn))
     assert p.returncode == 4 and "torn tail: " in p.stderr
+
+
+# -- ckpt replay runs no code it was not told to trust (issue 9 item 16) ------------------------------
+def _marker_tape(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A tape whose entry point file leaves a marker when it is imported."""
+    code = tmp_path / "theirs" / "evil_entry.py"
+    code.parent.mkdir()
+    marker = tmp_path / "ran.txt"
+    code.write_text(f"open({str(marker)!r}, 'w').write('imported')\n"
+                    f"import importlib.util\n"
+                    f"s = importlib.util.spec_from_file_location('e', {str(ENTRY)!r})\n"
+                    "m = importlib.util.module_from_spec(s); s.loader.exec_module(m)\ntrain = m.train\n")
+    tape = tmp_path / "their.tape"
+    record(f"{code}:train", tape, config={"steps": 2}, param_digest_every=1)
+    marker.unlink()
+    import xxhash
+
+    sys.modules.pop("_ckpt_entry_" + xxhash.xxh3_64_hexdigest(str(code.resolve()).encode()), None)  # import anew
+    return tape, code, marker
+
+
+def test_replay_refuses_the_taped_entry_point_without_trust(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tape, code, marker = _marker_tape(tmp_path)
+    monkeypatch.delenv("CKPT_REPLAY_TRUST", raising=False)
+    r = CliRunner().invoke(cli, ["replay", str(tape)])
+    assert r.exit_code == 2 and f"entry point: {code}:train" in r.output and f"resolves to: {code}" in r.output
+    assert "--trust" in r.output and "CKPT_REPLAY_TRUST" in r.output and not marker.exists()
+    # The allow-list: a directory that holds the file (another one does not count).
+    monkeypatch.setenv("CKPT_REPLAY_TRUST", str(tmp_path / "elsewhere"))
+    assert CliRunner().invoke(cli, ["replay", str(tape)]).exit_code == 2 and not marker.exists()
+    monkeypatch.setenv("CKPT_REPLAY_TRUST", os.pathsep.join([str(tmp_path / "elsewhere"), str(code.parent)]))
+    r = CliRunner().invoke(cli, ["replay", str(tape)])
+    assert r.exit_code == 0 and "IDENTICAL" in r.output and marker.exists()
+
+
+def test_replay_help_says_what_it_runs() -> None:
+    out = run("replay", "--help").output
+    assert "--trust" in out and "CKPT_REPLAY_TRUST" in out and "never put on sys.path" in out
+
+
+def test_module_entry_points_are_not_imported_from_the_current_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from replay.errors import ReplayError
+    from replay.replayer import load_entry_point, resolve_entry_point
+
+    (tmp_path / "cwd_entry_mod.py").write_text("def train(rec):\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert resolve_entry_point("cwd_entry_mod:train").file is None
+    with pytest.raises(ReplayError, match="current directory is not searched"):
+        load_entry_point("cwd_entry_mod:train")
+    assert str(tmp_path) not in sys.path and "" not in sys.path
+    ep = resolve_entry_point("cwd_entry_mod:train", search_path=(str(tmp_path),))
+    assert ep.file == tmp_path / "cwd_entry_mod.py" and "cwd_entry_mod" not in sys.modules  # found, not run
+    assert callable(load_entry_point("cwd_entry_mod:train", search_path=(str(tmp_path),)))
+    assert str(tmp_path) not in sys.path

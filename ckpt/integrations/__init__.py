@@ -1,0 +1,11 @@
+"""Exact resume inside third-party trainers, one small module each.
+
+* ``ckpt.integrations.hf``: ``CkptTrainer``, a ``transformers.Trainer`` subclass (extra ``[hf]``)
+* ``ckpt.integrations.lightning``: a ``CheckpointIO`` plugin and its RNG callback (extra ``[lightning]``)
+* ``ckpt.integrations.accelerate``: ``save_state``/``load_state`` for an ``Accelerator`` (extra ``[accelerate]``)
+
+``import ckpt`` never imports these modules, and this package imports none of them:
+each needs its library installed and is imported by name.
+"""
+
+__all__: list[str] = []
