@@ -45,6 +45,9 @@ __all__ = [
     "TMP_PREFIX",
     "errors",
     "data",
+    "rng",
+    "ledger",
+    "diff",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,6 +91,12 @@ def load(
     from ._torchio import load_into
 
     reader = CheckpointReader(path)
+    if part is None and "sharded" in reader.meta:
+        # A sharded checkpoint (spec/sharded-format.md): DCP reshards onto this job's
+        # shards, whatever the saving world size.
+        from .dcp.integration import load_sharded
+
+        return load_sharded(reader, state, data=data, generators=generators, restore_rng=restore_rng, verify=verify, exactness=exactness)
     if part is None and len(reader.parts) > 1:
         part = _default_part(reader)
     return load_into(
@@ -135,7 +144,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{mod}", __name__), attr)
         globals()[name] = value
         return value
-    if name in ("errors", "data"):
+    if name in ("errors", "data", "rng", "ledger", "diff"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -106,8 +106,12 @@ Handled, with where:
   versions: recorded in every part and compared on load (``exactness="strict"`` refuses,
   ``"warn"`` names every difference). Commit SHA and config hash are recorded.
 
-Out of scope (documented, not handled): sharded FSDP/DTensor placements (we save full
-per-rank state dicts); Megatron/DTensor RNG trackers; mps/xpu RNG; shuffle buffers and
+**Sharded state.** A state whose modules/optimizers hold DTensors (FSDP2, tensor
+parallel) is saved through ``ckpt.dcp`` (one part per rank, DCP's planner, resharding
+on resume to any world size and mesh; spec/sharded-format.md). Such saves are blocking
+(``async_save`` does not apply): DCP's collectives share the default group with the loop.
+
+Out of scope (documented, not handled): Megatron/DTensor RNG trackers; mps/xpu RNG; shuffle buffers and
 token-packing remainders in the data layer; DDP bucket sizes, NCCL algorithm pinning and
 collective order (recorded only where they are env variables); ``torch.compile`` caches
 and the SDPA backend choice; section K (DiLoCo learner/syncer state) belongs to
@@ -320,6 +324,9 @@ class CheckpointManager:
         code_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         storage: Storage = local,
+        ledger: bool = True,
+        ledger_params_every: int = 10,
+        verify_resume: Literal["strict", "warn", "off"] = "warn",
     ) -> None:
         if every_steps is not None and every_steps < 1:
             raise ValueError(f"every_steps must be >= 1 or None, got {every_steps}")
@@ -357,6 +364,7 @@ class CheckpointManager:
         self._space_short = False
         #: reports of completed saves, oldest first
         self.reports: list[SaveReport] = []
+        self.ledger: Any = None
 
         from .staging import Staging
 
@@ -378,6 +386,10 @@ class CheckpointManager:
             self._dist = None
             self.rank = 0
             self.world_size = 1
+        from .dcp.integration_probe import holds_dtensor
+
+        #: DTensor state (FSDP2/TP): saved and resumed through ckpt.dcp (sharded hook)
+        self.sharded = holds_dtensor(self.state)
         if missing := [k for k in self.replicated if k not in self.state]:
             raise ValueError(f"replicated entries {missing} are not in the state")
 
@@ -406,6 +418,10 @@ class CheckpointManager:
         if refusal is not None:
             self._release_lock()
             raise refusal
+
+        # The step ledger (ckpt.ledger): created now, after seeding, so its RNG baseline
+        # is the streams' start values; "unused, not compared" is judged against it.
+        self.ledger = self._make_ledger(ledger_params_every, verify_resume) if ledger else None
 
         self._old_handlers: dict[int, Any] = {}
         if signals and threading.current_thread() is threading.main_thread():
@@ -453,10 +469,38 @@ class CheckpointManager:
         self._signal = signum
 
     # -- the loop's calls --------------------------------------------------------------
-    def after_step(self, step: int, *, metrics: Mapping[str, Any] | None = None, extra: Any = None) -> bool:
-        """Call once per optimizer step, after it. Saves if due; returns True if it did."""
+    def after_step(self, step: int, *, batch: Any = None, loss: Any = None, metrics: Mapping[str, Any] | None = None,
+                   extra: Any = None) -> bool:
+        """Call once per optimizer step, after it. Saves if due; returns True if it did.
+
+        ``batch`` (every tensor the step consumed) and ``loss`` go to the step ledger;
+        without them it still records the RNG streams and a periodic parameter digest."""
         self._check_open()
         self._raise_failure()
+        if self.ledger is not None:
+            self.ledger.step(step, batch=batch, loss=loss, kill=False)
+        saved = self._after_step_save(step, metrics, extra)
+        if self.ledger is not None:
+            self.ledger.maybe_kill(step)
+        return saved
+
+    @property
+    def resume_report(self) -> Any:
+        """The ledger's verdict on the last ``resume()`` (``ckpt.ledger.ResumeReport``), once known."""
+        return self.ledger.report if self.ledger is not None else None
+
+    def _make_ledger(self, params_every: int, verify: str) -> Any:
+        from .ledger import ENV_DIR, Ledger
+
+        root = os.environ.get(ENV_DIR)
+        directory = os.path.join(root, os.path.basename(self.run_dir)) if root else os.path.join(self.run_dir, "ledger")
+        if self.world_size > 1:
+            directory = os.path.join(directory, f"rank-{self.rank:05d}")
+        modules = {k: v for k, v in self.state.items() if hasattr(v, "named_parameters")}
+        return Ledger(directory, params=modules or None, params_every=params_every, generators=self.generators,
+                      verify=verify, run_id=self.run_id)  # type: ignore[arg-type]
+
+    def _after_step_save(self, step: int, metrics: Mapping[str, Any] | None, extra: Any) -> bool:
         due = bool(self.every_steps and step % self.every_steps == 0)
         if self.every_seconds is not None and self._clock() - self._last_save_time >= self.every_seconds:
             due = True
@@ -484,6 +528,8 @@ class CheckpointManager:
         """Save now (at a step boundary). ``block`` defaults to ``not async_save``."""
         self._check_open()
         self._raise_failure()
+        if self.ledger is not None:
+            self.ledger.touch(step)  # a run that only saves still has a ledger: a resume is not "missing" one
         self._save(step, metrics, extra, block=(not self.async_save) if block is None else block)
 
     def wait(self) -> SaveReport | None:
@@ -500,6 +546,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self.ledger is not None:
+                self.ledger.close()
             for sig, old in self._old_handlers.items():
                 try:
                     # Only if ours is still installed: a handler installed after ours
@@ -552,38 +600,57 @@ class CheckpointManager:
             path = os.path.join(self.run_dir, choice)
             prepared = None
             error: BaseException | None = None
+            sharded = False
             try:
                 reader = CheckpointReader(path, storage=self._storage)
+                sharded = "sharded" in reader.meta  # --- sharded hook (ckpt.dcp) ---
                 part = None
                 if len(reader.parts) > 1 or self._dist is not None:
                     from .writer import part_name_for_rank
 
                     part = part_name_for_rank(self.rank)
-                # Every check and the hash of every chunk, before any target is written.
-                prepared = prepare_load(
-                    reader,
-                    self.state,
-                    part=part,
-                    data=self.data,
-                    # deferred: restore_rng() restores the generators with the other streams
-                    generators=None if defer_rng else (self.generators or None),
-                    restore_rng_state=not defer_rng,
-                    verify=True,
-                    exactness=exactness or self.exactness,
-                )
-            except _REFUSALS:
-                raise
+                if sharded:
+                    # every chunk of every rank's part, before any target is written
+                    if self.rank == 0:
+                        reader.verify()
+                else:
+                    # Every check and the hash of every chunk, before any target is written.
+                    prepared = prepare_load(
+                        reader,
+                        self.state,
+                        part=part,
+                        data=self.data,
+                        # deferred: restore_rng() restores the generators with the other streams
+                        generators=None if defer_rng else (self.generators or None),
+                        restore_rng_state=not defer_rng,
+                        verify=True,
+                        exactness=exactness or self.exactness,
+                    )
             except Exception as e:  # any reason: this checkpoint cannot be loaded here
                 error = e
-            failed = error is not None
+            failed, refused = error is not None, isinstance(error, _REFUSALS)
             if self._ctl is not None:  # all ranks load the same checkpoint or none does
-                failed = bool(self._ctl.all_reduce_max([int(failed)])[0])
+                failed, refused = (bool(v) for v in self._ctl.all_reduce_max([int(failed), int(refused)]))
+            if refused:  # every rank raises together (none waits in a collective)
+                if prepared is not None:
+                    prepared.close()
+                if isinstance(error, _REFUSALS):
+                    raise error
+                raise CkptError("another rank refused this checkpoint (strict exactness gate)", path=path)
             if failed:
                 if prepared is not None:
                     prepared.close()
                 why = f"{type(error).__name__}: {error}" if error is not None else "another rank could not load it"
                 warnings.warn(f"skipping {path}: {why}", ResumeFallbackWarning, stacklevel=2)
                 continue
+            if sharded:  # collective: DCP reshards onto this job's shards
+                from .dcp.integration import load_sharded
+
+                result = load_sharded(
+                    reader, self.state, data=self.data, generators=self.generators or None, restore_rng=not defer_rng,
+                    verify=self.rank != 0, exactness=exactness or self.exactness,
+                )
+                break
             assert prepared is not None
             try:
                 result = prepared.apply()
@@ -609,6 +676,8 @@ class CheckpointManager:
         self._start_step = int(result.step or 0)
         self._last_save_step = self._start_step
         self._last_save_time = self._clock()
+        if self.ledger is not None and not defer_rng:
+            self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id)
         return result
 
     def restore_rng(self) -> list[str]:
@@ -618,7 +687,10 @@ class CheckpointManager:
         if self._deferred_rng is None:
             raise CkptError("no deferred RNG state: call resume(defer_rng=True) first", key="rng")
         state, self._deferred_rng = self._deferred_rng, None
-        return restore_rng(state, self.generators or None, path=self.run_dir)
+        restored = restore_rng(state, self.generators or None, path=self.run_dir)
+        if self.ledger is not None and self.resumed_from is not None:
+            self.ledger.resumed(self._start_step, source=self.resumed_from["name"], run_id=self.run_id)
+        return restored
 
     # -- saving ------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -658,6 +730,9 @@ class CheckpointManager:
         # At most one save in flight, and the staging buffer is still being read by it.
         self._join()
         self._raise_failure()
+        if self.sharded:
+            self._save_sharded(step, metrics, extra, t0)
+            return
         stateful = {k: callable(getattr(v, "state_dict", None)) for k, v in self.state.items()}
         if self._dist is not None and self.rank != 0:
             # Replicated entries are written by rank 0 only; no need to snapshot them here.
@@ -776,6 +851,29 @@ class CheckpointManager:
             job.state = {}
             job.data = None
             job.done.set()
+
+    def _save_sharded(self, step: int, metrics: Mapping[str, Any] | None, extra: Any, t0: float) -> None:
+        """Sharded hook (ckpt.dcp): a collective DCP save on this thread, every rank
+        together. It blocks (DCP's collectives run on the default group, which the
+        training loop also uses; a background thread would interleave with it)."""
+        from .dcp.integration import save_sharded
+
+        path = os.path.join(self.run_dir, checkpoint_name(step))
+        meta = {"run_id": self.run_id, "metrics": dict(metrics or {}), "resumed_from": self.resumed_from}
+        lineage = {
+            "run_id": self.run_id,
+            "resumed_from": self.resumed_from["id"] if self.resumed_from else None,
+            "resumed_from_name": self.resumed_from["name"] if self.resumed_from else None,
+        }
+        self._last_save_step = step
+        self._last_save_time = self._clock()
+        info = save_sharded(
+            path, self.state, config=self.config, data=self.data, step=step, generators=self.generators or None,
+            extra=extra, lineage=lineage, code_dir=self.code_dir, overwrite=True, meta=meta, storage=self._storage,
+        )
+        deleted = self._apply_retention() if self.rank == 0 else ()
+        stall = time.perf_counter() - t0
+        self.reports.append(SaveReport(step, path, False, stall, stall, info.bytes, deleted))
 
     # -- housekeeping ------------------------------------------------------------------
     def _apply_retention(self, *, upcoming: int | None = None) -> tuple[str, ...]:

@@ -47,7 +47,52 @@ def manifest_summary(r: Any) -> dict[str, Any]:
         "bytes": m.total_bytes,
         "meta": m.meta,
         "parts": parts,
+        "sharded": sharded_summary(r) if isinstance(m.meta, dict) and "sharded" in m.meta else None,
     }
+
+
+def sharded_summary(r: Any) -> dict[str, Any]:
+    """Global tensors and their shard layout (spec/sharded-format.md), validated, no torch."""
+    from ckpt.dcp.layout import decode_layout
+
+    lay = decode_layout(r.manifest, path=r.path)
+    return {
+        "world_size": lay.world_size,
+        "mesh": lay.mesh,
+        "tensors": [
+            {
+                "fqn": t.fqn,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "bytes": t.nbytes,
+                "placements": list((lay.placements or {}).get(t.fqn, ())),
+                "chunks": [{"part": c.part, "offsets": list(c.offsets), "sizes": list(c.sizes), "key": c.key} for c in t.chunks],
+            }
+            for t in lay.tensors.values()
+        ],
+        "values": {v.fqn: v.part for v in lay.values.values()},
+    }
+
+
+def _sharded_lines(sh: dict[str, Any], max_tensors: int) -> list[str]:
+    mesh = sh.get("mesh") or {}
+    names = mesh.get("dim_names")
+    mesh_text = "x".join(map(str, mesh.get("shape") or [])) + (f" ({', '.join(map(str, names))})" if names else "") if mesh else "-"
+    out = [f"sharded: saved on {sh['world_size']} rank(s), mesh {mesh_text}; global tensors and their chunks:"]
+    rows = sh["tensors"][:max_tensors]
+    w = max((len(t["fqn"]) for t in rows), default=4)
+    for t in rows:
+        shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+        boxes = " | ".join(
+            f"{c['part']} [" + ", ".join(f"{o}:{o + n}" for o, n in zip(c["offsets"], c["sizes"])) + "]" for c in t["chunks"]
+        )
+        pl = f"  {'/'.join(t['placements'])}" if t["placements"] else ""
+        out.append(f"    {t['fqn']:<{w}}  {t['dtype']:<9} {shape:<12}{pl}  {boxes}")
+    if len(sh["tensors"]) > max_tensors:
+        out.append(f"    ... {len(sh['tensors']) - max_tensors} more (use --all or --json)")
+    if sh["values"]:
+        out.append("  values: " + ", ".join(f"{k} ({p})" for k, p in sorted(sh["values"].items())))
+    return out
 
 
 def _commit_line(c: dict[str, Any] | None) -> str:
@@ -114,6 +159,8 @@ def render(s: dict[str, Any], *, tensors: bool = True, max_tensors: int = 50) ->
             if len(p["tensors"]) > max_tensors:
                 out.append(f"    ... {len(p['tensors']) - max_tensors} more (use --all or --json)")
     meta = s["meta"]
+    if s.get("sharded"):
+        out.extend(_sharded_lines(s["sharded"], max_tensors))
     if s["kind"] == "snapshot" and meta.get("format") == "replay-snapshot":
         out.extend(_snapshot_lines(meta))
     elif meta:

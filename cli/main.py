@@ -8,7 +8,7 @@ Exit codes (documented in README and spec/checkpoint-format.md §CLI):
 2     usage error (click)
 3     corrupt: a format or integrity error (file, chunk, byte range named)
 4     incomplete: not a committed checkpoint
-5     not found
+5     not found, or removed while being read (CheckpointVanishedError)
 6     different: ``diff`` found differences, ``replay`` diverged,
       ``tape check`` found violations, strict environment gate refused
 ====  ==========================================================
@@ -46,6 +46,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tape": ("cli.tape_cmd:tape", "Show, verify, check, diff and repair event tapes."),
     "replay": ("cli.tape_cmd:replay_cmd", "Re-execute a recorded run and prove it bit-identical."),
     "check-resume": ("cli.resume_cmd:check_resume_cmd", "Kill and resume a training entry point; compare bits."),
+    "import": ("cli.dcp_cmd:import_group", "Convert another format into a checkpoint (import dcp SRC DST)."),
+    "export": ("cli.dcp_cmd:export_group", "Convert a checkpoint into another format (export dcp SRC DST)."),
 }
 
 
