@@ -30,14 +30,21 @@ __all__ = ["run", "MUTATORS", "tape_case"]
 
 
 def _events(path: Path) -> list[Any]:
-    """What ``tape verify`` and ``tape check`` read: every record, every event, the invariants."""
+    """What ``tape verify``, ``tape check`` and ``tape show`` read: every record, every event,
+    the invariants, each payload as shown."""
     from replay.check import check_tape
     from replay.tape.reader import TapeReader
+
+    from replay.events import jsonable
 
     r = TapeReader(path)
     r.verify()
     check_tape(path)
-    return [(e.seq, e.kind, e.actor, e.step, repr(e.payload), repr(e.clock)) for e in TapeReader(path).events()]
+    out = []
+    for e in TapeReader(path).events():
+        jsonable(e.payload)  # what `tape show` prints
+        out.append((e.seq, e.kind, e.actor, e.step, repr(e.payload), repr(e.clock)))
+    return out
 
 
 def _rewrite(src: Path, dst: Path, edit: Callable[[int, int, bytes], bytes]) -> None:

@@ -626,13 +626,17 @@ class CheckpointManager:
                         verify=True,
                         exactness=exactness or self.exactness,
                     )
-            except _REFUSALS:
-                raise
             except Exception as e:  # any reason: this checkpoint cannot be loaded here
                 error = e
-            failed = error is not None
+            failed, refused = error is not None, isinstance(error, _REFUSALS)
             if self._ctl is not None:  # all ranks load the same checkpoint or none does
-                failed = bool(self._ctl.all_reduce_max([int(failed)])[0])
+                failed, refused = (bool(v) for v in self._ctl.all_reduce_max([int(failed), int(refused)]))
+            if refused:  # every rank raises together (none waits in a collective)
+                if prepared is not None:
+                    prepared.close()
+                if isinstance(error, _REFUSALS):
+                    raise error
+                raise CkptError("another rank refused this checkpoint (strict exactness gate)", path=path)
             if failed:
                 if prepared is not None:
                     prepared.close()

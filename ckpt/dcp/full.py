@@ -7,14 +7,16 @@ saved key paths) with every global tensor and value.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import FormatError, StateMismatchError
 from ..format import dtypes
-from ..reader import CheckpointReader
 from .layout import ShardedLayout, decode_layout
+
+if TYPE_CHECKING:  # annotations only: reader.state() imports this module (no import cycle)
+    from ..reader import CheckpointReader
 
 __all__ = ["full_tensor", "full_state"]
 

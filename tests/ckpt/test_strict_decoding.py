@@ -128,3 +128,19 @@ def test_keys_of_different_values_stay_distinct() -> None:
 def test_writers_refuse_a_nan_key(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedValueError):
         ckpt.save(tmp_path / "step-1", {"t": {math.nan: 1}}, step=1)
+
+
+def test_the_cli_maps_a_hostile_header_to_exit_3(ck: Path) -> None:
+    """As users run it: `ckpt verify` on a re-signed checkpoint whose safetensors header is
+    10^5 nested arrays prints one error line and exits 3 (corrupt), no traceback."""
+    import subprocess
+    import sys
+
+    data = (ck / SF).read_bytes()
+    (n,) = struct.unpack_from("<Q", data, 0)
+    _resign_file(ck, SF, data[:8] + b"[" * (n // 2) + b"]" * (n // 2) + data[8 + n :])
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "cli", "verify", str(ck)], cwd=repo, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.startswith("error: safetensors header is not valid JSON")
