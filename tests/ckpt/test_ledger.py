@@ -42,7 +42,7 @@ class Loop:
             self.mgr.after_step(step, batch=x if with_batch else None, loss=loss if with_batch else None)
             if stop_at == step:
                 self.mgr.wait()
-                self.mgr.ledger._writer.close()  # the process "dies": nothing else is written
+                os.close(self.mgr.ledger._writer._fd)  # the process "dies": no close record, nothing more
                 self.mgr.ledger._writer = None
                 return
         self.mgr.close()
