@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata]'
 	touch $@
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench fuzz clean
 venv: $(BIN)/.installed
 
 # the demo refuses a used directory (it never overwrites a tape): start demo-out afresh
@@ -24,7 +24,12 @@ test: venv
 	$(BIN)/python -m pytest -q -m "not cuda"
 
 bench: venv
-	for b in save_load async_save resume tape snapshot; do $(BIN)/python bench/$$b.py || exit 1; done
+	for b in save_load async_save resume tape ledger snapshot; do $(BIN)/python bench/$$b.py || exit 1; done
+
+# the long fuzz run: mutated, re-signed checkpoints and tapes; prints the counts the README quotes
+FUZZ_CASES ?= 5000
+fuzz: venv
+	$(BIN)/python bench/fuzz.py --cases $(FUZZ_CASES)
 
 clean:
 	rm -rf $(VENV) demo-out

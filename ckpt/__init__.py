@@ -45,6 +45,9 @@ __all__ = [
     "TMP_PREFIX",
     "errors",
     "data",
+    "rng",
+    "ledger",
+    "diff",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -158,7 +161,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{mod}", __name__), attr)
         globals()[name] = value
         return value
-    if name in ("errors", "data"):
+    if name in ("errors", "data", "rng", "ledger", "diff"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

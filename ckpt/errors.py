@@ -25,7 +25,10 @@ keeps working for callers who do not know this package::
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
     ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
-    └── DistributedUsageError        (RuntimeError)       single-process API under a process group
+    ├── DistributedUsageError        (RuntimeError)       single-process API under a process group
+    ├── TapeDataError                (FormatError)        tape bytes (ckpt.tape framing)
+    │   ├── TapeCorruptError / TapeTruncatedError / TapeFormatError / TapeLimitError
+    └── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
 
 Every instance carries ``path`` (the file), and where known ``offset`` (a byte offset
 in that file) or ``key`` (a key path in the state tree); ``str(err)`` names them.
@@ -55,6 +58,12 @@ __all__ = [
     "EnvironmentMismatchError",
     "UnsupportedValueError",
     "BackgroundSaveError",
+    "TapeDataError",
+    "TapeCorruptError",
+    "TapeTruncatedError",
+    "TapeFormatError",
+    "TapeLimitError",
+    "ResumeDivergedError",
     "RunDirLockedError",
     "DistributedUsageError",
 ]
@@ -194,3 +203,34 @@ class RunDirLockedError(CkptError, BlockingIOError):
 
 class DistributedUsageError(CkptError, RuntimeError):
     """A single-process API called under a multi-rank process group; use the distributed one."""
+
+
+class TapeDataError(FormatError):
+    """Tape bytes (spec/tape-format.md) that do not decode. ``reason`` is one of
+    ``corrupt``, ``truncated``, ``format``, ``limit`` (§7); ``replay`` raises its own
+    ``TapeError`` subclass for each, this class is what the pure framing in
+    ``ckpt.tape`` raises so that ``ckpt`` can read a ledger tape without ``replay``."""
+
+    reason = "format"
+
+
+class TapeCorruptError(TapeDataError):
+    reason = "corrupt"
+
+
+class TapeTruncatedError(TapeDataError):
+    reason = "truncated"
+
+
+class TapeFormatError(TapeDataError):
+    reason = "format"
+
+
+class TapeLimitError(TapeDataError):
+    reason = "limit"
+
+
+class ResumeDivergedError(CkptError, RuntimeError):
+    """A resumed run re-executed a step differently from the step ledger (policy ``strict``)."""
+
+    exit_code = 6

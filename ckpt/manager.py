@@ -324,6 +324,9 @@ class CheckpointManager:
         code_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         storage: Storage = local,
+        ledger: bool = True,
+        ledger_params_every: int = 10,
+        verify_resume: Literal["strict", "warn", "off"] = "warn",
     ) -> None:
         if every_steps is not None and every_steps < 1:
             raise ValueError(f"every_steps must be >= 1 or None, got {every_steps}")
@@ -361,6 +364,7 @@ class CheckpointManager:
         self._space_short = False
         #: reports of completed saves, oldest first
         self.reports: list[SaveReport] = []
+        self.ledger: Any = None
 
         from .staging import Staging
 
@@ -415,6 +419,10 @@ class CheckpointManager:
             self._release_lock()
             raise refusal
 
+        # The step ledger (ckpt.ledger): created now, after seeding, so its RNG baseline
+        # is the streams' start values; "unused, not compared" is judged against it.
+        self.ledger = self._make_ledger(ledger_params_every, verify_resume) if ledger else None
+
         self._old_handlers: dict[int, Any] = {}
         if signals and threading.current_thread() is threading.main_thread():
             for sig in signals:
@@ -461,10 +469,38 @@ class CheckpointManager:
         self._signal = signum
 
     # -- the loop's calls --------------------------------------------------------------
-    def after_step(self, step: int, *, metrics: Mapping[str, Any] | None = None, extra: Any = None) -> bool:
-        """Call once per optimizer step, after it. Saves if due; returns True if it did."""
+    def after_step(self, step: int, *, batch: Any = None, loss: Any = None, metrics: Mapping[str, Any] | None = None,
+                   extra: Any = None) -> bool:
+        """Call once per optimizer step, after it. Saves if due; returns True if it did.
+
+        ``batch`` (every tensor the step consumed) and ``loss`` go to the step ledger;
+        without them it still records the RNG streams and a periodic parameter digest."""
         self._check_open()
         self._raise_failure()
+        if self.ledger is not None:
+            self.ledger.step(step, batch=batch, loss=loss, kill=False)
+        saved = self._after_step_save(step, metrics, extra)
+        if self.ledger is not None:
+            self.ledger.maybe_kill(step)
+        return saved
+
+    @property
+    def resume_report(self) -> Any:
+        """The ledger's verdict on the last ``resume()`` (``ckpt.ledger.ResumeReport``), once known."""
+        return self.ledger.report if self.ledger is not None else None
+
+    def _make_ledger(self, params_every: int, verify: str) -> Any:
+        from .ledger import ENV_DIR, Ledger
+
+        root = os.environ.get(ENV_DIR)
+        directory = os.path.join(root, os.path.basename(self.run_dir)) if root else os.path.join(self.run_dir, "ledger")
+        if self.world_size > 1:
+            directory = os.path.join(directory, f"rank-{self.rank:05d}")
+        modules = {k: v for k, v in self.state.items() if hasattr(v, "named_parameters")}
+        return Ledger(directory, params=modules or None, params_every=params_every, generators=self.generators,
+                      verify=verify, run_id=self.run_id)  # type: ignore[arg-type]
+
+    def _after_step_save(self, step: int, metrics: Mapping[str, Any] | None, extra: Any) -> bool:
         due = bool(self.every_steps and step % self.every_steps == 0)
         if self.every_seconds is not None and self._clock() - self._last_save_time >= self.every_seconds:
             due = True
@@ -492,6 +528,8 @@ class CheckpointManager:
         """Save now (at a step boundary). ``block`` defaults to ``not async_save``."""
         self._check_open()
         self._raise_failure()
+        if self.ledger is not None:
+            self.ledger.touch(step)  # a run that only saves still has a ledger: a resume is not "missing" one
         self._save(step, metrics, extra, block=(not self.async_save) if block is None else block)
 
     def wait(self) -> SaveReport | None:
@@ -508,6 +546,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self.ledger is not None:
+                self.ledger.close()
             for sig, old in self._old_handlers.items():
                 try:
                     # Only if ours is still installed: a handler installed after ours
@@ -586,13 +626,17 @@ class CheckpointManager:
                         verify=True,
                         exactness=exactness or self.exactness,
                     )
-            except _REFUSALS:
-                raise
             except Exception as e:  # any reason: this checkpoint cannot be loaded here
                 error = e
-            failed = error is not None
+            failed, refused = error is not None, isinstance(error, _REFUSALS)
             if self._ctl is not None:  # all ranks load the same checkpoint or none does
-                failed = bool(self._ctl.all_reduce_max([int(failed)])[0])
+                failed, refused = (bool(v) for v in self._ctl.all_reduce_max([int(failed), int(refused)]))
+            if refused:  # every rank raises together (none waits in a collective)
+                if prepared is not None:
+                    prepared.close()
+                if isinstance(error, _REFUSALS):
+                    raise error
+                raise CkptError("another rank refused this checkpoint (strict exactness gate)", path=path)
             if failed:
                 if prepared is not None:
                     prepared.close()
@@ -632,6 +676,8 @@ class CheckpointManager:
         self._start_step = int(result.step or 0)
         self._last_save_step = self._start_step
         self._last_save_time = self._clock()
+        if self.ledger is not None and not defer_rng:
+            self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id)
         return result
 
     def restore_rng(self) -> list[str]:
@@ -641,7 +687,10 @@ class CheckpointManager:
         if self._deferred_rng is None:
             raise CkptError("no deferred RNG state: call resume(defer_rng=True) first", key="rng")
         state, self._deferred_rng = self._deferred_rng, None
-        return restore_rng(state, self.generators or None, path=self.run_dir)
+        restored = restore_rng(state, self.generators or None, path=self.run_dir)
+        if self.ledger is not None and self.resumed_from is not None:
+            self.ledger.resumed(self._start_step, source=self.resumed_from["name"], run_id=self.run_id)
+        return restored
 
     # -- saving ------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -173,6 +173,10 @@ class CheckpointReader:
         try:
             mst = self._storage.lstat(mpath)
         except FileNotFoundError:
+            try:
+                self._storage.lstat(p)
+            except FileNotFoundError:  # the directory itself went away after the first lstat
+                raise CheckpointVanishedError("the checkpoint was removed while it was being opened", path=p) from None
             raise IncompleteCheckpointError("no MANIFEST: the save never committed", path=p) from None
         if not stat.S_ISREG(mst.st_mode):
             raise UnsafePathError("MANIFEST is not a regular file", path=mpath)
@@ -218,7 +222,11 @@ class CheckpointReader:
                 raise SizeMismatchError(
                     f"file is {st.st_size} bytes, manifest says {f.size}", path=fp, offset=min(st.st_size, f.size)
                 )
-        extra = [n for n in self._storage.listdir(self.path) if n not in expected]
+        try:
+            listing = self._storage.listdir(self.path)
+        except FileNotFoundError:
+            raise CheckpointVanishedError("the checkpoint was removed while it was being opened", path=self.path) from None
+        extra = [n for n in listing if n not in expected]
         if extra:
             raise UnexpectedFileError(f"files not named in the manifest: {extra[:5]}", path=os.path.join(self.path, extra[0]))
 

@@ -696,13 +696,14 @@ def _first_diff(x: Any, y: Any, path: str, count: list[int]) -> tuple[str | None
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return path, f"{type(x).__name__} != {type(y).__name__}"
         count[0] += 1
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return path, f"dtype/shape {x.dtype}{tuple(x.shape)} != {y.dtype}{tuple(y.shape)}"
-        xb, yb = x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)
-        if torch.equal(xb, yb):
+        from .diff import tensor_diff
+
+        d = tensor_diff(x, y, max_abs=False)
+        if d.equal:
             return None
-        es = x.element_size()
-        idx = int((xb != yb).nonzero()[0].item()) // es
+        if d.reason:
+            return path, d.reason
+        idx = d.first or 0
         fx, fy = x.reshape(-1)[idx].item(), y.reshape(-1)[idx].item()
         return path, f"element {idx}: {fx!r} != {fy!r} (bitwise)"
     if isinstance(x, Mapping) and isinstance(y, Mapping):

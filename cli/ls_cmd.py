@@ -31,6 +31,7 @@ def _holds_checkpoints(path: str) -> bool:
 def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
     from ckpt.errors import CkptError, IncompleteCheckpointError
     from ckpt import TMP_PREFIX, CheckpointReader
+    from ckpt.ledger import ledger_tapes
 
     rows = []
     for name in sorted(os.listdir(run_dir)):
@@ -40,6 +41,11 @@ def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"name": name, "step": None, "time": None, "bytes": _dir_size(p), "status": None, "problem": None}
         if name.startswith(TMP_PREFIX):
             row["status"] = "temporary"
+            rows.append(row)
+            continue
+        if not os.path.exists(os.path.join(p, "MANIFEST")) and ledger_tapes(p):
+            # The run's step ledger (ckpt.ledger), not a torn save.
+            row["status"] = f"step ledger ({len(ledger_tapes(p))} tapes)"
             rows.append(row)
             continue
         if not os.path.exists(os.path.join(p, "MANIFEST")) and _holds_checkpoints(p):

@@ -8,7 +8,7 @@ Exit codes (documented in README and spec/checkpoint-format.md §CLI):
 2     usage error (click)
 3     corrupt: a format or integrity error (file, chunk, byte range named)
 4     incomplete: not a committed checkpoint
-5     not found
+5     not found, or removed while being read (CheckpointVanishedError)
 6     different: ``diff`` found differences, ``replay`` diverged,
       ``tape check`` found violations, strict environment gate refused
 ====  ==========================================================

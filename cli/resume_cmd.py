@@ -26,8 +26,11 @@ def _kill_steps(values: tuple[str, ...]) -> list[int]:
     return out
 
 
-@click.command("check-resume")
-@click.option("--entry", required=True, metavar="MODULE:FUNCTION", help="Training entry point train(ctx); see ckpt.resume_check.")
+@click.command("check-resume", context_settings={"allow_interspersed_args": False})
+@click.option("--entry", default=None, metavar="MODULE:FUNCTION", help="Training entry point train(ctx); see ckpt.resume_check.")
+@click.option("--kills", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With -- COMMAND and no --kill-at: how many random kill steps.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--steps", type=click.IntRange(min=2), default=12, show_default=True, help="Optimizer steps per run.")
 @click.option("--kill-at", "kill_at", multiple=True, metavar="K", help="Step(s) to SIGKILL at, in order (repeat or comma-separate).")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (gloo ranks) per attempt.")
@@ -41,7 +44,9 @@ def _kill_steps(values: tuple[str, ...]) -> list[int]:
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds per attempt.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
 def check_resume_cmd(
-    entry: str,
+    entry: str | None,
+    kills: int,
+    command: tuple[str, ...],
     steps: int,
     kill_at: tuple[str, ...],
     world_size: int,
@@ -59,7 +64,28 @@ def check_resume_cmd(
 
     Exit 0 when identical; 6 when different, or when the attempts' environments or world
     sizes differ (no exactness claim is made); 1 when an attempt crashed.
+
+    Or ``ckpt check-resume [--kill-at K | --kills N] -- COMMAND ...``: run an unmodified
+    script (its CheckpointManager or ckpt.ledger.Ledger takes its instructions from the
+    environment), SIGKILL it at chosen or random steps, let it resume, and compare the
+    step ledgers and final checkpoints (ckpt.ledger.check). Exit 0 IDENTICAL, 6
+    DIFFERENT, 2 NO CLAIM (no ledger, no checkpoint reached, or the command failed).
     """
+    if command:
+        if entry:
+            raise click.UsageError("give either --entry or -- COMMAND, not both")
+        from ckpt.ledger.check import check_command
+
+        res = check_command(list(command), kill_at=_kill_steps(kill_at), kills=kills, seed=seed, work=work_dir,
+                            timeout=timeout)
+        if as_json:
+            dump_json({"verdict": res.verdict, "lines": list(res.lines), "kill_at": list(res.kill_at),
+                       "work_dir": res.work})
+        else:
+            click.echo(res.text)
+        raise click.exceptions.Exit(res.exit_code)
+    if not entry:
+        raise click.UsageError("give --entry MODULE:FUNCTION or -- COMMAND ...")
     opts = {}
     for o in options:
         key, sep, value = o.partition("=")

@@ -167,7 +167,13 @@ def check_cmd(paths: tuple[str, ...], as_json: bool) -> None:
     one history. Exit 0 when none is violated, 6 otherwise."""
     from replay.check import check_tapes
 
-    violations = check_tapes(list(paths))
+    readers: list[Any] = []
+    violations = check_tapes(list(paths), readers=readers)
+    for r in readers:
+        # The history is judged as far as it goes; say where a tape was cut short (§5.5).
+        if not r.closed:
+            click.echo(f"note: {r.path} is not closed (ends at seq {r.last_seq}): the history checked may be "
+                       "incomplete", err=True)
     path = " ".join(paths)
     if as_json:
         click.echo(json.dumps([v.to_json() for v in violations], indent=2))

@@ -244,9 +244,15 @@ def _decoded(events: Iterable[Event]) -> Iterator[Event]:
         yield ev
 
 
-def check_tape(path: str | os.PathLike[str]) -> list[Violation]:
-    """Check every invariant over the tape at ``path`` (which must read cleanly)."""
-    return check_events(_decoded(TapeReader(path).events()))
+def check_tape(path: str | os.PathLike[str], *, readers: list[TapeReader] | None = None) -> list[Violation]:
+    """Check every invariant over the tape at ``path`` (which must read cleanly).
+
+    ``readers``: the reader is appended to it, so a caller can tell afterwards whether
+    the tape was closed (``reader.closed``, tape-format.md §5.5) without reading it twice."""
+    r = TapeReader(path)
+    if readers is not None:
+        readers.append(r)
+    return check_events(_decoded(r.events()))  # streamed to the end: the reader then knows how the tape ends
 
 
 def merge_histories(histories: Sequence[Sequence[Event]], names: Sequence[str] = ()) -> list[Event]:
@@ -272,10 +278,16 @@ def merge_histories(histories: Sequence[Sequence[Event]], names: Sequence[str] =
     return [x[3] for x in keyed]
 
 
-def check_tapes(paths: Sequence[str | os.PathLike[str]]) -> list[Violation]:
+def check_tapes(paths: Sequence[str | os.PathLike[str]], *, readers: list[TapeReader] | None = None
+                ) -> list[Violation]:
     """Check the invariants over the history the tapes at ``paths`` record together
-    (one tape: exactly :func:`check_tape`, in tape order)."""
+    (one tape: exactly :func:`check_tape`, in tape order). ``readers`` as in :func:`check_tape`."""
     if len(paths) == 1:
-        return check_tape(paths[0])
-    return check_events(merge_histories([list(_decoded(TapeReader(p).events())) for p in paths],
-                                        [str(p) for p in paths]))
+        return check_tape(paths[0], readers=readers)
+    histories = []
+    for p in paths:
+        r = TapeReader(p)
+        if readers is not None:
+            readers.append(r)
+        histories.append(list(_decoded(r.events())))
+    return check_events(merge_histories(histories, [str(p) for p in paths]))

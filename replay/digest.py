@@ -23,40 +23,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["bytes_digest", "tensor_digest", "named_digests", "module_digests", "rng_digests", "payload_digest",
            "env_diff", "RNG_SOURCES"]
 
-_DTYPE_NAMES: dict[str, str] = {}  # torch dtype repr -> stable name; filled on first use
-
-
-def _dtype_name(dtype: "torch.dtype") -> str:
-    if not _DTYPE_NAMES:
-        import torch
-
-        for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-                     "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
-                     "uint64"):
-            dt = getattr(torch, name, None)
-            if dt is not None:
-                _DTYPE_NAMES[repr(dt)] = name
-    try:
-        return _DTYPE_NAMES[repr(dtype)]
-    except KeyError:
-        raise ValueError(f"no stable digest name for dtype {dtype!r}") from None
-
-
-def bytes_digest(data: bytes | bytearray | memoryview) -> bytes:
-    return xxhash.xxh3_128_digest(data)
-
-
-def tensor_digest(t: "torch.Tensor") -> bytes:
-    """16-byte xxh3-128 of dtype, shape and the tensor's bytes (moved to CPU if needed)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    h = xxhash.xxh3_128()
-    h.update(_dtype_name(t.dtype).encode())
-    h.update(struct.pack(f"<{t.dim()}q", *t.shape))
-    if t.numel():
-        h.update(t.contiguous().reshape(-1).view(_u8()).numpy().data)
-    return h.digest()
+# One tensor digest in the repository: ckpt.ledger.digest (the step ledger lives below replay).
+from ckpt.ledger.digest import bytes_digest, dtype_name as _dtype_name, tensor_digest  # noqa: E402,F401
 
 
 def _u8() -> Any:

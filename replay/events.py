@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import msgpack
 
 from ckpt.format.codec import foreign_value
+from ckpt.tape.format import strict_pairs  # one definition, next to the framing it serves
 from replay.clock import VectorClock
 from replay.errors import TapeFormatError
 
@@ -145,23 +146,6 @@ def _enc_refs(out: bytearray, v: Sequence[tuple[str, int]], name: str) -> None:
 
 def _ext_refused(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} is not allowed on a tape")
-
-
-def strict_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    """msgpack ``object_pairs_hook`` for tape payloads and metadata (spec §6.1.1 "Map keys").
-
-    A plain decode lets the last of two equal keys win, merges ``true``/``1`` and
-    ``1``/``1.0``, and raises a bare ``TypeError`` on a list or map key; two readers
-    could then disagree on what the tape says. Keys MUST be strings or integers (not
-    booleans), and a key MUST NOT repeat."""
-    out: dict[Any, Any] = {}
-    for k, v in pairs:
-        if type(k) is not str and type(k) is not int:
-            raise ValueError(f"map key {k!r} of type {type(k).__name__} (keys must be str or int)")
-        if k in out:
-            raise ValueError(f"map repeats the key {k!r}")
-        out[k] = v
-    return out
 
 
 def unpack_msgpack(data: bytes) -> Any:
@@ -339,6 +323,17 @@ KINDS: tuple[Kind, ...] = (
                                   ("parts", "strs"), ("excluded", "strs"), ("reason", "str")),
          "The coordinator committed (1) or aborted (0) a distributed snapshot: parts are the actors whose state "
          "it holds, excluded the failed ones left out, reason why it aborted (the writer fsyncs the tape here)."),
+    Kind(22, "ledger_open", (("run_id", "str"), ("start_step", "i64"), ("source", "str"), ("rng", "digests")),
+         "A process starts its step ledger (ckpt.ledger) at start_step; source names the checkpoint it resumed "
+         "from (empty for a fresh start); rng holds the digest of each RNG stream right after that."),
+    Kind(23, "ledger_step", (("has", "u32"), ("batch", "d128"), ("loss", "f64"), ("rng", "digests"),
+                             ("params", "d128")),
+         "One optimizer step of the ledger: has bit 0 batch, bit 1 loss, bit 2 params say which fields were "
+         "recorded (the others are zero); batch digests every tensor the step consumed; rng is each stream's "
+         "digest after the step."),
+    Kind(24, "resume_check", (("verdict", "str"), ("first", "i64"), ("last", "i64"), ("report", "str")),
+         "The verification of a resume against the ledger: verdict exact, diverged or skipped over steps "
+         "first..last, with the full report text."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}

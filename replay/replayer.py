@@ -400,11 +400,12 @@ class Oracle:
 
 
 def _abs_diff(ref: "torch.Tensor", live: "torch.Tensor") -> tuple[float | None, int | None]:
-    a, b = ref.detach().cpu(), live.detach().cpu()
-    if a.shape != b.shape:
+    from ckpt.diff import tensor_diff  # the one tensor comparison
+
+    d = tensor_diff(ref, live)
+    if d.reason and d.max_abs is None:
         return None, None
-    differing = int((a != b).sum().item()) if a.dtype == b.dtype else int(a.numel())
-    return float((a.double() - b.double()).abs().max().item()) if a.numel() else 0.0, differing
+    return d.max_abs, d.differing
 
 
 # -- entry points ------------------------------------------------------------------------------

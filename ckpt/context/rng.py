@@ -8,12 +8,13 @@ strict: a state that does not fit (e.g. a CUDA state saved on 2 devices restored
 
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..errors import StateMismatchError
 
-__all__ = ["capture_rng", "restore_rng", "rng_kinds"]
+__all__ = ["capture_rng", "restore_rng", "rng_kinds", "isolated"]
 
 
 def _np():
@@ -122,3 +123,26 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None =
             raise StateMismatchError(f"generator {name!r} does not restore: {e}", path=path, key=f"rng/generators/{name}") from None
         restored.append(f"generator:{name}")
     return restored
+
+
+@contextlib.contextmanager
+def isolated(generators: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """Run a block without moving any training RNG stream.
+
+    On exit (also on an exception) every stream ``capture_rng`` captures is back where
+    it was: Python ``random``, numpy's global state, torch CPU, every CUDA device and
+    each generator in ``generators``. Evaluation or sampling inside it draws from the
+    same streams as usual, but the training run then continues as if it had never run,
+    so where a script evaluates relative to its checkpoints (and whether an evaluation
+    runs again after a resume) no longer changes the run. Where CUDA is available it is
+    initialised on entry, so that a block that first touches the GPU is covered too.
+    """
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_initialized():
+        torch.cuda.init()
+    state = capture_rng(generators)
+    try:
+        yield
+    finally:
+        restore_rng(state, generators)

@@ -15,7 +15,7 @@ from ..errors import FormatError, StateMismatchError
 from ..format import dtypes
 from .layout import ShardedLayout, decode_layout
 
-if TYPE_CHECKING:  # the reader calls into this module (CheckpointReader.state)
+if TYPE_CHECKING:  # annotations only: reader.state() imports this module (no import cycle)
     from ..reader import CheckpointReader
 
 __all__ = ["full_tensor", "full_state"]

@@ -310,7 +310,7 @@ def _validate(body: Any, version: tuple[int, int], path: str | None) -> Manifest
             _need(isinstance(key, str) and 0 < len(key) <= 4096, "bad tensor key", path, tw)
             _need(key not in seen_keys, f"duplicate tensor key {key!r}", path, tw)
             seen_keys.add(key)
-            _need(dt in dtypes.DTYPES, f"unknown dtype {dt!r}", path, tw)
+            _need(isinstance(dt, str) and dt in dtypes.DTYPES, f"unknown dtype {dt!r}", path, tw)
             _need(
                 isinstance(shape, list) and len(shape) <= k.max_tensor_rank and all(_int(s, 0, 2**62) for s in shape),
                 "bad shape",

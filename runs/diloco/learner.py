@@ -291,11 +291,18 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
             elif kind == "stop":
                 stopped = True
 
+    # the syncer's first snapshot is taken at the start (syncer.py); its marker is waited
+    # for in the first inbox decision, so that every learner's cut is there
+    first_marker = [ctx.incarnation == 0 and ctx.restore is None and bool(cfg.snapshot_every)]
+
     def boundary(key: str, final: bool = False, block: bool = False) -> None:
         """One taped inbox decision. ``block``: first wait for a message or for a held-back
         message to come due (used while lagging and at the end, where there is nothing
         else to do)."""
         def compute() -> dict[str, Any]:
+            if first_marker[0]:
+                link.wait(lambda: any(m.meta.get("kind") == "snap" for m in link.box.values()),
+                          "the first snapshot's marker", tick=0.005)
             if final and outbox:
                 pass  # at the end everything held back goes out now
             elif block or final:
@@ -314,6 +321,7 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
             return {"take": take, "flush": flush}
 
         d = tape.decide("inbox", key, compute)
+        first_marker[0] = False
         for rel, meta, tensors, timing in outbox[: int(d["flush"])]:
             send_syncer(meta, tensors, timing)
         del outbox[: int(d["flush"])]
@@ -374,10 +382,22 @@ def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
             lag_loop(int(t_s), int(w_s) + 1 if w_s else 0)
         else:
             n_end += 1
+    # An actor's n-th scheduled death (kill or loss, in schedule order: the order the
+    # syncer names them) is its incarnation n's, and fires at that incarnation's first
+    # step at or after the fault's step. A replacement adopts its peer's step, which may
+    # lie before or after the step its predecessor died at: matching the step alone made
+    # a replacement die again at a step it passed a second time (and a death whose step
+    # it skipped never happened), so how many deaths a run saw depended on timing.
+    deaths = [f for f in ctx.faults if f.kind in ("kill", "loss")]
+    my_death = deaths[ctx.incarnation] if ctx.incarnation < len(deaths) else None
     while core.t < cfg.steps and not stopped:
         t = core.t
         for f in ctx.faults:
-            if f.step != t or f.kind not in ("kill", "loss", "jitter"):
+            if f.kind == "jitter" and f.step == t:
+                pass
+            elif f is my_death and t >= f.step:
+                pass
+            else:
                 continue
             tape.inject(f.kind, ctx.actor, {**f.detail, "step": t, "incarnation": ctx.incarnation})
             if f.kind == "jitter":

@@ -109,10 +109,15 @@ class Report:
 
     @property
     def loss_gap(self) -> float:
-        return abs(self.val_chaos - self.val_nofault) / self.val_nofault
+        """How much worse the chaos run ends than the no-fault run (negative: better)."""
+        return (self.val_chaos - self.val_nofault) / self.val_nofault
 
     @property
     def loss_ok(self) -> bool:
+        # One-sided: the claim is that the faults cost at most the tolerance. Ending
+        # better than the no-fault run is not a failure of fault tolerance (which
+        # contributions make each quorum depends on timing, so the chaos run can land
+        # on either side; see the README on the no-fault run's loss).
         return math.isfinite(self.val_chaos) and self.loss_gap <= LOSS_TOLERANCE
 
     @property
@@ -155,7 +160,7 @@ class Report:
                      f"synchronous elastic baseline {b.goodput:.1%} ({b.useful}/{b.capacity}: {b.restarts} "
                      f"restarts, {b.rolled_back_steps} steps rolled back, {b.downtime_slots} idle slots)")
         lines.append(f"validation loss: chaos {self.val_chaos:.4f}, no faults {self.val_nofault:.4f} "
-                     f"(gap {self.loss_gap:.1%}, tolerance {LOSS_TOLERANCE:.0%}: {yes(self.loss_ok)}); "
+                     f"(chaos worse by {self.loss_gap:.1%}, tolerance {LOSS_TOLERANCE:.0%}: {yes(self.loss_ok)}); "
                      f"baseline {b.val[-1][1]:.4f}" if b.val else "")
         if self.replay_identical is not None:
             lines.append(f"replay --mode force: bit-identical {yes(self.replay_identical)} "

@@ -302,7 +302,13 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
         for a in dead:
             will_be_dead[a] = s
         for a, since in sorted(will_be_dead.items(), key=lambda x: _order(x[0])):
-            if s >= since + ctx.schedule.rejoin_after and spare_used[a] < len(ctx.spares.get(a, ())):
+            # In the last round a death is replaced at once: the round is a barrier that
+            # waits for every live learner, so a learner that dies (deaths fire before its
+            # last round's sends) is detected inside it, and "rejoin_after steps later"
+            # would fall after the end, leaving it unrecovered depending on when the
+            # syncer got there.
+            due = s >= since + ctx.schedule.rejoin_after or final
+            if due and spare_used[a] < len(ctx.spares.get(a, ())):
                 healthy = [b for b in sorted(active, key=_order) if b not in recovering and b not in will_be_dead]
                 if not healthy:
                     continue
@@ -420,10 +426,19 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
     else:
         for a in names:
             link.send(a, {"kind": "start"}, taped=False)
+        if cfg.snapshot_every:
+            # The first snapshot is taken before anything happens, and every learner
+            # waits for its marker in its first inbox decision (learner.py), before its
+            # first possible death (faults fire at inner step >= 1). So one snapshot
+            # with every learner in it exists whatever the machine load; later ones may
+            # exclude a learner that is dead or still recovering.
+            snapshot_begin(0)
     for s in range(s0, cfg.syncer_steps):
         p = s % cfg.fragments
         key = f"s{s}"
-        if snap and not (ctx.restore is not None and s == s0):
+        # a snapshot first tries to close at the step after the one it began at (a
+        # restored one: it began at the step the run continues from)
+        if snap and int(snap["s"]) < s:
             snapshot_close(s, final=False)
         # every snapshot_every syncer steps from step 1 (the earliest round boundary after a
         # merge; one open snapshot at a time, so a step that finds one open takes none)
@@ -501,6 +516,17 @@ def run_syncer(ctx: SyncerCtx) -> SyncerOutcome:
             ctx.on_step(s, plan)
     if snap:
         snapshot_close(cfg.syncer_steps, final=True)
+    # Every replacement activated so far recovers before anybody is told to stop: its
+    # peer serves the state request only while it runs, and "stop" (syncer -> peer) and
+    # the request (replacement -> peer) travel on different channels, so without this a
+    # peer could stop first and leave the replacement waiting (the end-of-run hang).
+    def recovered_or_dead() -> bool:
+        if ctx.dead_probe is not None:
+            for e in ctx.dead_probe():
+                on_dead(e)
+        return all(a in joined or e in detected for a, e in active.items() if a in recovering)
+
+    link.wait(recovered_or_dead, "every replacement's recovery before the stop", tick=0.005)
     for a, e in sorted(active.items(), key=lambda x: _order(x[0])):
         link.send(e, {"kind": "stop"})
     for a, eps in ctx.spares.items():

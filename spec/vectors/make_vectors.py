@@ -82,7 +82,8 @@ FIXED_ENV = {
     "float32_matmul_precision": "highest",
     "num_threads": 1,
     "num_interop_threads": 1,
-    "env": {},
+    "env": {k: None for k in ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                              "MKL_CBWR", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE")},
 }
 FIXED_TOPOLOGY = {
     "distributed": False,
@@ -172,6 +173,7 @@ def _write(path: Path, state: dict[str, Any], **kw: Any) -> None:
             parts = kw.pop("parts", None)
             pending = writer.begin(path)
             try:
+                kw.setdefault("lineage", {"run_id": None, "resumed_from": None})  # §8.6
                 if parts is None:
                     pes = [writer.write_part(pending, writer.part_name_for_rank(0), state, rng=False, step=1, **kw)]
                 else:
@@ -215,6 +217,84 @@ def _hand_manifest(body: Any, *, magic: bytes = b"CKPTMNFT", major: int = 1, min
     b = msgpack.packb(body, use_bin_type=True) if body_bytes is None else body_bytes
     head = struct.pack("<8sHHIQ", magic, major, minor, 0, len(b))
     return head + b + digest_bytes(head + b)
+
+
+def _sign_raw(ck: Path, body: Any, *, fix_id: bool = True, body_bytes: bytes | None = None) -> None:
+    """Write a raw (possibly hostile) body as MANIFEST: content id (§5.2) and digest right."""
+    if fix_id:
+        ids = [[p["name"], [[f[0], f[2], f[4]] for f in p["files"]]] for p in body["parts"]]
+        body["id"] = digest_bytes(msgpack.packb(ids, use_bin_type=True)).hex()
+    (ck / MANIFEST_NAME).write_bytes(_hand_manifest(body, body_bytes=body_bytes))
+
+
+def _reseal_raw(ck: Path, name: str, data: bytes, *, raw_size: int | None = None, shift: int = 0) -> None:
+    """Replace a file, re-sign it in the raw body; ``shift`` moves every tensor offset."""
+    (ck / name).write_bytes(data)
+    body = _raw_body(ck)
+    for p in body["parts"]:
+        for f in p["files"]:
+            if f[0] == name:
+                h = ChunkHasher(f[3])
+                h.update(data)
+                f[2], f[4] = len(data), h.finish()
+                if raw_size is not None:
+                    f[6] = raw_size
+        for t in p["tensors"]:
+            t[4] += shift
+    _sign_raw(ck, body)
+
+
+_SF = "rank-00000.safetensors"
+_ST = "rank-00000.state.msgpack.zst"
+
+
+def _state_doc(ck: Path) -> Any:
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().decompress((ck / _ST).read_bytes())
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
+
+
+def _put_state(ck: Path, raw: bytes) -> None:
+    _reseal_raw(ck, _ST, zstd_compress(raw, 3), raw_size=len(raw))
+
+
+def _edit_state(edit: Callable[[Any], Any], *, splice: tuple[bytes, bytes] | None = None) -> Callable[[Path], None]:
+    """Edit the decoded state document; ``splice`` then replaces packed bytes (for
+    documents a dict cannot hold, such as colliding keys)."""
+    def f(ck: Path) -> None:
+        doc = _state_doc(ck)
+        edit(doc)
+        raw = msgpack.packb(doc, use_bin_type=True)
+        if splice is not None:
+            assert raw.count(splice[0]) == 1
+            raw = raw.replace(*splice)
+        _put_state(ck, raw)
+    return f
+
+
+def _edit_header(edit: Callable[[dict[str, Any]], bytes]) -> Callable[[Path], None]:
+    """Replace the safetensors JSON header by ``edit(header)`` (raw bytes, used as is)."""
+    def f(ck: Path) -> None:
+        data = (ck / _SF).read_bytes()
+        (n,) = struct.unpack_from("<Q", data, 0)
+        header = json.loads(data[8 : 8 + n])
+        new = edit(header)
+        _reseal_raw(ck, _SF, struct.pack("<Q", len(new)) + new + data[8 + n :], shift=len(new) - n)
+    return f
+
+
+def _padded(obj: Any) -> bytes:
+    b = json.dumps(obj, separators=(",", ":")).encode()
+    return b + b" " * (-len(b) % 8)
+
+
+def _edit_body(edit: Callable[[Any], Any], *, fix_id: bool = True) -> Callable[[Path], None]:
+    def f(ck: Path) -> None:
+        body = _raw_body(ck)
+        edit(body)
+        _sign_raw(ck, body, fix_id=fix_id)
+    return f
 
 
 def _flip(p: Path, pos: int, bit: int) -> None:
@@ -485,6 +565,136 @@ def build(out: Path) -> list[str]:
 
         bad("invalid-zstd-size-lie", zstd_lie, "FormatError", "verify",
             "A 14-byte zstd frame claiming 512 MiB of content (manifest agrees): refused without allocating it.")
+
+        # --- strict decoding (§6.1, §7.3, §3) and rules two readers must share (§4, §5.2, §8, §9) ---
+
+        def first_tensor(h: dict[str, Any]) -> str:
+            return next(k for k in h if k != "__metadata__")
+
+        def float_shape(h: dict[str, Any]) -> bytes:
+            k = first_tensor(h)
+            h[k]["shape"] = [float(x) for x in h[k]["shape"]]
+            return _padded(h)
+
+        bad("invalid-float-shape", _edit_header(float_shape), "FormatError", "verify",
+            "A safetensors shape of floats ([3.0, 4.0]); equal to the ints in Python, refused by §6.1 rule 6.")
+
+        def metadata_not_str(h: dict[str, Any]) -> bytes:
+            h["__metadata__"] = {"format": 5}
+            return _padded(h)
+
+        bad("invalid-metadata-not-string", _edit_header(metadata_not_str), "FormatError", "verify",
+            "__metadata__ maps a key to a number; §6.1 rule 7 wants str to str.")
+
+        def unaligned(h: dict[str, Any]) -> bytes:
+            b = json.dumps(h, separators=(",", ":")).encode()
+            return b + b" " * ((-len(b) % 8) or 8) + b" "  # one byte past a multiple of 8
+
+        bad("invalid-header-length-unaligned", _edit_header(unaligned), "FormatError", "verify",
+            "A safetensors header length that is not a multiple of 8 (tensor offsets re-signed to match).")
+
+        def extra_member_field(h: dict[str, Any]) -> bytes:
+            h[first_tensor(h)]["extra"] = 1
+            return _padded(h)
+
+        bad("invalid-safetensors-extra-field", _edit_header(extra_member_field), "FormatError", "verify",
+            "A tensor member with a fourth field; §6.1 rule 6 allows exactly dtype, shape and data_offsets.")
+
+        def tab_padding(h: dict[str, Any]) -> bytes:
+            b = json.dumps(h, separators=(",", ":")).encode()
+            return b + b"\t" * (-len(b) % 8 or 8)
+
+        bad("invalid-header-padding-not-spaces", _edit_header(tab_padding), "FormatError", "verify",
+            "A header padded with tabs: stock safetensors accepts any JSON whitespace, §6.1 only spaces.")
+
+        def bigint(text: bytes) -> Callable[[Any], None]:
+            def e(doc: Any) -> None:
+                doc["state"]["n"] = msgpack.ExtType(4, text)
+            return e
+
+        bad("invalid-bigint-non-ascii-digits", _edit_state(bigint("١٨٤٤٦٧٤٤٠٧٣٧٠٩٥٥١٦١٦".encode())), "FormatError", "verify",
+            "A BIGINT written in Arabic-Indic digits (2^64): Python's int() would accept it; §7.3 wants ASCII.")
+        bad("invalid-bigint-in-range", _edit_state(bigint(b"5")), "FormatError", "verify",
+            "A BIGINT holding 5: an in-range int has one encoding, a msgpack int (§7.3).")
+        bad("invalid-bigint-leading-zeros", _edit_state(bigint(b"018446744073709551616")), "FormatError", "verify",
+            "A BIGINT with a leading zero: not the canonical form of §7.3.")
+
+        def name_newline(body: Any) -> None:
+            body["parts"][0]["files"][1][0] += "\n"
+
+        bad("invalid-name-trailing-newline", _edit_body(name_newline), "UnsafePathError", "open",
+            "A file name ending in a newline: the §3 grammar matches the whole name.")
+
+        def dup_manifest_key(ck: Path) -> None:
+            body = _raw_body(ck)
+            b = msgpack.packb(body, use_bin_type=True)
+            assert 0x80 <= b[0] < 0x8F
+            dup = bytes([b[0] + 1]) + b[1:] + msgpack.packb("kind") + msgpack.packb("snapshot")
+            _sign_raw(ck, body, body_bytes=dup)
+
+        bad("invalid-duplicate-manifest-key", dup_manifest_key, "FormatError", "open",
+            "The MANIFEST body holds 'kind' twice (checkpoint, then snapshot): §2 refuses repeated map keys.")
+        bad("invalid-bool-and-int-keys", _edit_state(lambda d: d["state"].update(k="@@KEYS@@"),
+                                                     splice=(msgpack.packb("@@KEYS@@"), b"\x82\xc3\xa1T\x01\xa1I")),
+            "FormatError", "verify", "A map {true: 'T', 1: 'I'}: bool and int keys equal as values collide (§2).")
+        bad("invalid-int-and-float-keys", _edit_state(lambda d: d["state"].update(k="@@KEYS@@"),
+                                                      splice=(msgpack.packb("@@KEYS@@"),
+                                                              b"\x82\x01\xa1I\xcb" + struct.pack(">d", 1.0) + b"\xa1F")),
+            "FormatError", "verify", "A map {1: 'I', 1.0: 'F'}: keys equal as values collide (§2).")
+
+        def wrong_id(body: Any) -> None:
+            body["id"] = "0" * 32
+
+        bad("invalid-content-id", _edit_body(wrong_id, fix_id=False), "ChecksumMismatchError", "open",
+            "An id that is not the content id of §5.2 (MANIFEST digest re-signed): readers recompute it.")
+
+        def manifest_ext(body: Any) -> None:
+            body["meta"]["when"] = msgpack.ExtType(1, b"x")
+
+        bad("invalid-manifest-extension-type", _edit_body(manifest_ext), "FormatError", "open",
+            "An extension value inside the MANIFEST's free-form meta: no MANIFEST field may hold one (§4.2).")
+
+        def no_summary(body: Any) -> None:
+            del body["parts"][0]["summary"]
+
+        bad("invalid-missing-summary", _edit_body(no_summary), "FormatError", "open",
+            "A part map without summary: the key is required, its content free (§4.3).")
+
+        def env_str(doc: Any) -> None:
+            doc["context"]["env"] = "linux"
+
+        bad("invalid-context-env-not-a-map", _edit_state(env_str), "FormatError", "verify",
+            "context.env is a string; §8 requires a map.")
+        bad("invalid-context-missing-extra", _edit_state(lambda d: d["context"].pop("extra")), "FormatError", "verify",
+            "context lacks 'extra'; every §8 key is required (nil where absent).")
+
+        def nested_replica(doc: Any) -> None:
+            doc["state"]["model"] = {"w": msgpack.ExtType(5, b"rank-00000")}
+
+        bad("invalid-replica-below-entry", _edit_state(nested_replica), "FormatError", "verify",
+            "A REPLICA value below a top-level entry: only an entry's whole value may be one (§9).")
+
+        def bad_device(doc: Any) -> None:
+            doc["state"]["dev"] = msgpack.ExtType(6, b"gpu:0")
+
+        bad("invalid-device-string", _edit_state(bad_device), "FormatError", "verify",
+            "A DEVICE value 'gpu:0' outside the §7.3 device grammar.")
+
+        vec = out / "valid-float32-and-any-directory-name"
+        shutil.rmtree(vec, ignore_errors=True)
+        vec.mkdir()
+        _write(vec / STEP_DIR, {"x": {"half": 0.5}})
+        ck32 = vec / "saved by hand (1)"  # writers refuse this name (§3); readers do not look (§11)
+        os.rename(vec / STEP_DIR, ck32)
+        doc = _state_doc(ck32)
+        raw = msgpack.packb(doc, use_bin_type=True)
+        f64 = b"\xcb" + struct.pack(">d", 0.5)
+        assert raw.count(f64) == 1
+        _put_state(ck32, raw.replace(f64, b"\xca" + struct.pack(">f", 0.5)))
+        _describe_ok(vec, ck32, {"rank-00000": {"x": {"half": 0.5}}},
+                     "A float32 (0xca) in the state document decodes to the same float64; the directory name is "
+                     "outside the §3 grammar, which readers do not check (§11).")
+        made.append(vec.name)
     return made
 
 

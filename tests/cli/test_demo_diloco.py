@@ -69,7 +69,7 @@ def test_demo_report_claims_hold(quick_demo: tuple[Path, str]) -> None:
     chaos_val = [e.payload["value"] for e in events if e.kind.name == "metric" and e.payload["name"] == "val_loss"][-1]
     vc, vn = map(float, _num(r"validation loss: chaos ([\d.]+), no faults ([\d.]+)", text))
     assert vc == round(chaos_val, 4)
-    assert abs(vc - vn) / vn <= LOSS_TOLERANCE
+    assert (vc - vn) / vn <= LOSS_TOLERANCE  # one-sided: the faults cost at most the tolerance
     (n_events,) = _num(r"bit-identical yes \((\d+) events\)", text)
     assert int(n_events) == sum(1 for e in events if e.kind.name != "actor")
     assert check_tape(tape) == [] and "tape check: 0 violations" in text
@@ -115,42 +115,53 @@ def test_demo_refuses_a_used_directory(quick_demo: tuple[Path, str]) -> None:
     assert r.exit_code != 0 and "exists: pass an empty --out directory" in r.output
 
 
-def _gloo_demo(out: Path) -> tuple[bool, str, str]:
+def _gloo_demo(out: Path, *, timeout: float = 150) -> tuple[bool, str, str]:
     """(exit code 0, stdout, stdout + stderr) of the quick demo over gloo."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
         p = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--out", str(out), "--quick"], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=150)
+                           env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        return False, "", f"timed out after 150 s; output so far:\n{e.stdout!r}\n{e.stderr!r}"
+        return False, "", f"timed out after {timeout} s; output so far:\n{e.stdout!r}\n{e.stderr!r}"
     return p.returncode == 0, p.stdout, p.stdout + p.stderr
 
 
-@pytest.mark.timeout(360)
-def test_demo_subprocess_gloo(tmp_path: Path) -> None:
-    """The demo over real gloo processes, end to end (about 30 s).
-
-    KNOWN FLAKE, not yet understood: about 2 runs in 25 on the 2-core VM went wrong (once
-    the chaos run hung after its last snapshot committed, once a check failed), never when
-    run on its own. One rerun is allowed so that the flake does not hide every other
-    result; the first attempt's output is kept in the warning for diagnosis, and the
-    rerun must pass every check."""
-    out = tmp_path / "out"
-    ok, stdout, everything = _gloo_demo(out)
-    if not ok:
-        import warnings
-
-        warnings.warn(f"gloo demo, first attempt failed (known flake, rerun once):\n{everything[-4000:]}",
-                      stacklevel=1)
-        out = tmp_path / "out-rerun"
-        ok, stdout, everything = _gloo_demo(out)
-    assert ok, everything
+def _check_gloo_demo(out: Path, stdout: str) -> None:
     assert "chaos run: 4 learners (gloo)" in stdout and stdout.rstrip().endswith("demo: all checks passed")
     from replay.tape import TapeReader
 
     killed = [e for e in TapeReader(out / "tape").events() if e.kind.name == "fault_injected"
               and e.payload["fault"] == "kill"]
     assert killed and (out / "loss.png").exists()
+
+
+@pytest.mark.timeout(360)
+def test_demo_subprocess_gloo(tmp_path: Path) -> None:
+    """The demo over real gloo processes, end to end (about 30 s). No rerun: the flake
+    it once allowed is fixed (a replacement activated at the end could wait for ever on
+    a peer that had already been told to stop; a kill re-fired in a replacement that
+    passed the kill step again; the only full snapshot depended on timing)."""
+    out = tmp_path / "out"
+    ok, stdout, everything = _gloo_demo(out)
+    assert ok, everything
+    _check_gloo_demo(out, stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_subprocess_gloo_beside_four_cpu_hogs(tmp_path: Path) -> None:
+    """The same demo with the cores oversubscribed: four busy-looping processes beside it.
+    Every check must still hold: none may depend on timing."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        out = tmp_path / "out"
+        ok, stdout, everything = _gloo_demo(out, timeout=540)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert ok, everything
+    _check_gloo_demo(out, stdout)
 
 
 def test_demo_basic_still_available(tmp_path: Path) -> None:

@@ -82,7 +82,8 @@ def main() -> None:
     ckpt.save(os.path.join(a.out, f"rank-{rank}"),
               {"model": model, "optim": trainer.optimizer.optimizer, "sched": trainer.lr_scheduler},
               step=trainer.state.global_step, extra={"log": log, "epoch": trainer.state.epoch,
-                                                      "resumed_from": trainer.ckpt_resumed_from})
+                                                      "resumed_from": trainer.ckpt_resumed_from},
+              this_rank_only=world > 1)  # each rank writes its own final state, to its own path
 
 
 if __name__ == "__main__":

@@ -97,6 +97,9 @@ def test_cut_at_a_record_boundary_is_not_closed(tmp_path: Path) -> None:
     offsets = [f.offset for _, f in TapeReader(tape).frames()]
     cut = tmp_path / "cut.tape"
     cut.write_bytes(data[: offsets[-3]])  # at a record boundary: no torn bytes at all
+    r = _cli("tape", "check", str(cut))
+    assert r.exit_code == 0 and f"{cut} is not closed (ends at seq" in r.output
+    assert "not closed" not in _cli("tape", "check", str(tape)).output
     r = _cli("tape", "verify", str(cut))
     rep = TapeReader(cut).verify()
     assert not rep.closed and rep.dropped_bytes == 0

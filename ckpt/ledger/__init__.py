@@ -1,0 +1,23 @@
+"""The step ledger: every step of a run on its tape, and every resume verified against it.
+
+Per optimizer step the ledger records, as ``ledger_step`` events in the tape format
+(spec/tape-format.md §6.2): the step number, a digest of the batch the step consumed
+(every tensor in it), the loss bits, the digest of each captured RNG stream, and every
+``params_every`` steps a digest of the parameters. ``CheckpointManager`` keeps one in
+``<run_dir>/ledger`` by default; ``Ledger`` is the same for a plain ``ckpt.save`` /
+``ckpt.load`` script. After a resume, the re-executed steps are compared with what the
+ledger recorded before the crash (``ResumeReport``).
+"""
+
+from __future__ import annotations
+
+from .compare import CAUSES, ResumeReport, StepDiff, compare_runs, used_streams
+from .ledger import ENV_DIR, ENV_KILL_AT, ENV_VERIFY, Ledger, ResumeVerificationWarning
+from .record import LedgerOpen, LedgerStep, ResumeCheck
+from .tapefile import LedgerTape, ledger_tapes, read_ledger_dir, read_ledger_tape
+
+__all__ = [
+    "Ledger", "ResumeReport", "ResumeVerificationWarning", "StepDiff", "CAUSES", "compare_runs", "used_streams",
+    "LedgerOpen", "LedgerStep", "ResumeCheck", "LedgerTape", "ledger_tapes", "read_ledger_dir", "read_ledger_tape",
+    "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY",
+]

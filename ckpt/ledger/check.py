@@ -1,0 +1,207 @@
+"""``check_command``: kill an unmodified training command, resume it, compare ledgers.
+
+The command runs as is, twice, each time in a fresh working directory under ``work``
+(so relative output paths of the two runs do not meet): once straight through, and
+once as a chain of attempts, the first SIGKILLed right after step ``kill_at[0]`` (the
+ledger inside the script reads ``CKPT_LEDGER_KILL_AT``), the next resumed by the script
+itself and killed at ``kill_at[1]``, and so on, the last run to the end. Arguments that
+name existing files are made absolute, and the caller's directory leads PYTHONPATH, so
+``python train.py`` and ``python -m pkg.train`` keep working from the new directory.
+
+Then, bit for bit: every step of every ledger directory the command wrote (straight
+run against the resumed chain's newest record of each step: batch digest, loss bits,
+parameter digests, each used RNG stream), and every committed checkpoint both runs left
+at the same relative path (``ckpt.diff``; streams unused in both runs not compared).
+Verdicts: ``IDENTICAL``, ``DIFFERENT`` (with the first divergence and its likely cause),
+or ``NO CLAIM`` when the command wrote no ledger, never reached a checkpoint before a
+kill, or failed: such a check does not pass.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .compare import ResumeReport, compare_runs, used_streams
+from .ledger import ENV_KILL_AT
+from .record import LedgerStep
+from .tapefile import LedgerTape, read_ledger_dir
+
+__all__ = ["CommandCheck", "check_command"]
+
+
+@dataclass(frozen=True, slots=True)
+class CommandCheck:
+    verdict: str  # IDENTICAL | DIFFERENT | NO CLAIM
+    lines: tuple[str, ...]
+    kill_at: tuple[int, ...] = ()
+    reports: tuple[ResumeReport, ...] = ()
+    work: str = ""
+    resume_checks: tuple[str, ...] = field(default=())
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "IDENTICAL"
+
+    @property
+    def exit_code(self) -> int:
+        return {"IDENTICAL": 0, "DIFFERENT": 6}.get(self.verdict, 2)
+
+    @property
+    def text(self) -> str:
+        return "\n".join([*self.lines, self.verdict])
+
+
+def _absolutize(argv: Sequence[str], cwd: str) -> list[str]:
+    out = []
+    for a in argv:
+        cand = os.path.join(cwd, a)
+        out.append(os.path.abspath(cand) if not os.path.isabs(a) and os.path.isfile(cand) else a)
+    return out
+
+
+def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, timeout: float) -> int:
+    with open(log, "ab") as f:
+        p = subprocess.run(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    return p.returncode
+
+
+def _ledgers(root: str) -> dict[str, list[LedgerTape]]:
+    """Ledger directories under ``root`` (relative path -> readable tapes, oldest first)."""
+    found: dict[str, list[LedgerTape]] = {}
+    for d, _dirs, files in os.walk(root):
+        if any(f.endswith(".tape") and f[:-5].isdigit() for f in files):
+            tapes, _ = read_ledger_dir(d)
+            tapes = [t for t in tapes if t.meta.get("ledger") == 1]
+            if tapes:
+                found[os.path.relpath(d, root)] = tapes
+    return found
+
+
+def _checkpoints(root: str) -> list[str]:
+    out = []
+    for d, _dirs, files in os.walk(root):
+        if "MANIFEST" in files:
+            out.append(os.path.relpath(d, root))
+    return sorted(out)
+
+
+def _history(tapes: list[LedgerTape]) -> dict[int, LedgerStep]:
+    steps: dict[int, LedgerStep] = {}
+    for t in tapes:  # a later process's record of a step is the resumed history
+        for s in t.steps:
+            steps[s.step] = s
+    return steps
+
+
+def _env_diffs(a: list[LedgerTape], b: list[LedgerTape]) -> list[str]:
+    from ..context.env import env_differences
+
+    ea, eb = a[-1].meta.get("env") or {}, b[-1].meta.get("env") or {}
+    return env_differences(ea, eb)
+
+
+def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: int = 1, seed: int = 0,
+                  work: str | None = None, timeout: float = 600.0) -> CommandCheck:
+    """Run ``argv`` straight and killed-and-resumed; compare (see module doc)."""
+    if not argv:
+        raise ValueError("no command to check")
+    caller = os.getcwd()
+    work = os.path.abspath(work or tempfile.mkdtemp(prefix="ckpt-check-resume-"))
+    cmd = _absolutize(argv, caller)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
+    base["PYTHONPATH"] = os.pathsep.join([caller, *filter(None, [os.environ.get("PYTHONPATH")])])
+    lines = [f"command: {shlex.join(argv)}", f"work dir: {work}"]
+    straight = os.path.join(work, "straight")
+    os.makedirs(straight, exist_ok=True)
+    rc = _run(cmd, straight, base, os.path.join(work, "straight.log"), timeout)
+    if rc != 0:
+        return CommandCheck("NO CLAIM", (*lines, f"the straight run exited with status {rc} "
+                                         f"(log: {os.path.join(work, 'straight.log')}); nothing is claimed"), work=work)
+    ref = _ledgers(straight)
+    if not ref:
+        return CommandCheck("NO CLAIM", (*lines, "the command wrote no step ledger (no CheckpointManager and no "
+                                         "ckpt.ledger.Ledger): nothing to compare, nothing is claimed"), work=work)
+    ref_ckpts = _checkpoints(straight)
+    if not ref_ckpts:
+        return CommandCheck("NO CLAIM", (*lines, "the command never reached a checkpoint: a resume cannot be "
+                                         "checked, nothing is claimed"), work=work)
+    last = max(max(_history(t)) for t in ref.values() if _history(t))
+    if kill_at:
+        kills_at = tuple(sorted(set(kill_at)))
+    else:
+        rnd = random.Random(seed)
+        # From the second half: a kill before the first checkpoint checks nothing (NO CLAIM).
+        pool = list(range(max(2, last // 2), last)) or [1]
+        kills_at = tuple(sorted(rnd.sample(pool, min(kills, len(pool)))))
+    lines.append(f"straight run: {last} steps; kills at step {', '.join(map(str, kills_at))}")
+    resumed = os.path.join(work, "resumed")
+    os.makedirs(resumed, exist_ok=True)
+    log = os.path.join(work, "resumed.log")
+    for k in kills_at:
+        rc = _run(cmd, resumed, {**base, ENV_KILL_AT: str(k)}, log, timeout)
+        if rc != -signal.SIGKILL:
+            return CommandCheck("NO CLAIM", (*lines, f"the attempt told to die at step {k} exited with status {rc} "
+                                             f"instead (log: {log}); nothing is claimed"), kills_at, work=work)
+    rc = _run(cmd, resumed, base, log, timeout)
+    if rc != 0:
+        return CommandCheck("NO CLAIM", (*lines, f"the last resumed attempt exited with status {rc} (log: {log}); "
+                                         "nothing is claimed"), kills_at, work=work)
+    got = _ledgers(resumed)
+    opens = [o for tapes in got.values() for t in tapes for o in t.opens]
+    if not any(o.start_step > 0 for o in opens):
+        return CommandCheck("NO CLAIM", (*lines, f"no attempt resumed from a checkpoint: the command never reached "
+                                         f"a checkpoint before step {kills_at[0]}; nothing is claimed"), kills_at, work=work)
+    different = False
+    reports = []
+    checks = tuple(c.report for tapes in got.values() for t in tapes for c in t.checks)
+    for rel, tapes in sorted(ref.items()):
+        if rel not in got:
+            lines.append(f"ledger {rel}: missing in the resumed run")
+            different = True
+            continue
+        rep = compare_runs(_history(tapes), _history(got[rel]),
+                           expected_used=set().union(*(used_streams(t.opens, t.steps) for t in tapes)),
+                           actual_used=set().union(*(used_streams(t.opens, t.steps) for t in got[rel])),
+                           env_diffs=_env_diffs(tapes, got[rel]), label=f"ledger {rel}: resumed run")
+        reports.append(rep)
+        lines.append(rep.text)
+        different |= rep.verdict != "exact"
+    for c in checks:
+        lines.append("resumed process said: " + c.splitlines()[0])
+    from ..diff import diff_checkpoints, ledger_unused_streams
+
+    for rel in ref_ckpts:
+        a, b = os.path.join(straight, rel), os.path.join(resumed, rel)
+        if not os.path.isdir(b):
+            lines.append(f"checkpoint {rel}: missing in the resumed run")
+            different = True
+            continue
+        d = diff_checkpoints(a, b, ignore=("env", "commit"), unused=ledger_unused_streams(a, b))
+        if d["identical"]:
+            lines.append(f"checkpoint {rel}: identical (tensors and used RNG streams, bit for bit)")
+        else:
+            bad = [t["name"] for p in d["parts"].values() for t in p["tensors"] if t["status"] != "equal"]
+            rng = sorted({s for p in d["parts"].values() for s in p["rng"]})
+            lines.append(f"checkpoint {rel}: differs in {', '.join(d['differs'])}"
+                         + (f" ({len(bad)} tensors, first {bad[0]})" if bad else "")
+                         + (f" (RNG streams {', '.join(rng)})" if rng else ""))
+            different = True
+    return CommandCheck("DIFFERENT" if different else "IDENTICAL", tuple(lines), kills_at, tuple(reports), work,
+                        checks)
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - `python -m ckpt.ledger.check -- CMD`
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--":
+        args = args[1:]
+    res = check_command(args)
+    print(res.text)
+    return res.exit_code

@@ -1,0 +1,251 @@
+"""``Ledger``: one process's step ledger, and the verification of a resume against it.
+
+Usage without a manager (``CheckpointManager`` does all of this itself)::
+
+    led = ckpt.ledger.Ledger("out/ledger", params=model)   # after seeding
+    if os.path.exists("out/ckpt"):
+        r = ckpt.load("out/ckpt", state)
+        led.resumed(r.step, source="out/ckpt")              # after the RNG restore
+    for step in range(start + 1, total + 1):
+        ...
+        led.step(step, batch=(x, y), loss=loss)
+    led.close()
+
+Environment instructions (how ``ckpt check-resume -- COMMAND`` drives an unmodified
+script): ``CKPT_LEDGER_DIR`` replaces the ledger directory (a manager's ledger then
+lives in ``$CKPT_LEDGER_DIR/<basename of its run_dir>``), ``CKPT_LEDGER_KILL_AT=K`` makes
+the process SIGKILL itself right after step K is recorded (and after a manager's save
+of step K has been started), ``CKPT_LEDGER_VERIFY`` overrides the verification policy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+from typing import Any, Callable, Iterable, Literal, Mapping
+
+from ..errors import ResumeDivergedError
+from .compare import ResumeReport, compare_step, find_batch, likely_cause, used_streams
+from .digest import batch_digest, params_digest, rng_digests
+from .record import LedgerOpen, LedgerStep, ResumeCheck
+from .tapefile import LedgerTapeWriter, read_ledger_dir
+
+__all__ = ["Ledger", "ResumeVerificationWarning", "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY"]
+
+ENV_DIR = "CKPT_LEDGER_DIR"
+ENV_KILL_AT = "CKPT_LEDGER_KILL_AT"
+ENV_VERIFY = "CKPT_LEDGER_VERIFY"
+_MISSING: Any = object()
+Policy = Literal["strict", "warn", "off"]
+
+
+class ResumeVerificationWarning(RuntimeWarning):
+    """A resume was not exact, or could not be verified (the message is the whole report)."""
+
+
+def _named_tensors(params: Any) -> Callable[[], Iterable[tuple[str, Any]]]:
+    """``params``: a module, a mapping name -> module/tensor, or a callable giving (name, tensor) pairs."""
+    if callable(params) and not hasattr(params, "state_dict"):
+        return params
+
+    def items() -> Iterable[tuple[str, Any]]:
+        entries = params.items() if isinstance(params, Mapping) else [("", params)]
+        for name, v in entries:
+            if hasattr(v, "state_dict") and hasattr(v, "named_parameters"):
+                pre = f"{name}/" if name else ""
+                for k, t in v.state_dict(keep_vars=True).items():
+                    if hasattr(t, "dtype"):
+                        yield pre + k, t
+            elif hasattr(v, "dtype"):
+                yield name, v
+
+    return items
+
+
+class Ledger:
+    """Records every step of this process on a tape of its own in ``directory``.
+
+    ``params``: what the periodic parameter digest covers (every ``params_every``
+    steps; 0 turns it off). ``generators``: registered ``torch.Generator`` streams.
+    ``verify``: what a divergent resume does: ``strict`` raises ``ResumeDivergedError``,
+    ``warn`` warns once with the whole report, ``off`` skips the comparison.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, params: Any = None, params_every: int = 10,
+                 generators: Mapping[str, Any] | None = None, verify: Policy = "warn",
+                 run_id: str | None = None, meta: Mapping[str, Any] | None = None) -> None:
+        verify = os.environ.get(ENV_VERIFY, verify)  # type: ignore[assignment]
+        if verify not in ("strict", "warn", "off"):
+            raise ValueError(f"verify must be 'strict', 'warn' or 'off', not {verify!r}")
+        if params_every < 0:
+            raise ValueError(f"params_every must be >= 0, got {params_every}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.params_every = params_every if params is not None else 0
+        self._params = _named_tensors(params) if params is not None else None
+        self.generators = dict(generators or {})
+        self.verify = verify
+        self.run_id = run_id
+        self._meta = dict(meta or {})
+        kill = os.environ.get(ENV_KILL_AT, "")
+        self.kill_at = int(kill) if kill.strip() else None
+        self._writer: LedgerTapeWriter | None = None
+        self._baseline = tuple(rng_digests(self.generators))  # after seeding: the streams' start values
+        self._last_rng = dict(self._baseline)
+        self._used: set[str] = set()
+        # resume verification state
+        self._expected: dict[int, LedgerStep] = {}
+        self._expected_all: dict[int, LedgerStep] = {}  # every step the earlier tapes hold
+        self._expected_used: set[str] = set()
+        self._env_diffs: list[str] = []
+        self._first = 0
+        self._last = 0
+        self._done = True
+        self._checked = 0
+        self.report: ResumeReport | None = None
+        self.problems: list[str] = []
+
+    # -- starting ------------------------------------------------------------------------
+    @property
+    def path(self) -> str | None:
+        """This process's ledger tape (None until the first record)."""
+        return self._writer.path if self._writer is not None else None
+
+    def _open(self, start_step: int, source: str) -> None:
+        from ..context.env import capture_env
+
+        if self._writer is not None:
+            return
+        if self.run_id is None:
+            import uuid
+
+            self.run_id = uuid.uuid4().hex[:16]
+        meta = {"ledger": 1, "run_id": self.run_id, "env": capture_env(), "pid": os.getpid(), **self._meta}
+        self._writer = LedgerTapeWriter(self.directory, meta)
+        self._writer.append(LedgerOpen(self.run_id, start_step, source, self._baseline))
+
+    def touch(self, step: int) -> None:
+        """Start this process's tape now (at ``step``) if no step has started it yet."""
+        self._open(step, "")
+
+    def resumed(self, step: int, *, source: str = "", run_id: str | None = None) -> None:
+        """Call right after a checkpoint of ``step`` was loaded and its RNG restored: the
+        ledger's earlier tapes for this run become the expectation for steps after it."""
+        from ..context.env import capture_env, env_differences
+
+        self._baseline = tuple(rng_digests(self.generators))
+        self._last_rng = dict(self._baseline)
+        self._used = set()
+        self._done = True
+        tapes, problems = read_ledger_dir(self.directory)
+        self.problems = problems
+        if run_id is None and tapes:
+            run_id = tapes[-1].run_id  # a plain ckpt.save run: the directory is the run
+        if run_id is not None:
+            self.run_id = run_id
+        self._open(step, source)
+        if self.verify != "off":
+            mine = [t for t in tapes if t.run_id == self.run_id]
+            others = sorted({t.run_id for t in tapes} - {self.run_id})
+            expected: dict[int, LedgerStep] = {}
+            for t in mine:  # newer tapes overwrite older ones: the newest history of each step
+                if not t.opens:
+                    problems.append(f"{t.path}: no ledger_open event (torn before its first record)")
+                    continue
+                for s in t.steps:
+                    self._expected_all[s.step] = s
+                    if s.step > step:
+                        expected[s.step] = s
+                self._expected_used |= used_streams(t.opens, t.steps)
+                if t.steps and t.steps[-1].step > step:
+                    self._env_diffs = env_differences(t.meta.get("env") or {}, capture_env())
+            if expected:
+                self._expected = expected
+                self._first, self._last = min(expected), max(expected)
+                self._done = False
+            else:
+                why = f"the ledger in {self.directory} has no step after step {step}"
+                if problems:
+                    why += "; unreadable tapes: " + "; ".join(problems)
+                if others and not mine:
+                    why = (f"the ledger in {self.directory} belongs to another run (run id {', '.join(others)}, "
+                           f"this run {self.run_id})")
+                elif not tapes and not problems:
+                    why = f"no ledger in {self.directory}"
+                self._finish(ResumeReport("skipped", reason=why), warn=bool(problems or others or not tapes))
+
+    # -- the loop's call -----------------------------------------------------------------
+    def step(self, step: int, *, batch: Any = _MISSING, loss: Any = None, kill: bool = True) -> None:
+        """Record step ``step`` (after the optimizer step). With ``kill`` (the default),
+        honour ``CKPT_LEDGER_KILL_AT``; a manager passes False and calls :meth:`maybe_kill`
+        after its save."""
+        if self._writer is None:
+            self._open(step - 1, "")
+        rng = tuple(rng_digests(self.generators))
+        for name, d in rng:
+            if self._last_rng.get(name, d) != d:
+                self._used.add(name)
+            self._last_rng[name] = d
+        params = None
+        if self._params is not None and self.params_every and step % self.params_every == 0:
+            params = params_digest(self._params())
+        rec = LedgerStep(
+            step,
+            rng,
+            batch_digest(batch) if batch is not _MISSING and batch is not None else None,
+            float(loss.detach().double().item()) if hasattr(loss, "detach") else (None if loss is None else float(loss)),
+            params,
+        )
+        assert self._writer is not None
+        self._writer.append(rec)
+        if not self._done:
+            self._check(rec)
+            self._checked = max(self._checked, rec.step)
+        if kill:
+            self.maybe_kill(step)
+
+    def maybe_kill(self, step: int) -> None:
+        if self.kill_at is not None and step == self.kill_at:
+            if self._writer is not None:
+                self._writer.sync()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _check(self, rec: LedgerStep) -> None:
+        exp = self._expected.get(rec.step)
+        if exp is None:
+            return
+        d = compare_step(exp, rec, self._expected_used | self._used)
+        if d.differs:
+            seen = find_batch(self._expected_all, rec.batch, rec.step) if d.batch else None
+            self._finish(ResumeReport("diverged", self._first, rec.step, d,
+                                      likely_cause(d, self._env_diffs, batch_seen_at=seen)))
+        elif rec.step >= self._last:
+            self._finish(self._exact(rec.step))
+
+    def _exact(self, last: int) -> ResumeReport:
+        names = {n for n, _ in self._baseline}
+        unused = tuple(sorted(names - self._expected_used - self._used))
+        return ResumeReport("exact", self._first, last, unused=unused, planned_last=self._last)
+
+    def _finish(self, report: ResumeReport, *, warn: bool | None = None) -> None:
+        self._done = True
+        self.report = report
+        if self._writer is not None:
+            self._writer.append(ResumeCheck(report.verdict, report.first, report.last, report.text),
+                                step=report.last)
+            self._writer.sync()
+        if report.verdict == "diverged" and self.verify == "strict":
+            raise ResumeDivergedError(report.text, path=self.directory)
+        if (report.verdict == "diverged" or warn) and self.verify != "off":
+            warnings.warn(report.text, ResumeVerificationWarning, stacklevel=4)
+
+    def close(self) -> ResumeReport | None:
+        """Finish: a resume whose re-executed range was cut short reports what it saw."""
+        if not self._done:
+            if self._checked >= self._first:
+                self._finish(self._exact(self._checked))
+            else:
+                self._finish(ResumeReport("skipped", reason=f"the run stopped before step {self._first}"), warn=False)
+        if self._writer is not None:
+            self._writer.close()
+        return self.report

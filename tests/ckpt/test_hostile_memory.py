@@ -1,0 +1,192 @@
+"""Peak memory on hostile files stays within 64 MiB of the legitimate data they declare.
+
+Each hostile checkpoint is small on disk (sparse files, or a few KiB that claim much
+more). A fresh interpreter opens and reads it; the peak RSS growth (``ru_maxrss``) of
+that process, measured around the read, must stay below the bytes the checkpoint can
+legitimately make a reader hold (the tensors or decoded document it declares and
+really contains) plus 64 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import xxhash
+import zstandard
+
+import ckpt
+from ckpt.knobs import override
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+SLACK = 64 * MiB
+
+_PROBE = textwrap.dedent(
+    """
+    import json, resource, sys
+    import ckpt, torch  # imported before the baseline
+    from ckpt.writer import tensor_memoryview
+    path, key, actions = sys.argv[1], sys.argv[2], sys.argv[3:]
+    def rss():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = rss()
+    for action in actions:  # ru_maxrss is a peak: each figure covers every action so far
+        outcome = "ok"
+        try:
+            r = ckpt.open(path)
+            if action == "verify":
+                r.verify()
+            elif action == "tensor":
+                r.tensor(key)
+            elif action == "state":
+                r.tree()
+        except ckpt.errors.CkptError as e:
+            outcome = type(e).__name__
+        print(json.dumps({"action": action, "growth": rss() - base, "outcome": outcome}))
+    """
+)
+
+
+def probe(path: Path, *actions: str, key: str = "") -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(path), key, *actions], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.strip().splitlines()]
+
+
+def _digests(path: Path, chunk: int) -> bytes:
+    out = []
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(min(chunk, 64 * MiB))
+            if not b:
+                break
+            h = xxhash.xxh3_128()
+            h.update(b)
+            got = len(b)
+            while got < chunk:
+                more = f.read(min(chunk - got, 64 * MiB))
+                if not more:
+                    break
+                h.update(more)
+                got += len(more)
+            out.append(h.digest())
+    return b"".join(out)
+
+
+def _body(ck: Path) -> dict:
+    data = (ck / "MANIFEST").read_bytes()
+    (n,) = struct.unpack_from("<Q", data, 16)
+    return msgpack.unpackb(data[24 : 24 + n], raw=False, strict_map_key=False)
+
+
+def _sign(ck: Path, body: dict) -> None:
+    ids = [[p["name"], [[f[0], f[2], f[4]] for f in p["files"]]] for p in body["parts"]]
+    body["id"] = xxhash.xxh3_128_digest(msgpack.packb(ids, use_bin_type=True)).hex()
+    b = msgpack.packb(body, use_bin_type=True)
+    h = struct.pack("<8sHHIQ", b"CKPTMNFT", 1, 0, 0, len(b))
+    (ck / "MANIFEST").write_bytes(h + b + xxhash.xxh3_128_digest(h + b))
+
+
+def _resign(ck: Path, *, chunk: int | None = None, raw_size: dict[str, int] | None = None) -> None:
+    body = _body(ck)
+    for f in body["parts"][0]["files"]:
+        if chunk is not None:
+            f[3] = chunk
+        f[2] = os.path.getsize(ck / f[0])
+        f[4] = _digests(ck / f[0], f[3])
+        if raw_size and f[0] in raw_size:
+            f[6] = raw_size[f[0]]
+    _sign(ck, body)
+
+
+@pytest.fixture()
+def small(tmp_path: Path) -> Path:
+    ck = tmp_path / "step-1"
+    with override(chunk_size=4096):
+        ckpt.save(ck, {"m": {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3)}}, step=1)
+    return ck
+
+
+def test_a_manifest_declaring_1_gib_chunks(small: Path) -> None:
+    _resign(small, chunk=1 << 30)
+    for got in probe(small, "verify", "tensor", "state", key="m/w"):
+        assert got["outcome"] == "ok" and got["growth"] <= SLACK, got
+
+
+def test_a_zstd_state_file_inflating_past_its_document(small: Path) -> None:
+    """256 MiB of output from a few hundred KiB of frame, declared honestly: the reader
+    may hold the 256 MiB it declares, not a second copy of it."""
+    sf = small / "rank-00000.state.msgpack.zst"
+    doc = zstandard.ZstdDecompressor().decompress(sf.read_bytes())
+    raw = doc + b"\x00" * (256 * MiB)  # trailing bytes after the document: refused after decompression
+    sf.write_bytes(zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw))
+    _resign(small, raw_size={sf.name: len(raw)})
+    (got,) = probe(small, "state")
+    assert got["outcome"] == "FormatError", got
+    assert got["growth"] <= len(raw) + SLACK, got
+
+
+def test_a_zstd_frame_claiming_the_limit_that_holds_nothing(small: Path) -> None:
+    sf = small / "rank-00000.state.msgpack.zst"
+    sf.write_bytes(struct.pack("<IBQ", 0xFD2FB528, 0b1110_0000, 1 << 30) + b"\x01\x00\x00")
+    _resign(small, raw_size={sf.name: 1 << 30})
+    (got,) = probe(small, "state")
+    assert got["outcome"] == "FormatError" and got["growth"] <= SLACK, got
+
+
+def test_a_sparse_tensor_file_read_one_small_tensor(tmp_path: Path) -> None:
+    """A 256 MiB tensor file with next to nothing on disk, one 256 MiB chunk, re-signed:
+    a lazy read of a 12-byte tensor, and a full verify, hold a bounded buffer, not the
+    chunk."""
+    ck = tmp_path / "step-1"
+    with override(chunk_size=4096):
+        ckpt.save(ck, {"m": {"small": torch.ones(3), "big": torch.zeros(4)}}, step=1)
+    tf = ck / "rank-00000.safetensors"
+    big = (256 * MiB) - 4096
+    header = {"m/small": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]},
+              "m/big": {"dtype": "F32", "shape": [big // 4], "data_offsets": [12, 12 + big]}}
+    hj = json.dumps(header, separators=(",", ":")).encode()
+    hj += b" " * (-len(hj) % 8)
+    with open(tf, "wb") as f:
+        f.write(struct.pack("<Q", len(hj)) + hj + struct.pack("<3f", 1, 1, 1))
+        f.truncate(8 + len(hj) + 12 + big)
+    if os.stat(tf).st_blocks * 512 > 64 * MiB:
+        pytest.skip("this filesystem does not make sparse files")
+    body = _body(ck)
+    start = 8 + len(hj)
+    body["parts"][0]["tensors"] = [["m/small", "float32", [3], 1, start, 12], ["m/big", "float32", [big // 4], 1, start + 12, big]]
+    _sign(ck, body)
+    _resign(ck, chunk=256 * MiB)
+    for got in probe(ck, "tensor", "verify", key="m/small"):
+        assert got["outcome"] == "ok" and got["growth"] <= SLACK, got
+
+
+def test_a_sparse_uncompressed_state_file_above_the_limit(small: Path) -> None:
+    """Codec nil: the state file is the document, so its size is bound by the 1 GiB
+    document limit whatever the disk holds; refused before reading."""
+    sf = small / "rank-00000.state.msgpack.zst"
+    doc = zstandard.ZstdDecompressor().decompress(sf.read_bytes())
+    with open(sf, "wb") as f:
+        f.write(doc)
+        f.truncate((1 << 30) + (32 << 20))
+    body = _body(small)
+    for f in body["parts"][0]["files"]:
+        if f[0] == sf.name:
+            f[5] = None
+            f[6] = None
+            f[3] = 1 << 30
+    _sign(small, body)
+    _resign(small)
+    (got,) = probe(small, "state")
+    assert got["outcome"] == "FormatError" and got["growth"] <= SLACK, got
