@@ -53,7 +53,25 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from ._torchio import LoadResult
     from .manager import CheckpointManager, RetentionPolicy, apply_retention, checkpoint_name, list_checkpoints
-    from .writer import PendingCheckpoint, abort, begin, commit, save, write_part
+    from .writer import CheckpointInfo, PendingCheckpoint, abort, begin, commit, write_part
+
+
+def save(path: Any, state: Any, **kwargs: Any) -> "CheckpointInfo":
+    """Save all seven fields of the training state, atomically (``ckpt.writer.save``).
+
+    A state whose modules, optimizers or tensors are DTensors (FSDP2, tensor parallel)
+    is sharded: every rank calls ``save`` with its own shards and the checkpoint is
+    written through DCP, one part per rank (``ckpt.dcp``, spec/sharded-format.md).
+    """
+    from .dcp.integration_probe import holds_dtensor
+
+    if holds_dtensor(state):  # --- sharded state hook (ckpt.dcp) ---
+        from .dcp.integration import save_sharded
+
+        return save_sharded(path, state, **kwargs)
+    from .writer import save as _save
+
+    return _save(path, state, **kwargs)
 
 
 def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001 - mirrors the builtin on purpose
@@ -121,7 +139,6 @@ def _default_part(reader: CheckpointReader) -> str:
 
 
 _LAZY = {
-    "save": ("writer", "save"),
     "begin": ("writer", "begin"),
     "write_part": ("writer", "write_part"),
     "commit": ("writer", "commit"),

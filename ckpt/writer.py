@@ -562,22 +562,7 @@ def save(
     ``rank-00000`` to one path. Use ``ckpt.distributed.DistributedCheckpointer.save``
     (every rank calls it) or ``CheckpointManager``; a deliberate single-writer save
     from one rank passes ``this_rank_only=True``.
-
-    A state holding DTensors (FSDP2, tensor parallel) is sharded: every rank calls
-    ``save`` and the checkpoint is written through DCP (``ckpt.dcp``), one part per rank.
     """
-    # --- sharded state hook (ckpt.dcp) ---
-    from .dcp.integration_probe import holds_dtensor
-
-    if holds_dtensor(state):
-        from .dcp.integration import save_sharded
-
-        lineage = {"run_id": run_id, "resumed_from": resumed_from}
-        return save_sharded(
-            path, state, config=config, data=data, step=step, generators=generators, extra=extra,
-            lineage=lineage, code_dir=code_dir, overwrite=overwrite, meta=meta, storage=storage,
-        )
-    # --- end sharded state hook ---
     if not this_rank_only:
         _refuse_under_process_group(path)
     pending = begin(path, overwrite=overwrite, storage=storage)

@@ -2,7 +2,7 @@
 
 Import reads DCP's pickled ``.metadata`` with a restricted unpickler (only DCP's metadata
 classes, torch.Size, dtypes and a few builtins; spec/sharded-format.md §S.6) and its
-items with ``torch.load(weights_only=True)``; the result is a sharded checkpoint of ours.
+items with torch's weights-only loader; the result is a sharded checkpoint of ours.
 """
 
 from __future__ import annotations

@@ -38,11 +38,18 @@ def test_importing_the_packages_does_not_import_torch():
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
+# The one documented exception (spec/sharded-format.md §S.6): `ckpt import dcp` reads DCP's
+# pickled .metadata with an allowlist unpickler; tested in tests/ckpt/test_dcp_interop.py.
+PICKLE_ALLOWED = {os.path.join("ckpt", "dcp", "interop.py")}
+
+
 def test_no_pickle_in_library_code():
     hits = []
     for pkg in ("ckpt", "replay", "cli"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
             for f in files:
+                if os.path.relpath(os.path.join(dirpath, f), ROOT) in PICKLE_ALLOWED:
+                    continue
                 if f.endswith(".py"):
                     text = open(os.path.join(dirpath, f), encoding="utf-8").read()
                     for bad in ("import pickle", "from pickle", "cPickle", "dill", "torch.load("):

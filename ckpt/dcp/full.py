@@ -21,11 +21,11 @@ if TYPE_CHECKING:  # annotations only: reader.state() imports this module (no im
 __all__ = ["full_tensor", "full_state"]
 
 
-def _layout(reader: CheckpointReader) -> ShardedLayout:
+def _layout(reader: "CheckpointReader") -> ShardedLayout:
     return decode_layout(reader.manifest, path=reader.path)
 
 
-def full_tensor(reader: CheckpointReader, fqn: str, *, verify: bool = True, layout: ShardedLayout | None = None) -> torch.Tensor:
+def full_tensor(reader: "CheckpointReader", fqn: str, *, verify: bool = True, layout: ShardedLayout | None = None) -> torch.Tensor:
     layout = layout or _layout(reader)
     rec = layout.tensors.get(fqn)
     if rec is None:
@@ -62,7 +62,7 @@ def _set(root: dict[Any, Any], path: tuple[Any, ...], value: Any, where: str) ->
         cur[last] = value
 
 
-def full_state(reader: CheckpointReader, *, verify: bool = True) -> dict[str, Any]:
+def full_state(reader: "CheckpointReader", *, verify: bool = True) -> dict[str, Any]:
     """The whole state as nested trees of global tensors (memory: the full state)."""
     layout = _layout(reader)
     out: dict[Any, Any] = {}

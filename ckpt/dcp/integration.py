@@ -84,12 +84,21 @@ def save_sharded(
     rng: bool | Mapping[str, Any] = True,
     extra: Any = None,
     lineage: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
+    resumed_from: str | None = None,
     code_dir: str | None = None,
     overwrite: bool = False,
     meta: Mapping[str, Any] | None = None,
+    this_rank_only: bool = False,
     storage: Storage = local,
 ) -> CheckpointInfo:
-    """Collective: every rank calls it with its own shards. Commits once, atomically."""
+    """Collective: every rank calls it with its own shards. Commits once, atomically.
+
+    Takes ``ckpt.save``'s options; ``run_id``/``resumed_from`` become the lineage unless
+    ``lineage`` is given. ``this_rank_only`` has no meaning here (every rank writes its part).
+    """
+    if lineage is None:
+        lineage = {"run_id": run_id, "resumed_from": resumed_from}
     import torch.distributed.checkpoint as dcp
 
     from .planner import SavePlanner
