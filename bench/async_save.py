@@ -2,7 +2,7 @@
 
 Every figure is a median over >= 7 interleaved rounds, each ratio taken against a
 reference measured side by side in the same process (absolute speeds on these VMs
-swing 2-6x; shared/reference/performance-limits.md). Figures:
+swing 2-6x, so only ratios are comparable). Figures:
 
 - stall      the time ``save`` blocks the loop for an async save (state_dict calls, RNG
              and data capture, the copy into staging), against one ``memmove`` of the

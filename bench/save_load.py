@@ -2,7 +2,7 @@
 
 Every figure is a median of paired ratios against a reference measured side by side
 in the same process, interleaved, for >= 7 rounds (absolute GB/s on these VMs swing
-2-6x; see shared/reference/performance-limits.md §2-3). Targets, digests on:
+2-6x, so only ratios are comparable). Targets, digests on:
 
 - durable save          <= 1.10 x raw chunked os.write + fsync
 - vs torch.save + fsync >= 1.4 x faster

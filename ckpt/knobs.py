@@ -26,7 +26,7 @@ def _env_int(name: str, default: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Knobs:
     #: bytes per digest chunk; 4 MiB keeps Python per-call overhead invisible and
-    #: matches efficient I/O request sizes (shared/reference/performance-limits.md §3).
+    #: matches efficient I/O request sizes (measured with bench/save_load.py).
     chunk_size: int = _env_int("CKPT_CHUNK_SIZE", 4 * MiB)
     #: zstd level for msgpack structure files; level 3 is cheap on small metadata.
     zstd_level: int = _env_int("CKPT_ZSTD_LEVEL", 3)

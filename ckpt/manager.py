@@ -73,8 +73,8 @@ through ``ckpt.distributed``: per-rank parts for RNG and data state, entries lis
 per-step decision (due by time, signal seen on any rank) is agreed with one small
 all-reduce on the manager's own process group, so all ranks save the same steps.
 
-Exact-resume checklist (shared/reference/exact-resume-and-replay.md §6)
-========================================================================
+Exact-resume checklist (what an exact resume must capture)
+==========================================================
 Handled, with where:
 
 * A. Model ``state_dict`` with buffers, tied weights kept tied (writer de-duplication),

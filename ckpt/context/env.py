@@ -2,7 +2,7 @@
 
 A bit-exact claim holds only within one environment: torch/CUDA/cuDNN versions,
 determinism flags, thread counts and a few env variables all change the bits
-(shared/reference/exact-resume-and-replay.md §2.1, §6.I-J).
+(see the environment gate in spec/checkpoint-format.md §8).
 """
 
 from __future__ import annotations
