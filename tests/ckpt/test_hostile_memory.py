@@ -17,13 +17,13 @@ import sys
 import textwrap
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 import xxhash
 import zstandard
 
 import ckpt
+from tests.ckpt._manifest_kit import manifest_body, sign_manifest
 from ckpt.knobs import override
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,22 +84,10 @@ def _digests(path: Path, chunk: int) -> bytes:
     return b"".join(out)
 
 
-def _body(ck: Path) -> dict:
-    data = (ck / "MANIFEST").read_bytes()
-    (n,) = struct.unpack_from("<Q", data, 16)
-    return msgpack.unpackb(data[24 : 24 + n], raw=False, strict_map_key=False)
-
-
-def _sign(ck: Path, body: dict) -> None:
-    ids = [[p["name"], [[f[0], f[2], f[4]] for f in p["files"]]] for p in body["parts"]]
-    body["id"] = xxhash.xxh3_128_digest(msgpack.packb(ids, use_bin_type=True)).hex()
-    b = msgpack.packb(body, use_bin_type=True)
-    h = struct.pack("<8sHHIQ", b"CKPTMNFT", 1, 0, 0, len(b))
-    (ck / "MANIFEST").write_bytes(h + b + xxhash.xxh3_128_digest(h + b))
 
 
 def _resign(ck: Path, *, chunk: int | None = None, raw_size: dict[str, int] | None = None) -> None:
-    body = _body(ck)
+    body = manifest_body(ck)
     for f in body["parts"][0]["files"]:
         if chunk is not None:
             f[3] = chunk
@@ -107,7 +95,7 @@ def _resign(ck: Path, *, chunk: int | None = None, raw_size: dict[str, int] | No
         f[4] = _digests(ck / f[0], f[3])
         if raw_size and f[0] in raw_size:
             f[6] = raw_size[f[0]]
-    _sign(ck, body)
+    sign_manifest(ck, body)
 
 
 @pytest.fixture()
@@ -163,10 +151,10 @@ def test_a_sparse_tensor_file_read_one_small_tensor(tmp_path: Path) -> None:
         f.truncate(8 + len(hj) + 12 + big)
     if os.stat(tf).st_blocks * 512 > 64 * MiB:
         pytest.skip("this filesystem does not make sparse files")
-    body = _body(ck)
+    body = manifest_body(ck)
     start = 8 + len(hj)
     body["parts"][0]["tensors"] = [["m/small", "float32", [3], 1, start, 12], ["m/big", "float32", [big // 4], 1, start + 12, big]]
-    _sign(ck, body)
+    sign_manifest(ck, body)
     _resign(ck, chunk=256 * MiB)
     for got in probe(ck, "tensor", "verify", key="m/small"):
         assert got["outcome"] == "ok" and got["growth"] <= SLACK, got
@@ -180,13 +168,13 @@ def test_a_sparse_uncompressed_state_file_above_the_limit(small: Path) -> None:
     with open(sf, "wb") as f:
         f.write(doc)
         f.truncate((1 << 30) + (32 << 20))
-    body = _body(small)
+    body = manifest_body(small)
     for f in body["parts"][0]["files"]:
         if f[0] == sf.name:
             f[5] = None
             f[6] = None
             f[3] = 1 << 30
-    _sign(small, body)
+    sign_manifest(small, body)
     _resign(small)
     (got,) = probe(small, "state")
     assert got["outcome"] == "FormatError" and got["growth"] <= SLACK, got

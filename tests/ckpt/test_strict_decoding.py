@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 import ckpt
+from tests.ckpt._manifest_kit import manifest_body, sign_manifest
 from ckpt.errors import FormatError, UnsupportedValueError
 from ckpt.format.codec import unpackb
 from ckpt.format.tree import EXT_TUPLE, decode_tree
@@ -31,35 +32,23 @@ def ck(tmp_path: Path) -> Path:
     return p
 
 
-def _body(ck: Path) -> dict:
-    data = (ck / "MANIFEST").read_bytes()
-    (n,) = struct.unpack_from("<Q", data, 16)
-    return msgpack.unpackb(data[24 : 24 + n], raw=False, strict_map_key=False)
-
-
-def _sign(ck: Path, body: dict) -> None:
-    ids = [[p["name"], [[f[0], f[2], f[4]] for f in p["files"]]] for p in body["parts"]]
-    body["id"] = xxhash.xxh3_128_digest(msgpack.packb(ids, use_bin_type=True)).hex()
-    b = msgpack.packb(body, use_bin_type=True)
-    h = struct.pack("<8sHHIQ", b"CKPTMNFT", 1, 0, 0, len(b))
-    (ck / "MANIFEST").write_bytes(h + b + xxhash.xxh3_128_digest(h + b))
 
 
 def _resign_file(ck: Path, name: str, data: bytes) -> None:
     (ck / name).write_bytes(data)
-    body = _body(ck)
+    body = manifest_body(ck)
     for f in body["parts"][0]["files"]:
         if f[0] == name:
             f[2] = len(data)
             f[4] = b"".join(xxhash.xxh3_128_digest(data[i : i + f[3]]) for i in range(0, len(data), f[3]))
-    _sign(ck, body)
+    sign_manifest(ck, body)
 
 
 def test_an_empty_tensor_whose_strides_overflow_is_refused(ck: Path) -> None:
-    body = _body(ck)
+    body = manifest_body(ck)
     t = next(t for t in body["parts"][0]["tensors"] if t[0] == "m/e")
     t[2] = [0, 2**62, 2**62]  # numel 0, nbytes 0: only the stride product overflows (torch: RuntimeError)
-    _sign(ck, body)
+    sign_manifest(ck, body)
     with pytest.raises(FormatError, match="overflows"):
         ckpt.open(ck)
 
