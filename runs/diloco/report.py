@@ -160,7 +160,7 @@ class Report:
                      f"synchronous elastic baseline {b.goodput:.1%} ({b.useful}/{b.capacity}: {b.restarts} "
                      f"restarts, {b.rolled_back_steps} steps rolled back, {b.downtime_slots} idle slots)")
         lines.append(f"validation loss: chaos {self.val_chaos:.4f}, no faults {self.val_nofault:.4f} "
-                     f"(chaos worse by {self.loss_gap:.1%}, tolerance {LOSS_TOLERANCE:.0%}: {yes(self.loss_ok)}); "
+                     f"({_gap_words(self.loss_gap)}, tolerance {LOSS_TOLERANCE:.0%} worse: {yes(self.loss_ok)}); "
                      f"baseline {b.val[-1][1]:.4f}" if b.val else "")
         if self.replay_identical is not None:
             lines.append(f"replay --mode force: bit-identical {yes(self.replay_identical)} "
@@ -230,3 +230,8 @@ def plot(path: str, cfg: DiLoCoConfig, chaos: Any, nofault: Any, baseline: Basel
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _gap_words(gap: float) -> str:
+    """The one-sided loss check in words: a chaos run that ends *better* passes outright."""
+    return f"chaos worse by {gap:.1%}" if gap > 0 else f"chaos better by {-gap:.1%}"
