@@ -72,7 +72,7 @@ __all__ = [
 class CkptError(Exception):
     """Base class of every error raised on purpose by ``ckpt``."""
 
-    #: exit code the CLI maps this class to (see ``cli.main``)
+    #: exit code the CLI maps this class to (see ``ckpt_cli.main``)
     exit_code: int = 1
 
     def __init__(

@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = ["main"]
 
 
-def main() -> None:  # thin shim so ``cli.main`` works as both module and function name
-    from cli.main import main as _main
+def main() -> None:  # thin shim so ``ckpt_cli.main`` works as both module and function name
+    from ckpt_cli.main import main as _main
 
     _main()

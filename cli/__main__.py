@@ -1,3 +1,3 @@
-from cli.main import main
+from ckpt_cli.main import main
 
 main()

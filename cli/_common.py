@@ -52,12 +52,12 @@ def handle_errors(fn: F) -> F:
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort, BrokenPipeError):
             raise  # click's own exits carry their code already; cli.main handles a closed pipe
         except (CkptError, OSError) as e:
-            from cli.main import fail
+            from ckpt_cli.main import fail
 
             raise fail(e) from None
         except Exception as e:  # replay errors share the exit_code attribute
             if hasattr(e, "exit_code"):
-                from cli.main import fail
+                from ckpt_cli.main import fail
 
                 raise fail(e) from None
             raise

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from cli._common import handle_errors
+from ckpt_cli._common import handle_errors
 
 
 @click.group("import")

@@ -10,26 +10,27 @@ names them. Every demo ends with its named checks; the exit status is 1 when any
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Sequence
 
 import click
 
-from cli._common import handle_errors
-from runs import DEMOS  # a plain dict: importing `runs` stays torch-free, so `--help` stays fast
+from ckpt_cli._common import handle_errors
+from runs import DEMOS  # strings only: importing `runs` stays torch-free, so `--help` stays fast
 
 
 class _Shell:
     """``ckpt ls`` and ``ckpt inspect`` as the basic demo shows them (runs never import cli)."""
 
     def ls(self, run_dir: str) -> list[str]:
-        from cli.ls_cmd import list_run
+        from ckpt_cli.ls_cmd import list_run
 
         return [f"{r['name']}  step {r['step']}  {r['bytes']} bytes  {r['status']}" for r in list_run(run_dir, deep=True)]
 
     def inspect(self, path: str) -> str:
         import ckpt
-        from cli.inspect_cmd import manifest_summary, render
+        from ckpt_cli.inspect_cmd import manifest_summary, render
 
         return render(manifest_summary(ckpt.open(path)), max_tensors=8)
 
@@ -47,26 +48,18 @@ class _Shell:
 def demo_cmd(name: str | None, out_dir: str, list_: bool, basic: bool, quick: bool, transport: str, steps: int) -> None:
     """Run a reference run (default: diloco, Decoupled DiLoCo under chaos) and print what it proves."""
     if list_:
-        for n, line in DEMOS.items():
-            click.echo(f"{n:<8} {line}")
+        for n, demo in DEMOS.items():
+            click.echo(f"{n:<8} {demo.line}")
         return
     if basic:
         if name not in (None, "basic"):
             raise click.UsageError(f"--basic names the basic demo; got NAME {name}")
         name = "basic"
     name = name or next(iter(DEMOS))
-    if name == "basic":
-        from runs.basic.demo import DemoConfig, run
-
-        save_every = max(steps // 3, 1)
-        cfg = DemoConfig(steps=steps, save_every=save_every, resume_from_step=2 * save_every)
-        res = run(out_dir, cfg, echo=click.echo, progress=sys.stdout.isatty(), shell=_Shell())
-        checks = res["checks"]
-    else:
-        from runs.diloco.demo import run_demo
-
-        rep = run_demo(out_dir, quick=quick, transport=transport, echo=click.echo, progress=sys.stdout.isatty())
-        checks = rep.checks()
+    mod_name, fn_name = DEMOS[name].entry.split(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    options = {"transport": transport, "steps": steps, "shell": _Shell()}
+    checks = fn(out_dir, quick=quick, echo=click.echo, progress=sys.stdout.isatty(), options=options)
     _verdict(checks)
 
 

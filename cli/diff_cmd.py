@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from cli._common import dump_json, handle_errors
+from ckpt_cli._common import dump_json, handle_errors
 
 
 def render(rep: dict[str, Any]) -> str:

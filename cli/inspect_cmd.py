@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from cli._common import classify, dump_json, handle_errors, human_bytes, when
+from ckpt_cli._common import classify, dump_json, handle_errors, human_bytes, when
 
 
 def manifest_summary(r: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from cli._common import dump_json, handle_errors, human_bytes, when
+from ckpt_cli._common import dump_json, handle_errors, human_bytes, when
 
 
 def _dir_size(path: str) -> int:

@@ -38,16 +38,16 @@ EXIT_DIFFERENT = 6
 # name -> (module:attr, one-line help). The help is duplicated here on purpose: listing
 # commands must not import their modules.
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": ("cli.inspect_cmd:inspect_cmd", "Summarise a checkpoint: the seven fields, tensors, provenance."),
-    "verify": ("cli.verify_cmd:verify_cmd", "Re-hash every chunk of a checkpoint (or check structure with --quick)."),
-    "diff": ("cli.diff_cmd:diff_cmd", "Compare two checkpoints: tensors, config, commit, topology, RNG, env."),
-    "ls": ("cli.ls_cmd:ls_cmd", "List the checkpoints of a run directory with their status."),
-    "demo": ("cli.demo_cmd:demo_cmd", "Run the demo training job and report on it."),
-    "tape": ("cli.tape_cmd:tape", "Show, verify, check, diff and repair event tapes."),
-    "replay": ("cli.tape_cmd:replay_cmd", "Re-execute a recorded run and prove it bit-identical."),
-    "check-resume": ("cli.resume_cmd:check_resume_cmd", "Kill and resume a training entry point; compare bits."),
-    "import": ("cli.dcp_cmd:import_group", "Convert another format into a checkpoint (import dcp SRC DST)."),
-    "export": ("cli.dcp_cmd:export_group", "Convert a checkpoint into another format (export dcp SRC DST)."),
+    "inspect": ("ckpt_cli.inspect_cmd:inspect_cmd", "Summarise a checkpoint: the seven fields, tensors, provenance."),
+    "verify": ("ckpt_cli.verify_cmd:verify_cmd", "Re-hash every chunk of a checkpoint (or check structure with --quick)."),
+    "diff": ("ckpt_cli.diff_cmd:diff_cmd", "Compare two checkpoints: tensors, config, commit, topology, RNG, env."),
+    "ls": ("ckpt_cli.ls_cmd:ls_cmd", "List the checkpoints of a run directory with their status."),
+    "demo": ("ckpt_cli.demo_cmd:demo_cmd", "Run the demo training job and report on it."),
+    "tape": ("ckpt_cli.tape_cmd:tape", "Show, verify, check, diff and repair event tapes."),
+    "replay": ("ckpt_cli.tape_cmd:replay_cmd", "Re-execute a recorded run and prove it bit-identical."),
+    "check-resume": ("ckpt_cli.resume_cmd:check_resume_cmd", "Kill and resume a training entry point; compare bits."),
+    "import": ("ckpt_cli.dcp_cmd:import_group", "Convert another format into a checkpoint (import dcp SRC DST)."),
+    "export": ("ckpt_cli.dcp_cmd:export_group", "Convert a checkpoint into another format (export dcp SRC DST)."),
 }
 
 

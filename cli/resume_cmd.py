@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from cli._common import dump_json, handle_errors
+from ckpt_cli._common import dump_json, handle_errors
 
 __all__ = ["check_resume_cmd"]
 

@@ -31,7 +31,7 @@ def handle_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from cli.main import fail
+        from ckpt_cli.main import fail
         from replay.errors import ReplayError
 
         try:

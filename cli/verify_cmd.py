@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from cli._common import handle_errors, human_bytes
+from ckpt_cli._common import handle_errors, human_bytes
 
 
 @click.command("verify")

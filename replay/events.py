@@ -278,6 +278,11 @@ for _t, _s in (("u32", _U32), ("u64", _U64), ("i64", _I64), ("f64", _F64)):
 
 # -- THE table ----------------------------------------------------------------------------
 # Codes 0 and 0xFF00-0xFFFF are reserved (0xFFFF frames a zstd block, see tape/format.py).
+# Code ranges set aside for the reference runs' own kinds, so that work on several runs at
+# once never hands out one code twice (reuse the generic kinds above where they fit):
+#   25-31 DiLoCo (runs/diloco)             32-47 replicas and SDC (runs/replicas)
+#   48-55 loss-spike rollback and routing  56-71 pipeline stages (runs/stages)
+#   72-95 free
 KINDS: tuple[Kind, ...] = (
     Kind(1, "actor", (("name", "str"),),
          "Declares the next actor id (= this event's actor field) for the name. Precedes any use."),

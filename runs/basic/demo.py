@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
@@ -134,3 +134,12 @@ def run(out_dir: str, cfg: DemoConfig = DemoConfig(), echo: Callable[[str], None
         "checks": [("checkpoints valid", valid), ("losses bit-identical", same_losses),
                    ("parameters bit-identical", same_params), ("optimizer bit-identical", same_opt)],
     }
+
+
+def main(out_dir: str, *, quick: bool, echo: Callable[[str], None], progress: bool,
+         options: Mapping[str, Any]) -> list[tuple[str, bool]]:
+    """``ckpt demo basic`` (the registry's entry point, :data:`runs.DEMOS`)."""
+    steps = int(options.get("steps", 300))
+    save_every = max(steps // 3, 1)
+    cfg = DemoConfig(steps=steps, save_every=save_every, resume_from_step=2 * save_every)
+    return run(out_dir, cfg, echo=echo, progress=progress, shell=options.get("shell"))["checks"]

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from runs.diloco.config import DiLoCoConfig
 
@@ -207,3 +207,10 @@ def _same(a: list[tuple[str, Any]], b: list[tuple[str, Any]]) -> bool:
 
     return [n for n, _ in a] == [n for n, _ in b] and all(
         x.dtype == y.dtype and torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
+def main(out_dir: str, *, quick: bool, echo: Callable[[str], None], progress: bool,
+         options: Mapping[str, Any]) -> list[tuple[str, bool]]:
+    """``ckpt demo diloco`` (the registry's entry point, :data:`runs.DEMOS`)."""
+    rep = run_demo(out_dir, quick=quick, transport=str(options.get("transport", "gloo")), echo=echo, progress=progress)
+    return rep.checks()

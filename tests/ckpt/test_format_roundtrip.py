@@ -760,7 +760,7 @@ def test_import_ckpt_and_cli_and_read_without_torch(tmp_path: Path) -> None:
     p = tmp_path / "c"
     save(p, {"w": {"t": torch.arange(3000)}}, step=5)
     out = _subprocess(
-        "import sys, ckpt, cli.main\n"
+        "import sys, ckpt, ckpt_cli.main\n"
         "assert 'torch' not in sys.modules, 'import pulled in torch'\n"
         f"r = ckpt.open({str(p)!r}); r.verify(); ctx = r.context()\n"
         "assert 'torch' not in sys.modules, 'open/verify/context pulled in torch'\n"

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import ckpt
 from ckpt.errors import ResumeDivergedError
 from ckpt.ledger import ResumeVerificationWarning, read_ledger_dir
-from cli.main import cli
+from ckpt_cli.main import cli
 
 
 class Loop:

@@ -38,7 +38,7 @@ def test_two_gloo_ranks_ddp_sync_kill_right_after_a_save(tmp_path):
 
 
 def test_cli_names_the_field_not_restored_and_exits_6(tmp_path):
-    from cli.main import cli
+    from ckpt_cli.main import cli
 
     out = CliRunner().invoke(
         cli,
@@ -103,7 +103,7 @@ def test_argument_errors_and_crashing_entry(tmp_path):
 
 
 def test_cli_usage_errors():
-    from cli.main import cli
+    from ckpt_cli.main import cli
 
     r = CliRunner().invoke(cli, ["check-resume", "--entry", ENTRY, "--kill-at", "x"])
     assert r.exit_code == 2 and "'x' is not a step number" in r.output

@@ -91,7 +91,7 @@ def test_removed_during_open(tmp_path: Path, method: str, n: int) -> None:
 
 
 def test_cli_exit_code_for_a_vanished_checkpoint(tmp_path: Path) -> None:
-    from cli.main import exit_code_for
+    from ckpt_cli.main import exit_code_for
 
     assert exit_code_for(CheckpointVanishedError("gone", path=str(tmp_path))) == 5
 

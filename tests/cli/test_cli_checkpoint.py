@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import ckpt
-from cli.main import cli
+from ckpt_cli.main import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -151,7 +151,7 @@ def test_checkpoint_commands_do_not_import_torch(run_dir, args, code):
 
 def test_help_does_not_import_torch():
     probe = (
-        "import sys\nfrom cli.main import cli\n"
+        "import sys\nfrom ckpt_cli.main import cli\n"
         "try:\n    cli.main(['--help'], prog_name='ckpt')\nexcept SystemExit:\n    pass\n"
         "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')"
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
+from ckpt_cli.main import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,7 @@ def _gloo_demo(out: Path, *, timeout: float = 150) -> tuple[bool, str, str]:
     """(exit code 0, stdout, stdout + stderr) of the quick demo over gloo."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        p = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--out", str(out), "--quick"], cwd=ROOT,
+        p = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "demo", "--out", str(out), "--quick"], cwd=ROOT,
                            env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         return False, "", f"timed out after {timeout} s; output so far:\n{e.stdout!r}\n{e.stderr!r}"
@@ -185,7 +185,7 @@ def test_demo_by_name_and_list(tmp_path: Path) -> None:
 def test_a_failed_check_names_itself_and_exits_1() -> None:
     import click
 
-    from cli.demo_cmd import _verdict
+    from ckpt_cli.demo_cmd import _verdict
 
     @click.command()
     def fake() -> None:

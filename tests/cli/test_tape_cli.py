@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
+from ckpt_cli.main import cli
 from replay import Recorder, record
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,7 +172,7 @@ def test_replay_cli_diverged_exit_6(tmp_path: Path) -> None:
 
 
 def test_cli_module_does_not_import_torch() -> None:
-    code = ("import sys; import cli.tape_cmd, replay, replay.tape, replay.check; "
+    code = ("import sys; import ckpt_cli.tape_cmd, replay, replay.tape, replay.check; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                    timeout=60)

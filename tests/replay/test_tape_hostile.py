@@ -12,7 +12,7 @@ import msgpack
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
+from ckpt_cli.main import cli
 from replay import Recorder
 from replay.errors import TapeCorruptError, TapeFormatError
 from replay.events import KIND_BY_NAME

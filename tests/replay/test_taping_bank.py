@@ -19,7 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
+from ckpt_cli.main import cli
 from replay import Recorder
 from replay.channel import Endpoint, ForcedScheduler, InProcessNetwork, RecorderSink, SeededScheduler
 from replay.channel import taped_delivery_order

@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_gloo_per_process_tapes_check_clean(tmp_path: Path) -> None:
-    from cli.main import cli
+    from ckpt_cli.main import cli
     from replay.clock import VectorClock
     from replay.snapshot import CHANNELS_KEY, CkptSnapshotStore
     from replay.tape import TapeReader

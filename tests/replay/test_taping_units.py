@@ -19,7 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
+from ckpt_cli.main import cli
 from replay import Recorder
 from replay.channel import Endpoint, InProcessNetwork, RecorderSink, message_digest
 from replay.channel import taping

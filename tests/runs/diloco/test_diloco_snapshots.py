@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import ckpt
-from cli.main import cli
+from ckpt_cli.main import cli
 from replay.check import check_tape
 from runs.diloco import record
 from runs.diloco.restore import restore_run

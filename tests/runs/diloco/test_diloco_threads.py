@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
+from ckpt_cli.main import cli
 from replay.check import check_tape
 from runs.diloco import DiLoCoConfig, pack_fragments, record
 from runs.diloco.chaos import make_schedule
