@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned here (the CPU wheel on this kind of machine); the package's own range stays open.
 TORCH_PIN ?= torch==2.13.0
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
