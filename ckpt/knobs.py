@@ -32,6 +32,9 @@ class Knobs:
     zstd_level: int = _env_int("CKPT_ZSTD_LEVEL", 3)
     #: request size for reads straight into tensor memory.
     read_request: int = _env_int("CKPT_READ_REQUEST", 16 * MiB)
+    #: a durable file being written starts writeback every this many bytes
+    #: (sync_file_range), so its closing fsync waits for the tail only; 0 disables.
+    writeback_bytes: int = _env_int("CKPT_WRITEBACK_BYTES", 8 * MiB)
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB

@@ -939,8 +939,10 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
             continue
         storage.remove_tree(trash)
         deleted.append(r.name)
-    if deleted and not by_manifest:
-        storage.fsync_dir(run_dir)
+    # No directory fsync for the deletions (spec/checkpoint-format.md §10.7): one a crash
+    # undoes brings back either an older committed checkpoint, which the next retention
+    # deletes again, or a .del directory, which recovery removes; neither is ever taken
+    # for a newer checkpoint, so durability of a deletion buys nothing but its cost.
     return tuple(deleted)
 
 

@@ -50,7 +50,7 @@ from .format.manifest import (
     decode_manifest,
     encode_manifest,
 )
-from .format.safetensors import TensorSlot, build_header
+from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import Storage, commits_by_manifest, resolve
@@ -139,18 +139,28 @@ def abort(pending: PendingCheckpoint, *, storage: Storage | None = None) -> None
 
 def _escape(seg: Any) -> str:
     # '/' separates key segments; escape it (and '%') so distinct paths stay distinct.
-    return str(seg).replace("%", "%25").replace("/", "%2F")
+    s = seg if type(seg) is str else str(seg)
+    if "%" in s or "/" in s:
+        return s.replace("%", "%25").replace("/", "%2F")
+    return s
 
 
 class _Collector:
-    """Hook for ``to_wire``: assigns tensor keys and de-duplicates aliased tensors."""
+    """Hook for ``to_wire``: assigns tensor keys and de-duplicates aliased tensors.
+
+    Runs once per tensor, so a state of thousands of small tensors pays for every
+    attribute read here: each record keeps what the writer needs later (dtype name,
+    shape, byte count), read from the tensor once.
+    """
 
     def __init__(self, prefix: str) -> None:
         import torch
 
         self._torch = torch
+        self._strided = torch.strided
         self.prefix = prefix
-        self.tensors: list[tuple[str, Any]] = []  # (key, cpu contiguous tensor)
+        #: one record per stored tensor, in the order met
+        self.tensors: list[_TensorRecord] = []
         self._by_view: dict[tuple, str] = {}
         self._keys: set[str] = set()
         self.counts: dict[str, list[int]] = {}  # top-level entry -> [n tensors, bytes]
@@ -172,69 +182,79 @@ class _Collector:
         return None
 
     def _add(self, t: Any, path: tuple[Any, ...]) -> str:
-        torch = self._torch
-        where = render_path(path)
-        if t.layout != torch.strided:
-            raise UnsupportedValueError(f"tensor layout {t.layout} is not supported", key=where)
-        if t.is_quantized or t.device.type == "meta":
-            raise UnsupportedValueError("quantized and meta tensors cannot be stored", key=where)
+        if t.layout != self._strided:
+            raise UnsupportedValueError(f"tensor layout {t.layout} is not supported", key=render_path(path))
+        device = t.device
+        if t.is_quantized or device.type == "meta":
+            raise UnsupportedValueError("quantized and meta tensors cannot be stored", key=render_path(path))
         try:
             dname = dtypes.dtype_name(t.dtype)
         except KeyError:
-            raise UnsupportedValueError(f"tensor dtype {t.dtype} cannot be stored", key=where) from None
+            raise UnsupportedValueError(f"tensor dtype {t.dtype} cannot be stored", key=render_path(path)) from None
+        shape = tuple(t.shape)
+        numel = t.numel()
+        conj, neg = t.is_conj(), t.is_neg()
         # The same view reached twice (tied weights, an optimizer aliasing a param) is
         # stored once and restored as one tensor object.
-        view = tensor_view_key(t)
-        if t.numel() > 0 and view in self._by_view:
-            return self._by_view[view]
-        key = "/".join([self.prefix, *(_escape(p) for p in path)]) if self.prefix else "/".join(_escape(p) for p in path)
+        view = (device, t.data_ptr(), shape, t.stride(), t.dtype, conj, neg)
+        if numel > 0:
+            hit = self._by_view.get(view)
+            if hit is not None:
+                return hit
+        key = "/".join([self.prefix, *map(_escape, path)]) if self.prefix else "/".join(map(_escape, path))
         # Distinct paths can render alike (int key 1 and str key "1"); keys must be
         # unique in the manifest, and the tree refers to them by name, so suffix.
-        base, n = key, 0
-        while key in self._keys:
-            n += 1
-            key = f"{base}~{n}"
+        if key in self._keys:
+            base, n = key, 0
+            while key in self._keys:
+                n += 1
+                key = f"{base}~{n}"
         self._keys.add(key)
-        src = t.detach()
-        if src.is_conj():
+        src = t
+        if conj:
             src = src.resolve_conj()
-        if src.is_neg():
+        if neg:
             src = src.resolve_neg()
-        if src.device.type != "cpu":
+        if device.type != "cpu":
             src = src.to("cpu")
         if not src.is_contiguous():
             src = src.contiguous()
-        self.tensors.append((key, src))
-        if t.numel() > 0:
+        itemsize = dtypes.itemsize(dname)
+        nbytes = numel * itemsize
+        self.tensors.append((key, src, dname, shape, nbytes, itemsize))
+        if numel > 0:
             self._by_view[view] = key
         top = str(path[0]) if path else ""
-        c = self.counts.setdefault(top, [0, 0])
+        c = self.counts.get(top)
+        if c is None:
+            c = self.counts[top] = [0, 0]
         c[0] += 1
-        c[1] += src.numel() * src.element_size()
+        c[1] += nbytes
         return key
+
+
+#: (key, cpu contiguous tensor, dtype name, shape, nbytes, itemsize)
+_TensorRecord = tuple[str, Any, str, tuple[int, ...], int, int]
 
 
 def tensor_view_key(t: Any) -> tuple[Any, ...]:
     """Identity of a tensor *view*: equal keys hold the same values in the same memory.
 
-    is_conj/is_neg are part of it: x and x.conj() share storage, offset and strides
-    but hold different values.
+    The address of the first element with shape, strides and dtype fixes the memory a
+    view covers; is_conj/is_neg are part of it: x and x.conj() share memory and
+    strides but hold different values. (The writer's collector builds the same tuple
+    inline.)
     """
-    return (
-        t.device,
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-        t.is_conj(),
-        t.is_neg(),
-    )
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
-def tensor_memoryview(t: Any) -> memoryview:
+def _neg_itemsize(rec: _TensorRecord) -> int:
+    return -rec[5]
+
+
+def tensor_memoryview(t: Any, nbytes: int | None = None) -> memoryview:
     """Zero-copy view of a CPU contiguous tensor's bytes (no numpy needed)."""
-    n = t.numel() * t.element_size()
+    n = t.numel() * t.element_size() if nbytes is None else nbytes
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
@@ -313,16 +333,20 @@ def write_part(
     if collector.tensors:
         # Largest element size first (stable): every tensor then starts at a multiple of
         # its element size, as stock safetensors lays files out, so readers can map it.
-        collector.tensors.sort(key=lambda kt: -kt[1].element_size())
+        recs = collector.tensors
+        recs.sort(key=_neg_itemsize)
         fname = pending.file_name(name, ".safetensors")
-        slots = [TensorSlot(key, dtypes.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for key, t in collector.tensors]
-        header, offsets = build_header(slots, {"format": "pt", "writer": f"ckpt-replay {__version__}"})
+        header, offsets = build_header_rows(
+            [(r[0], r[2], r[3], r[4]) for r in recs], {"format": "pt", "writer": f"ckpt-replay {__version__}"}
+        )
         sink = storage.create(os.path.join(pending.tmp_dir, fname), k.chunk_size)
         try:
             sink.write(header)
-            for (key, t), slot, off in zip(collector.tensors, slots, offsets):
-                sink.write(tensor_memoryview(t))
-                tensors.append(TensorEntry(key, slot.dtype, slot.shape, 0, off, slot.nbytes))
+            write = sink.write
+            # File index 1: the state file is listed first (below).
+            for (key, t, dname, shape, nbytes, _), off in zip(recs, offsets):
+                write(tensor_memoryview(t, nbytes))
+                tensors.append(TensorEntry(key, dname, shape, 1, off, nbytes))
             size, digests = sink.close()
         except BaseException:
             sink.discard()
@@ -343,8 +367,6 @@ def write_part(
         raise
     # The state file comes first so readers can find the structure without scanning.
     files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
-    if tensors:
-        tensors = [TensorEntry(t.key, t.dtype, t.shape, 1, t.offset, t.nbytes) for t in tensors]
     summary = {
         "step": step,
         "entries": {key: {"type": entry_types[key], "tensors": collector.counts.get(key, [0, 0])[0], "bytes": collector.counts.get(key, [0, 0])[1]} for key in wire_state},
@@ -437,8 +459,10 @@ def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
     if storage.exchange(tmp, final):
         # One atomic swap: the final name always holds a complete copy (old, then new).
         storage.fsync_dir(parent)
+        # The removal needs no fsync of its own (§10.7): if a crash undoes it, the old
+        # copy is back under a temporary name, beside a committed final name, and
+        # recovery removes it as redundant.
         storage.remove_tree(tmp)  # now the old checkpoint
-        storage.fsync_dir(parent)
         return
     # No exchange on this filesystem: move the old aside, then the new into place. A
     # crash in between leaves both complete under temporary names; recover() renames
@@ -455,8 +479,7 @@ def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
             pass
         raise
     storage.fsync_dir(parent)
-    storage.remove_tree(aside)
-    storage.fsync_dir(parent)
+    storage.remove_tree(aside)  # no fsync needed: see the exchange case above
 
 
 # --- crash recovery -------------------------------------------------------------------
@@ -551,8 +574,8 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
             continue
         storage.remove_tree(os.path.join(root, t))
         removed.append(t)
-    if removed:
-        storage.fsync_dir(root)
+    # No fsync for the removals (§10.7): a removal a crash undoes leaves a temporary
+    # name, which no reader accepts and the next recovery removes again.
     return Recovery(tuple(restored), tuple(removed))
 
 
