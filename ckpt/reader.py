@@ -459,9 +459,11 @@ class CheckpointReader:
         self._header(pe)
         return self._open_handle(self._fp(f)), f
 
-    def verify_bytes(self, f: FileEntry, data: Any) -> None:
-        """Check the whole content of file ``f``, already in memory, against its digests."""
-        v = _ChunkVerifier(self._fp(f), f)
+    def verify_bytes(self, f: FileEntry, data: Any, *, first: int = 0) -> None:
+        """Check content of file ``f``, already in memory, against its digests: the
+        whole file, or (``first``) the chunks from number ``first`` on that ``data``
+        covers, starting at that chunk's first byte (a share of a parallel check)."""
+        v = _ChunkVerifier(self._fp(f), f, first=first)
         v.update(data)
         v.finish()
 
@@ -574,13 +576,22 @@ class CheckpointReader:
         return read_tensor(self, pe, t, map_location=map_location, verify=verify)
 
     def state(
-        self, part: str | None = None, *, map_location: Any = None, verify: bool = True, mmap: bool = False
+        self, part: str | None = None, *, map_location: Any = None, verify: bool = True, mmap: bool | None = None
     ) -> dict[str, Any]:
         """The whole saved state of a part, as plain trees of fresh tensors.
 
-        ``mmap=True`` backs the tensors by a private copy-on-write mapping of the file
-        instead of reading them into new memory (faster; see ``_materialize._mmap_fresh``
-        for the one caveat: do not truncate the file while the tensors are alive).
+        Every chunk is verified before anything is returned (unless ``verify=False``).
+        Where the file is local, the tensors are backed by a private copy-on-write
+        mapping of it, protected by a read lease: no copy and no fresh memory until a
+        tensor is written, and a truncation of the file by anyone waits until this
+        process has copied the bytes away (spec §11.4), so it never faults the tensors.
+        Where no lease can be taken (another user's file, NFS, the first load off the
+        main thread), the bytes are read into fresh tensors instead.
+
+        ``mmap=False`` always reads into fresh tensors (resizable storages, nothing
+        shared with the page cache). ``mmap=True`` maps even where no lease can be
+        taken; then the one caveat is yours: do not truncate the file while the tensors
+        live (the process would get SIGBUS).
         """
         from ._materialize import materialize_state
 
