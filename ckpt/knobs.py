@@ -35,6 +35,9 @@ class Knobs:
     #: a durable file being written starts writeback every this many bytes
     #: (sync_file_range), so its closing fsync waits for the tail only; 0 disables.
     writeback_bytes: int = _env_int("CKPT_WRITEBACK_BYTES", 8 * MiB)
+    #: how much nicer (lower CPU priority) an asynchronous save's thread runs than the
+    #: training loop (bench/async_save.py measures the step slowdown); 0 keeps it equal.
+    save_thread_nice: int = _env_int("CKPT_SAVE_NICE", 10)
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB

@@ -139,6 +139,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
+from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
 from .storage import Storage, commits_by_manifest, is_space_error, resolve
@@ -796,6 +797,8 @@ class CheckpointManager:
     def _run(self, job: _Job) -> None:
         from .writer import abort, begin, commit, write_part
 
+        if job.asynchronous:
+            _lower_thread_priority(knobs().save_thread_nice)
         t0 = time.perf_counter()
         freed: tuple[str, ...] = ()
         try:
@@ -901,6 +904,27 @@ class CheckpointManager:
                 continue
             break
         return out
+
+
+def _lower_thread_priority(nice: int) -> None:
+    """Make the calling (background save) thread yield the CPU to the training loop.
+
+    On two cores the loop's intra-op threads use both; a save thread at the same
+    priority takes one of them for its write copies and hashing, and every parallel
+    operation of the step then waits for its slowest thread. With a higher nice value
+    the scheduler runs the save in the gaps of the step (its Python parts, its waits)
+    and the step keeps both cores; the save takes longer but finishes long before the
+    next one is due (bench/async_save.py). Linux applies nice per thread, and threads
+    this one starts (the digest thread) inherit it. Never lowers the loop's own thread:
+    only an asynchronous save's thread calls this.
+    """
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except (OSError, AttributeError):  # not Linux, or not permitted: run at the loop's priority
+        pass
 
 
 def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage | None = None,
