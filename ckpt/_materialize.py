@@ -7,7 +7,6 @@ it lazily without an import cycle; the in-place load (``_torchio``) builds on it
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from typing import Any, Mapping, Protocol
@@ -104,11 +103,9 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
 
     ``mode=None`` (the default load) maps only under a read lease, which keeps a
     truncation of the file from ever reaching the tensors (``ckpt.storage._lease``,
-    spec §11.4). ``mode=True`` maps even where no lease can be taken (the old opt-in:
+    spec §11.1). ``mode=True`` maps even where no lease can be taken (the old opt-in:
     do not truncate the file while the tensors live, or the process gets SIGBUS).
     """
-    from .storage import _lease
-
     f = pe.file("tensors")
     if f is None:
         return {}
@@ -117,24 +114,19 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
     opened = reader.open_tensor_file(pe)  # checks the safetensors header against the manifest
     assert opened is not None
     handle, f = opened
-    fileno = getattr(handle, "fileno", None)
     path = os.path.join(reader.path, f.name)
-    mm: mmap.mmap | None = None
     try:
-        if fileno is None:
+        mapper = getattr(handle, "map_private", None)
+        if mapper is None:
             return None  # not a local file (an object store): nothing to map
-        fd = fileno()
-        size = os.fstat(fd).st_size
+        size = handle.size()
         if size != f.size:
             raise SizeMismatchError(f"file is {size} bytes, manifest says {f.size}", path=path, offset=min(size, f.size))
-        try:
-            mm = _lease.map_leased(fd, f.size, path)
-        except _lease.LeaseUnavailable:
-            if mode is not True:
-                return None
-            mm = _lease.map_private(fd, f.size)
+        mm = mapper(f.size, require_lease=mode is not True)
     finally:
         handle.close()
+    if mm is None:
+        return None
     mv = memoryview(mm)
     if verify:
         _verify_parallel(reader, f, mv)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import shutil
 import stat
@@ -203,6 +204,18 @@ class LocalFile:
 
     def fileno(self) -> int:
         return self.fd
+
+    def map_private(self, size: int, *, require_lease: bool = True) -> "mmap.mmap | None":
+        """A private (copy-on-write) mapping of the first ``size`` bytes, kept alive by
+        the tensors that view it. With ``require_lease`` (the default fresh load), only
+        under a read lease that keeps a truncation from ever reaching it
+        (``ckpt.storage._lease``, spec §11.1): ``None`` when no lease can be taken."""
+        from . import _lease
+
+        try:
+            return _lease.map_leased(self.fd, size, self.path)
+        except _lease.LeaseUnavailable:
+            return None if require_lease else _lease.map_private(self.fd, size)
 
     def close(self) -> None:
         if self.fd >= 0:
