@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -330,6 +331,7 @@ def write_part(
     k = knobs()
     files: list[FileEntry] = []
     tensors: list[TensorEntry] = []
+    closing: _Background | None = None
     if collector.tensors:
         # Largest element size first (stable): every tensor then starts at a multiple of
         # its element size, as stock safetensors lays files out, so readers can map it.
@@ -339,32 +341,43 @@ def write_part(
         header, offsets = build_header_rows(
             [(r[0], r[2], r[3], r[4]) for r in recs], {"format": "pt", "writer": f"ckpt-replay {__version__}"}
         )
-        sink = storage.create(os.path.join(pending.tmp_dir, fname), k.chunk_size)
+        tsink = storage.create(os.path.join(pending.tmp_dir, fname), k.chunk_size)
         try:
-            sink.write(header)
-            write = sink.write
+            tsink.write(header)
+            write = tsink.write
             # File index 1: the state file is listed first (below).
             for (key, t, dname, shape, nbytes, _), off in zip(recs, offsets):
                 write(tensor_memoryview(t, nbytes))
                 tensors.append(TensorEntry(key, dname, shape, 1, off, nbytes))
+        except BaseException:
+            tsink.discard()
+            raise
+        # The tensor file's last digests and fsync run on a helper thread while this one
+        # writes the state file; both are durable before this function returns (§10.7).
+        closing = _Background(tsink.close)
+    try:
+        raw = packb({"state": wire_state, "context": context})
+        if len(raw) > k.max_state_raw_bytes:
+            raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
+        comp = zstd_compress(raw)
+        sname = pending.file_name(name, ".state.msgpack.zst")
+        sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
+        try:
+            sink.write(comp)
             size, digests = sink.close()
         except BaseException:
             sink.discard()
             raise
-        files.append(FileEntry(fname, "tensors", size, k.chunk_size, digests))
+    finally:
+        if closing is not None:
+            try:
+                tsize, tdigests = closing.join()
+            except BaseException:
+                tsink.discard()
+                raise
+    if closing is not None:
+        files.append(FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests))
         # collector.tensors holds staging copies alive until here; drop them now.
-    raw = packb({"state": wire_state, "context": context})
-    if len(raw) > k.max_state_raw_bytes:
-        raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
-    comp = zstd_compress(raw)
-    sname = pending.file_name(name, ".state.msgpack.zst")
-    sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
-    try:
-        sink.write(comp)
-        size, digests = sink.close()
-    except BaseException:
-        sink.discard()
-        raise
     # The state file comes first so readers can find the structure without scanning.
     files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
     summary = {
@@ -431,13 +444,55 @@ def commit(
     sink = storage.create(os.path.join(pending.tmp_dir, MANIFEST_NAME), max(knobs().chunk_size, 4096))
     try:
         sink.write(blob)
-        sink.close()
+        # Hand MANIFEST's bytes to the kernel now (a local sink gathers small writes
+        # until close): from here on, a process killed at any point leaves a complete
+        # temporary copy that recovery can publish (§10.3).
+        flush = getattr(sink, "flush", None)
+        if flush is not None:
+            flush()
+        # MANIFEST's fsync and the directory's (which now lists every file, MANIFEST
+        # included) have no order between them, only both before the rename (§10.7):
+        # issued together they wait for one journal commit, not two.
+        names = _Background(storage.fsync_dir, pending.tmp_dir)
+        try:
+            sink.close()
+        finally:
+            names.join()
     except BaseException:
         sink.discard()
         raise
-    storage.fsync_dir(pending.tmp_dir)
     _publish(pending, storage)
     return manifest
+
+
+class _Background:
+    """``fn(*args)`` on a helper thread; ``join`` waits and re-raises its error.
+
+    Used to overlap two waits that have no order between them (two fsyncs, or an fsync
+    and the next file's writes): fsync, write and xxh3 release the GIL, and on a
+    journaling filesystem two fsyncs issued together are served by one journal commit.
+    """
+
+    __slots__ = ("_fn", "_args", "_thread", "result", "error")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._fn, self._args = fn, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckpt-sync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._fn(*self._args)
+        except BaseException as e:  # re-raised by join() on the caller's thread
+            self.error = e
+
+    def join(self) -> Any:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 def _publish(pending: PendingCheckpoint, storage: Storage) -> None:

@@ -7,7 +7,7 @@ mapping of the file uses the page-cache pages that already hold the bytes and co
 page only when it is written. The catch: a file mapping whose file is truncated
 underneath faults with SIGBUS on the next access, which kills the interpreter.
 
-How the mapping is protected (spec/checkpoint-format.md §11.4): the reader takes a
+How the mapping is protected (spec/checkpoint-format.md §11.1): the reader takes a
 *read lease* (``fcntl(F_SETLEASE, F_RDLCK)``) on the file before mapping it. From then
 on, any process (this one included) that opens the file for writing or truncates it is
 held by the kernel, for up to ``/proc/sys/fs/lease-break-time`` seconds (45 by
@@ -158,7 +158,10 @@ class _Guard:
         _LIVE.pop(id(self), None)
 
     def __del__(self) -> None:  # the mapping is gone: let the lease go with it
-        self.release()
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: modules may already be torn down
+            pass
 
 
 _LIVE: dict[int, "weakref.ref[_Guard]"] = {}  # id -> guard; plain dict ops are atomic

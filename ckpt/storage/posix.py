@@ -115,6 +115,11 @@ class _LocalSink:
             self._pos += got
             self._kick()
 
+    def flush(self) -> None:
+        """Hand every byte written so far to the kernel (not a durability point: see close)."""
+        if self._iov:
+            self._flush()
+
     def _flush(self) -> None:
         iov, self._iov, self._iov_bytes = self._iov, [], 0
         while iov:
