@@ -584,7 +584,7 @@ class CheckpointReader:
         Where the file is local, the tensors are backed by a private copy-on-write
         mapping of it, protected by a read lease: no copy and no fresh memory until a
         tensor is written, and a truncation of the file by anyone waits until this
-        process has copied the bytes away (spec §11.4), so it never faults the tensors.
+        process has copied the bytes away (spec §11.1), so it never faults the tensors.
         Where no lease can be taken (another user's file, NFS, the first load off the
         main thread), the bytes are read into fresh tensors instead.
 

@@ -1,7 +1,7 @@
 """The default fresh load: a verified, lease-protected private mapping, never a SIGBUS.
 
 ``CheckpointReader.state()`` maps a local tensor file privately under a read lease
-(``ckpt.storage._lease``, spec §11.4) and falls back to reading into fresh memory where
+(``ckpt.storage._lease``, spec §11.1) and falls back to reading into fresh memory where
 no lease can be taken. The claims tested here, each in a child process where a SIGBUS
 would show as a signal exit rather than take pytest down:
 
