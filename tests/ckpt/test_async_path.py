@@ -84,3 +84,28 @@ def test_only_an_async_save_thread_runs_at_a_lower_priority(tmp_path: Path) -> N
     assert set(RecordsPriority.seen) == {loop} and _nice() == loop
     for run in ("a", "s"):
         assert torch.equal(ckpt.open(tmp_path / run / "step-00000001").state()["model"]["weight"], model.weight)
+
+
+EXIT_WITH_A_SAVE_IN_FLIGHT = """
+import sys, torch
+from ckpt.manager import CheckpointManager
+mgr = CheckpointManager(sys.argv[1], {"w": torch.arange(1 << 20, dtype=torch.float32)}, async_save=True, signals=())
+mgr.save(1)
+mgr.save(2)   # waits for step 1, then hands step 2 to the worker
+print("leaving", flush=True)
+# no wait(), no close(): the interpreter exits with step 2 in flight
+"""
+
+
+def test_interpreter_exit_waits_for_the_save_in_flight_and_an_idle_worker_does_not_hold_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", EXIT_WITH_A_SAVE_IN_FLIGHT, str(tmp_path / "run")], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["leaving"]
+    r = ckpt.open(tmp_path / "run" / "step-00000002")
+    r.verify()
+    assert torch.equal(r.state()["w"], torch.arange(1 << 20, dtype=torch.float32))
