@@ -13,6 +13,7 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
+from ._gc import paused as gc_paused
 from ._statecheck import PartSource, replica_target
 from .errors import FormatError, SizeMismatchError
 from .format import dtypes
@@ -194,6 +195,11 @@ def fresh_tensors(reader: TensorSource, pe: PartEntry, *, verify: bool, mmap: bo
 def materialize_state(
     reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool | None = None
 ) -> dict[str, Any]:
+    with gc_paused():  # thousands of small objects, no cycles (ckpt._gc)
+        return _materialize_state(reader, pe, map_location=map_location, verify=verify, mmap=mmap)
+
+
+def _materialize_state(reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool | None) -> dict[str, Any]:
     tree = reader.tree(pe.name, verify=verify)
     cache: dict[str, dict[str, torch.Tensor]] = {}
 

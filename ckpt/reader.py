@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from ._gc import paused as gc_paused
 from ._pipeline import OrderedFeeder
 from ._statecheck import check_part
 from .errors import (
@@ -188,7 +189,8 @@ class CheckpointReader:
             data = self._storage.read(mpath, 0, mst.st_size)
         except FileNotFoundError:
             raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
-        manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
+        with gc_paused():
+            manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
         try:
             self._check_files(manifest)
         except MissingFileError:
@@ -291,11 +293,12 @@ class CheckpointReader:
             raw = self._read_verified(f, verify)
             if f.codec == "zstd":
                 raw = zstd_decompress(raw, f.raw_size or 0, path=self._fp(f))
-            tree = decode_tree(raw, path=self._fp(f))
-            if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
-                raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
-            check_entry_names(tree["state"], path=self._fp(f))
-            check_context(tree["context"], path=self._fp(f))
+            with gc_paused():
+                tree = decode_tree(raw, path=self._fp(f))
+                if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
+                    raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
+                check_entry_names(tree["state"], path=self._fp(f))
+                check_context(tree["context"], path=self._fp(f))
             self._trees[pe.name] = tree
         return self._trees[pe.name]
 
@@ -314,8 +317,9 @@ class CheckpointReader:
         prefix = self._read(fp, 0, 8)
         n, _ = parse_header(prefix, f.size, path=fp)
         full = self._read(fp, 0, 8 + n)
-        n, header = parse_header(full, f.size, path=fp)
-        check_against_manifest(header, n, f.size, pe.tensors, path=fp)
+        with gc_paused():
+            n, header = parse_header(full, f.size, path=fp)
+            check_against_manifest(header, n, f.size, pe.tensors, path=fp)
         self._headers[pe.name] = (n, header)
 
     def _entry(self, key: str, part: str | None) -> tuple[PartEntry, TensorEntry]:

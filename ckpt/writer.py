@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import msgpack
 
 from . import __version__
+from ._gc import paused as gc_paused
 from .context.config import canonical_config, config_hash
 from .context.env import capture_env
 from .context.provenance import capture_commit
@@ -290,44 +291,46 @@ def write_part(
     check_name(name, what="part")
     if not isinstance(state, Mapping):
         raise UnsupportedValueError("state must be a mapping of name -> Stateful or tree", key="<root>")
-    collector = _Collector("")
-    wire_state: dict[str, Any] = {}
-    entry_types: dict[str, str] = {}
-    for key, obj in state.items():
-        if not isinstance(key, str) or not key or key.startswith("@"):
-            raise UnsupportedValueError("top-level state keys must be non-empty str not starting with '@'", key=str(key))
-        if _stateful(obj):
-            sd = obj.state_dict()
-            entry_types[key] = _type_name(obj)
-        else:
-            sd = obj
-            entry_types[key] = "tree"
-        wire_state[key] = to_wire(sd, collector, (key,))
-    data_state = None
-    if data is not None:
-        if not callable(getattr(data, "state_dict", None)):
-            raise UnsupportedValueError("data must have state_dict()", key="@data")
-        data_state = to_wire(data.state_dict(), collector, ("@data",))
-    cfg_bytes = canonical_config(config) if config is not None else None
-    # A Mapping is a state captured earlier by capture_rng: an async save snapshots the
-    # RNG at the step boundary and writes it later, while the loop draws on.
-    rng_state = dict(rng) if isinstance(rng, Mapping) else (capture_rng(generators) if rng else None)
-    topo = capture_topology()
-    commit_info = capture_commit(code_dir)
-    env = capture_env()
-    context = {
-        "step": step,
-        "rng": rng_state,
-        "data": data_state,
-        "data_type": _type_name(data) if data is not None else None,
-        "config": None if cfg_bytes is None else {"canonical": cfg_bytes, "hash": config_hash(config)},
-        "topology": topo,
-        "commit": commit_info,
-        "env": env,
-        "lineage": dict(lineage or {}),
-        "extra": to_wire(extra, collector, ("@extra",)) if extra is not None else None,
-        "entry_types": entry_types,
-    }
+    # Walking the state builds thousands of small objects: no cyclic GC meanwhile (ckpt._gc).
+    with gc_paused():
+        collector = _Collector("")
+        wire_state: dict[str, Any] = {}
+        entry_types: dict[str, str] = {}
+        for key, obj in state.items():
+            if not isinstance(key, str) or not key or key.startswith("@"):
+                raise UnsupportedValueError("top-level state keys must be non-empty str not starting with '@'", key=str(key))
+            if _stateful(obj):
+                sd = obj.state_dict()
+                entry_types[key] = _type_name(obj)
+            else:
+                sd = obj
+                entry_types[key] = "tree"
+            wire_state[key] = to_wire(sd, collector, (key,))
+        data_state = None
+        if data is not None:
+            if not callable(getattr(data, "state_dict", None)):
+                raise UnsupportedValueError("data must have state_dict()", key="@data")
+            data_state = to_wire(data.state_dict(), collector, ("@data",))
+        cfg_bytes = canonical_config(config) if config is not None else None
+        # A Mapping is a state captured earlier by capture_rng: an async save snapshots the
+        # RNG at the step boundary and writes it later, while the loop draws on.
+        rng_state = dict(rng) if isinstance(rng, Mapping) else (capture_rng(generators) if rng else None)
+        topo = capture_topology()
+        commit_info = capture_commit(code_dir)
+        env = capture_env()
+        context = {
+            "step": step,
+            "rng": rng_state,
+            "data": data_state,
+            "data_type": _type_name(data) if data is not None else None,
+            "config": None if cfg_bytes is None else {"canonical": cfg_bytes, "hash": config_hash(config)},
+            "topology": topo,
+            "commit": commit_info,
+            "env": env,
+            "lineage": dict(lineage or {}),
+            "extra": to_wire(extra, collector, ("@extra",)) if extra is not None else None,
+            "entry_types": entry_types,
+        }
     k = knobs()
     files: list[FileEntry] = []
     tensors: list[TensorEntry] = []
@@ -437,7 +440,8 @@ def commit(
         parts=ordered,
         meta=dict(meta or {}),
     )
-    blob = encode_manifest(manifest)
+    with gc_paused():
+        blob = encode_manifest(manifest)
     if commits_by_manifest(storage):
         storage.publish(pending, blob)  # type: ignore[attr-defined]
         return manifest
