@@ -149,6 +149,7 @@ class CheckpointReader:
         # The one resolver: a plain path is local, s3://... the object-store backend,
         # any other URL a clear UnsupportedSchemeError (never a local folder "s3:").
         self._storage, self.path = resolve(path, storage)
+        self._manifest_bytes = b""
         self.manifest: Manifest = self._open()
         self._trees: dict[str, Any] = {}
         self._headers: dict[str, tuple[int, dict]] = {}
@@ -186,6 +187,7 @@ class CheckpointReader:
             raise LimitExceededError(f"MANIFEST is {mst.st_size} bytes, above the limit", path=mpath)
         try:
             data = self._storage.read(mpath, 0, mst.st_size)
+            self._manifest_bytes = data
         except FileNotFoundError:
             raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
         manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
@@ -199,12 +201,18 @@ class CheckpointReader:
     def _raise_if_vanished(self) -> None:
         """Retention and replacement rename a checkpoint away before deleting it, so a
         path that stops existing under a reader means "removed", not "corrupt"."""
+        mpath = os.path.join(self.path, MANIFEST_NAME)
         try:
-            self._storage.lstat(os.path.join(self.path, MANIFEST_NAME))
+            self._storage.lstat(mpath)
+            now = self._storage.read(mpath, 0, len(self._manifest_bytes) + 1)
         except FileNotFoundError:
             raise CheckpointVanishedError(
                 "the checkpoint was removed while it was being read (e.g. by retention)", path=self.path
             ) from None
+        if now != self._manifest_bytes:
+            # Replaced by another save of the same name (overwrite): the files this
+            # reader opened belong to the old one.
+            raise CheckpointVanishedError("the checkpoint was replaced while it was being read", path=self.path)
 
     def _check_files(self, m: Manifest) -> None:
         expected = {MANIFEST_NAME}
@@ -223,6 +231,11 @@ class CheckpointReader:
                 raise SizeMismatchError(
                     f"file is {st.st_size} bytes, manifest says {f.size}", path=fp, offset=min(st.st_size, f.size)
                 )
+        if not getattr(self._storage, "strict_listing", True):
+            # An object store: objects a committed MANIFEST does not name are leftovers
+            # of other saves (a lost race, a crash, a replaced checkpoint); they are
+            # never read, and orphan cleanup removes them (spec/object-storage.md §O.4).
+            return
         try:
             listing = self._storage.listdir(self.path)
         except FileNotFoundError:
