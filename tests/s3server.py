@@ -67,6 +67,8 @@ class Server:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def start() -> Server:
