@@ -270,9 +270,9 @@ class CheckpointReader:
         """The backend this checkpoint is read through (``ckpt.storage``)."""
         return self._storage
 
-    def _open_handle(self, fp: str) -> ReadHandle:
+    def _open_handle(self, fp: str, *, reread: bool = False) -> ReadHandle:
         try:
-            return self._storage.open_read(fp)
+            return self._storage.open_read(fp, reread=True) if reread else self._storage.open_read(fp)
         except FileNotFoundError:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
@@ -457,20 +457,21 @@ class CheckpointReader:
             if own:
                 handle.close()
 
-    def open_tensor_file(self, pe: PartEntry) -> tuple[ReadHandle, FileEntry] | None:
+    def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[ReadHandle, FileEntry] | None:
         """Check a part's safetensors header and open its tensor file (caller closes it).
 
         A held local descriptor keeps reading the same bytes even if the checkpoint is
         renamed or deleted meanwhile (retention renames before it deletes); an object
         store handle pins the object's version, so a replaced or deleted object fails
         the read instead. An in-place load verifies and then copies through one handle
-        per file.
+        per file. ``reread``: the caller reads the bytes twice (verify, then copy); an
+        object store keeps the first pass's bytes locally instead of downloading twice.
         """
         f = pe.file("tensors")
         if f is None:
             return None
         self._header(pe)
-        return self._open_handle(self._fp(f)), f
+        return self._open_handle(self._fp(f), reread=reread), f
 
     def verify_bytes(self, f: FileEntry, data: Any) -> None:
         """Check the whole content of file ``f``, already in memory, against its digests."""

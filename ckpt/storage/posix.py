@@ -174,7 +174,8 @@ class LocalStorage:
     def create(self, path: str, chunk_size: int, *, durable: bool = True) -> _LocalSink:
         return _LocalSink(path, chunk_size, durable)
 
-    def open_read(self, path: str) -> LocalFile:
+    def open_read(self, path: str, *, reread: bool = False) -> LocalFile:
+        # ``reread`` (an in-place load's two passes) needs nothing here: the page cache.
         return LocalFile(path)
 
     def pread_into(self, path: str, offset: int, buf: memoryview) -> int:

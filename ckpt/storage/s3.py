@@ -42,7 +42,10 @@ MiB = 1 << 20
 #: multipart part size and ranged-read block size: 8-16 MiB is where S3 throughput per
 #: request levels off (AWS guidance) and it matches our chunk sizes
 PART_SIZE = int(os.environ.get("CKPT_S3_PART_SIZE", 16 * MiB))
-BLOCK_SIZE = int(os.environ.get("CKPT_S3_BLOCK_SIZE", 8 * MiB))
+BLOCK_SIZE = int(os.environ.get("CKPT_S3_BLOCK_SIZE", 16 * MiB))
+#: an in-place load reads each file twice (verify, then copy): keep the first pass's bytes
+#: in an unlinked local temporary file so the second pass does not download them again
+SPOOL = os.environ.get("CKPT_S3_SPOOL", "1") != "0"
 #: parallel requests per file (uploads) and per storage (ranged reads)
 CONCURRENCY = int(os.environ.get("CKPT_S3_CONCURRENCY", 8))
 #: how often an overwrite retries its If-Match put after another writer replaced MANIFEST
@@ -263,11 +266,13 @@ class S3Storage:
         self.stats.add(gets=1, get_bytes=len(data))
         return bytes(data)
 
-    def open_read(self, path: str) -> S3File:
+    def open_read(self, path: str, *, reread: bool = False) -> S3File:
+        """``reread``: the caller will read the same bytes again (an in-place load's two
+        passes); they are spooled to a local temporary file once fetched."""
         meta = self._head(self.key(path))
         if meta is None:
             raise FileNotFoundError(2, "no such object", path)
-        return S3File(self, path, int(meta["size"]), meta.get("e_tag"))
+        return S3File(self, path, int(meta["size"]), meta.get("e_tag"), spool=reread and SPOOL)
 
     def pread_into(self, path: str, offset: int, buf: memoryview) -> int:
         """One ranged GET (or a few, in parallel, for a large ``buf``): only these bytes."""
@@ -450,7 +455,8 @@ class S3File:
     parallel read-ahead for sequential scans: ranged GETs of ``block_size`` bytes, up to
     ``concurrency`` in flight, memory bounded by that window."""
 
-    def __init__(self, storage: S3Storage, path: str, size: int | None, etag: str | None, *, readahead: bool = True) -> None:
+    def __init__(self, storage: S3Storage, path: str, size: int | None, etag: str | None, *, readahead: bool = True,
+                 spool: bool = False) -> None:
         self.path = path
         self._s = storage
         self._key = storage.key(path)
@@ -459,6 +465,15 @@ class S3File:
         self._readahead = readahead
         self._blocks: dict[int, Future[Any]] = {}
         self._next = 0  # where the last read ended: read-ahead only for sequential reads
+        self._spool_fd = -1
+        self._spooled: set[int] = set()  # blocks whose bytes are in the spool file
+        if spool:
+            import tempfile
+
+            # Unlinked at once: the bytes vanish with the descriptor, whatever happens.
+            fd, name = tempfile.mkstemp(prefix="ckpt-s3-spool-")
+            os.unlink(name)
+            self._spool_fd = fd
 
     def size(self) -> int:
         if self._size is None:
@@ -494,9 +509,16 @@ class S3File:
         try:
             for b in range(first, last + 1):
                 for a in range(b, min(b + 1 + ahead, nblocks)):
-                    self._fetch(a)
-                data = memoryview(self._fetch(b).result())
+                    if a not in self._spooled:
+                        self._fetch(a)
                 lo = b * bs
+                if b in self._spooled:
+                    data = self._from_spool(b, lo, min(lo + bs, size))
+                else:
+                    data = memoryview(self._fetch(b).result())
+                    if self._spool_fd >= 0 and len(data) == min(lo + bs, size) - lo:
+                        _pwrite_full(self._spool_fd, data, lo)
+                        self._spooled.add(b)
                 a, z = max(offset, lo), min(offset + n, lo + len(data))
                 mv[a - offset : z - offset] = data[a - lo : z - lo]
                 if z < min(offset + n, lo + bs):  # the object is shorter than its HEAD said
@@ -537,6 +559,14 @@ class S3File:
                 return b""
             raise
 
+    def _from_spool(self, b: int, lo: int, hi: int) -> memoryview:
+        from .posix import preadv_full
+
+        buf = memoryview(bytearray(hi - lo))
+        if preadv_full(self._spool_fd, buf, lo) != hi - lo:
+            raise StorageError("the local spool file is shorter than what was written to it", path=self.path)
+        return buf
+
     def _drop(self, lo: int, hi: int) -> None:
         for b in [b for b in self._blocks if lo <= b < hi]:
             fut = self._blocks.pop(b)
@@ -544,6 +574,16 @@ class S3File:
 
     def close(self) -> None:
         self._drop(0, 1 << 62)
+        if self._spool_fd >= 0:
+            os.close(self._spool_fd)
+            self._spool_fd = -1
+            self._spooled.clear()
+
+
+def _pwrite_full(fd: int, data: memoryview, offset: int) -> None:
+    pos = 0
+    while pos < len(data):
+        pos += os.pwrite(fd, data[pos:], offset + pos)
 
 
 _END = object()

@@ -111,6 +111,22 @@ def test_large_file_is_a_parallel_multipart_upload_hashed_while_streaming(s3) ->
     assert torch.equal(ckpt.open(url).state()["w"], big["w"])
 
 
+def test_in_place_load_downloads_each_byte_once(s3) -> None:
+    """The two passes of an in-place load (verify every chunk, then copy) read the second
+    time from a local spool of the first, not from the store again."""
+    w = torch.randn(6 << 20)  # 24 MiB: several read blocks
+    url = s3.url("once/step-00000001")
+    ckpt.save(url, {"w": {"x": w}}, step=1)
+    r = ckpt.open(url)
+    size = r.part().file("tensors").size
+    target = {"w": {"x": torch.empty_like(w)}}
+    before = r.storage.stats.snapshot()["get_bytes"]
+    ckpt.load(url, target, exactness="off", restore_rng=False)
+    fetched = r.storage.stats.snapshot()["get_bytes"] - before
+    assert torch.equal(target["w"]["x"], w)
+    assert size <= fetched < size + (1 << 20), (fetched, size)  # + MANIFEST, header, state file
+
+
 # --- crash safety: SIGKILL of the writer -----------------------------------------------
 
 _KILLED_WRITER = """
