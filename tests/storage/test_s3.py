@@ -433,3 +433,79 @@ def test_import_ckpt_does_not_import_the_s3_backend() -> None:
                        cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+# --- two gloo ranks saving to one s3:// checkpoint ---------------------------------------
+
+
+def _dist_worker(rank: int, port: int, url: str, env: dict, out: str) -> None:
+    import datetime
+    import traceback
+
+    os.environ.update(env)  # the forkserver may predate this test's environment
+    result: dict = {"rank": rank}
+    try:
+        import torch.distributed as dist
+
+        from ckpt.distributed import DistributedCheckpointer
+        from ckpt.manager import CheckpointManager, RetentionPolicy, list_checkpoints
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        per = {"r": torch.tensor([rank])}
+        dc = DistributedCheckpointer()
+        dc.save(f"{url}/ck", {"model": model, "per": per}, replicated=["model"], step=1)
+        with torch.no_grad():
+            model.weight.zero_()
+        per["r"].fill_(-1)
+        got = dc.load(f"{url}/ck", {"model": model, "per": per}, exactness="off")
+        result.update(part=got.part, per=int(per["r"]), restored=bool(model.weight.abs().sum() > 0))
+        r = ckpt.open(f"{url}/ck")
+        result["tags"] = sorted({f.name.split(".")[1] for f in r.manifest.files})
+        with CheckpointManager(f"{url}/run", {"model": model, "per": per}, every_steps=1, signals=(),
+                               retention=RetentionPolicy(keep_last=2)) as mgr:
+            for step in (1, 2, 3):
+                mgr.after_step(step)
+        with CheckpointManager(f"{url}/run", {"model": model, "per": per}, signals=()) as mgr:
+            result["resumed"] = mgr.resume(exactness="off").step
+        result["run"] = [c.name for c in list_checkpoints(f"{url}/run")]
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_ranks_save_one_checkpoint_and_run_a_manager_on_s3(s3, tmp_path) -> None:
+    import socket
+
+    from ckpt.resume_check import _forkserver, _main_not_reimported
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = _forkserver()
+    env = {k: v for k, v in s3.env.items() if k.startswith("AWS_")}
+    procs = [ctx.Process(target=_dist_worker, args=(r, port, s3.url("dist"), env, str(tmp_path))) for r in range(2)]
+    with _main_not_reimported():
+        for p in procs:
+            p.start()
+    for p in procs:
+        p.join(120)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    for res in results:
+        assert "error" not in res, res["error"]
+        assert res["restored"] and res["resumed"] == 3
+        assert res["run"] == ["step-00000002", "step-00000003"]
+        assert len(res["tags"]) == 1  # both ranks' files carry the one tag rank 0 drew
+    assert [res["part"] for res in results] == ["rank-00000", "rank-00001"]
+    assert [res["per"] for res in results] == [0, 1]
+    ckpt.open(s3.url("dist/ck")).verify()
