@@ -664,7 +664,7 @@ class S3Sink:
 
     def close(self) -> tuple[int, bytes]:
         if self._q is None:
-            data = b"".join(bytes(m) for m in self._head) if len(self._head) != 1 else self._head[0]
+            data = b"".join(self._head) if len(self._head) != 1 else self._head[0]
             self._s.put(self.path, data)
             self._head = []
         else:
