@@ -339,6 +339,24 @@ KINDS: tuple[Kind, ...] = (
     Kind(24, "resume_check", (("verdict", "str"), ("first", "i64"), ("last", "i64"), ("report", "str")),
          "The verification of a resume against the ledger: verdict exact, diverged or skipped over steps "
          "first..last, with the full report text."),
+    # 56-71: pipeline stages (runs/stages, spec/stages.md)
+    Kind(56, "stage_down", (("first", "u64"), ("until", "u64")),
+         "This pipeline stage goes offline for global steps first..until-1; it sends nothing until its stage_up."),
+    Kind(57, "stage_up", (("source", "str"), ("channel", "str"), ("chan_seq", "u64"), ("digest", "d128")),
+         "This stage rejoined with the state of source, recovered through the message channel#chan_seq; digest is "
+         "the state digest of what it loaded."),
+    Kind(58, "recovery_source", (("target", "str"), ("channel", "str"), ("chan_seq", "u64"), ("digest", "d128")),
+         "This stage sent its state to target for a peer recovery, as the message channel#chan_seq; digest is the "
+         "state digest of what it saved."),
+    Kind(59, "bypass", (("offline", "str"), ("src", "str"), ("dst", "str"), ("direction", "str")),
+         "This step's activations (direction fwd, taped by the upstream stage) or gradients (bwd, by the downstream "
+         "stage) go from src to dst around the offline stage."),
+    Kind(60, "ef_residual", (("key", "str"), ("digest", "d128"), ("kept", "u64"), ("total", "u64"),
+                             ("nbytes", "u64")),
+         "After the compressed replica exchange key: the digest of the error-feedback residual left, the values "
+         "sent and in total, and the payload bytes sent to each peer."),
+    Kind(61, "stage_stall", (("reason", "str"),),
+         "This stage is live but idles this step (its replica waits: reason wait or edge-down)."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
