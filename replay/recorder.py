@@ -303,6 +303,17 @@ class Actor:
     def note(self, text: str) -> None:
         self._emit(_NOTE.code, _NOTE.pack(text))
 
+    def event(self, kind: str, *values: Any) -> None:
+        """Record one event of a reference run's own kind (codes 25 and up in
+        ``replay.events``), its field values in table order. The generic kinds have their
+        own methods, and a decision kind would need force-mode handling: both refused."""
+        k = KIND_BY_NAME.get(kind)
+        if k is None:
+            raise KeyError(f"unknown event kind {kind!r}")
+        if k.code < 25 or k.decision:
+            raise ValueError(f"{kind} is not a run's own record kind: use its Actor method")
+        self._emit(k.code, k.pack(*values))
+
     # -- messages ---------------------------------------------------------------------------------
     def send(self, channel: str, payload: Any = None, *, peer: str, digest: bytes | None = None,
              chan_seq: int | None = None) -> Stamp:
