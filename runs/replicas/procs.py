@@ -46,9 +46,10 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
                           timeout=timedelta(seconds=120))
     sink = RemoteSink(conn, actor)
     st = build_state(cfg)
-    coord = FtCoordinator(actor, group_size, st, sink, lighthouse=lighthouse, store=store, store_port=store_port)
-    sink.flush()  # ready
+    sink.flush()  # ready: imported and built; a joiner is a hot spare from here on
     start.wait()
+    # the Manager (and its heartbeat to the lighthouse) starts only once the group is let in
+    coord = FtCoordinator(actor, group_size, st, sink, lighthouse=lighthouse, store=store, store_port=store_port)
     res = run_rank(actor, group_size, st, coord, sink)
     sink.flush(final=True, result={"outcome": res.outcome, "steps": res.steps, "params": res.params,
                                    "recovered_from": res.recovered_from})
@@ -99,6 +100,9 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
     hub.listeners.append(on_applied)
     applier = Applier(hub, on_message)
 
+    def pending_groups() -> set[str]:
+        return {j.group for j in cfg.joins if j.group not in started_joins}
+
     def spawn(group: str, n: int, start: Any) -> None:
         port = _free_port()
         for r in range(n):
@@ -111,13 +115,17 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
             procs[actor] = p
             applier.attach(actor, parent)
 
+    gates = {j.group: ctx.Event() for j in cfg.joins}
     try:
         for g, n in cfg.groups:
             spawn(g, n, start_initial)
+        for j in cfg.joins:  # started now, let in later: process start-up is not part of a join
+            spawn(j.group, j.ranks, gates[j.group])
         deadline = time.monotonic() + timeout_s
+        everyone = initial + [f"{j.group}.{r}" for j in cfg.joins for r in range(j.ranks)]
         with lock:
-            # every initial rank has its Manager up before any asks for a quorum: the first quorum holds them all
-            lock.wait_for(lambda: set(initial) <= ready or time.monotonic() > deadline, timeout=timeout_s)
+            # every rank is up before any asks for a quorum: the first quorum holds all initial groups
+            lock.wait_for(lambda: set(everyone) <= ready or time.monotonic() > deadline, timeout=timeout_s)
         start_initial.set()
         while True:
             with lock:
@@ -130,18 +138,21 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
                         killed[g] = [procs[a].pid for a in ranks]
                 go = [j for j in cfg.joins if j.group not in started_joins and committed[0] >= j.after_step]
                 alive = [a for a, p in procs.items() if a not in finished and p.exitcode is None
-                         and a.split(".")[0] not in killed]
+                         and a.split(".")[0] not in killed and a.split(".")[0] not in pending_groups()]
                 pending_joins = [j for j in cfg.joins if j.group not in started_joins]
             for j in go:
                 started_joins.add(j.group)
-                ev = ctx.Event()
-                ev.set()
-                spawn(j.group, j.ranks, ev)
+                gates[j.group].set()
             crashed = [a for a, p in procs.items() if p.exitcode not in (None, 0) and a.split(".")[0] not in killed]
             if crashed:
                 raise RuntimeError(f"replica ranks crashed: {crashed} (exit codes "
                                    f"{[procs[a].exitcode for a in crashed]})")
-            if not alive and not go and (not pending_joins or committed[0] >= cfg.steps):
+            if not alive and not go:
+                if pending_joins:  # the run ended before the joiner's turn: it never asked to join
+                    for j in pending_joins:
+                        for r in range(j.ranks):
+                            procs[f"{j.group}.{r}"].kill()
+                            killed.setdefault(j.group, []).append(procs[f"{j.group}.{r}"].pid)
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the replica run did not finish in {timeout_s} s (alive: {alive})")
