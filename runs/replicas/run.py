@@ -46,17 +46,86 @@ def open_recorder(tape: str | os.PathLike[str], cfg: ReplicaConfig, **opts: Any)
                          rng_every=0, param_digest_every=0, rng_sources=(), **opts)
 
 
-def record(tape: str | os.PathLike[str], cfg: ReplicaConfig, **kw: Any) -> RunResult:
-    """Run ``cfg`` with torchft, a process per rank, and record ``tape``."""
-    from runs.replicas.procs import run_processes
-
+def record(tape: str | os.PathLike[str], cfg: ReplicaConfig, *, transport: str = "processes", **kw: Any) -> RunResult:
+    """Run ``cfg`` with torchft and record ``tape``: a process per rank (``processes``, the
+    real thing, SIGKILLs included) or a thread per rank (``threads``: torchft's Managers in
+    one process, as torchft's own integration tests run them; no kills)."""
     check(cfg)
     Path(tape).parent.mkdir(parents=True, exist_ok=True)
     with open_recorder(tape, cfg) as rec:
-        out = run_processes(Hub(rec, wait_s=max(120.0, 6 * cfg.timeout_s)), cfg, **kw)
-    res = RunResult(cfg, "processes", {a: dict(r) for a, r in out["results"].items()}, out["exitcodes"], out["killed"],
-                    out["wall_s"], str(tape))
+        hub = Hub(rec, wait_s=max(120.0, 6 * cfg.timeout_s))
+        if transport == "threads":
+            res = _ft_threads(hub, cfg)
+        else:
+            from runs.replicas.procs import run_processes
+
+            out = run_processes(hub, cfg, **kw)
+            res = RunResult(cfg, "processes", {a: dict(r) for a, r in out["results"].items()}, out["exitcodes"],
+                            out["killed"], out["wall_s"])
+    res.tape = str(tape)
     return res
+
+
+def _ft_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
+    """torchft's Managers as threads of this process (recording; no SIGKILL possible here)."""
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+
+    from runs.replicas.coord import FtCoordinator
+    from runs.replicas.worker import build_state, run_rank
+
+    if cfg.kills:
+        raise ValueError("a thread cannot be SIGKILLed: record kills with transport='processes'")
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    lh = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
+                          quorum_tick_ms=20, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+    sizes = dict(cfg.all_groups())
+    masters = {g: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=120)) for g in sizes}
+    committed = [-1]
+    cond = threading.Condition()
+
+    def on_applied(actor: str, method: str, args: tuple) -> None:
+        if method == "event" and args[0] == "step_commit" and args[2] == 1:
+            with cond:
+                committed[0] = max(committed[0], hub.rec.actor(actor).current_step)
+                cond.notify_all()
+
+    hub.listeners.append(on_applied)
+    results: dict[str, RankResult] = {}
+    errors: list[BaseException] = []
+    after = {j.group: j.after_step for j in cfg.joins}
+
+    def rank_thread(actor: str) -> None:
+        try:
+            g = actor.split(".")[0]
+            st = build_state(cfg)
+            if g in after:
+                with cond:
+                    cond.wait_for(lambda: committed[0] >= after[g])
+            sink = LocalSink(hub, actor)
+            coord = FtCoordinator(actor, sizes[g], st, sink, lighthouse=lh.address(), store=masters[g],
+                                  store_port=masters[g].port)
+            results[actor] = run_rank(actor, sizes[g], st, coord, sink)
+        except BaseException as e:  # the main thread reports it
+            errors.append(e)
+            with cond:
+                cond.notify_all()
+
+    threads = [threading.Thread(target=rank_thread, args=(a,), name=a, daemon=True) for a in cfg.actors()]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(1800)
+    finally:
+        lh.shutdown()
+    if errors:
+        raise errors[0]
+    ranks = {a: {"outcome": r.outcome, "steps": r.steps, "params": r.params, "recovered_from": r.recovered_from,
+                 "losses": r.losses} for a, r in results.items()}
+    return RunResult(cfg, "threads", ranks, wall_s=time.monotonic() - t0)
 
 
 def run_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
