@@ -105,7 +105,10 @@ def _ft_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
                 with cond:
                     cond.wait_for(lambda: committed[0] >= after[g])
             sink = LocalSink(hub, actor)
-            coord = FtCoordinator(actor, sizes[g], st, sink, lighthouse=lh.address(), store=masters[g],
+            # a client of its own: one TCPStore object is not for two threads' rendezvous at once
+            store = dist.TCPStore("127.0.0.1", masters[g].port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=120))
+            coord = FtCoordinator(actor, sizes[g], st, sink, lighthouse=lh.address(), store=store,
                                   store_port=masters[g].port)
             results[actor] = run_rank(actor, sizes[g], st, coord, sink)
         except BaseException as e:  # the main thread reports it
