@@ -55,7 +55,7 @@ def record(tape: str | os.PathLike[str], cfg: ReplicaConfig, *, transport: str =
     with open_recorder(tape, cfg) as rec:
         hub = Hub(rec, wait_s=max(120.0, 6 * cfg.timeout_s))
         if transport == "threads":
-            res = _ft_threads(hub, cfg)
+            res = _ft_threads(hub, cfg, **kw)
         else:
             from runs.replicas.procs import run_processes
 
@@ -66,7 +66,7 @@ def record(tape: str | os.PathLike[str], cfg: ReplicaConfig, *, transport: str =
     return res
 
 
-def _ft_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
+def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None) -> RunResult:
     """torchft's Managers as threads of this process (recording; no SIGKILL possible here)."""
     import torch.distributed as dist
     from torchft._torchft import LighthouseServer
@@ -110,7 +110,8 @@ def _ft_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
                                   timeout=timedelta(seconds=120))
             coord = FtCoordinator(actor, sizes[g], st, sink, lighthouse=lh.address(), store=store,
                                   store_port=masters[g].port)
-            results[actor] = run_rank(actor, sizes[g], st, coord, sink)
+            results[actor] = run_rank(actor, sizes[g], st, coord, sink,
+                                      on_commit=(lambda s, loss: on_commit(actor, s)) if on_commit else None)
         except BaseException as e:  # the main thread reports it
             errors.append(e)
             with cond:

@@ -83,8 +83,10 @@ def test_two_rank_groups_join_and_both_sdc_faults_are_caught_and_replayed(tmp_pa
     # exclusion binds the whole group (both of its ranks leave); torchft carries on without it
     assert res.ranks["g1.0"]["outcome"] == res.ranks["g1.1"]["outcome"] == "excluded"
     assert all(res.ranks[f"{g}.{r}"]["steps"] == 8 for g in ("g0", "g2", "g3") for r in (0, 1))
-    # the joiner's two ranks recovered rank by rank from a live peer
+    # the joiner's two ranks recovered rank by rank from a live peer (under load a slow initial
+    # group may also have healed from a peer at the start: torchft decided it, the tape says so)
     loaded = {e.actor: e.payload["source"] for e in evs if e.kind.name == "recovery_loaded"}
-    assert set(loaded) == {"g3.0", "g3.1"} and {v.split(".")[1] for v in loaded.values()} == {"0", "1"}
+    assert {"g3.0", "g3.1"} <= set(loaded)
+    assert all(src.split(".")[1] == a.split(".")[1] and not src.startswith("g3.") for a, src in loaded.items())
     rr = replay.replay(tape, mode="force")
     assert rr.identical, rr.format()
