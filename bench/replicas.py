@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from runs.replicas import ReplicaConfig, record  # noqa: E402
 from runs.replicas.data import share  # noqa: E402
-from runs.replicas.worker import _loss, build_state  # noqa: E402
+from runs.replicas.worker import build_state, step_loss  # noqa: E402
 
 TARGET_FT = 0.05
 TARGET_SDC = 0.02
@@ -98,7 +98,7 @@ def _loss_ddp(st, ids, rows, participants, ddp):
     model = st.model
     st.model = ddp  # the forward goes through DDP (its hooks reduce the gradients)
     try:
-        return _loss(st, ids, rows, participants)
+        return step_loss(st, ids, rows, participants)
     finally:
         st.model = model
 

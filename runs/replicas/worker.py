@@ -26,7 +26,7 @@ from runs.replicas.config import ReplicaConfig
 from runs.replicas.data import GlobalCursor, share
 
 __all__ = ["RankState", "RankResult", "Coordinator", "QuorumView", "run_rank", "build_state", "state_digests",
-           "ZERO"]
+           "step_loss", "ZERO"]
 
 ZERO = bytes(16)
 _INIT_LOCK = threading.Lock()  # model init seeds the process-wide generator; replay ranks are threads
@@ -135,7 +135,7 @@ class _Flat:
         return float(self.buf[o].item())
 
 
-def _loss(st: RankState, ids: list[int], rows: tuple[int, int], participants: int) -> torch.Tensor:
+def step_loss(st: RankState, ids: list[int], rows: tuple[int, int], participants: int) -> torch.Tensor:
     """Sum of the per-sample losses of this rank's rows, scaled so that the manager's
     average over the participants is the mean over the whole global batch."""
     cfg = st.cfg
@@ -197,7 +197,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         sink.batch(ids[rows[0] : rows[1]])
         gen_before = st.gen.get_state()
         st.optim.zero_grad(set_to_none=True)
-        loss = _loss(st, ids, rows, q.participants)
+        loss = step_loss(st, ids, rows, q.participants)
         loss.backward()
         flat.gather(loss)
         if group_size > 1:
@@ -286,7 +286,7 @@ def _reexecute(st: RankState, ids: list[int], rows: tuple[int, int], participant
     st.gen.set_state(gen_before)
     grads = [p.grad for p in st.model.parameters()]
     st.model.zero_grad(set_to_none=True)
-    loss = _loss(st, ids, rows, participants)
+    loss = step_loss(st, ids, rows, participants)
     loss.backward()
     again = _Flat(flat.params, st.cfg.bucket_elems)
     again.gather(loss)
