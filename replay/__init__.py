@@ -53,6 +53,7 @@ __all__ = [
     "TapeTruncatedError",
     "DivergenceError",
     "errors",
+    "sdc",
     # channels and snapshots (lazy: they import torch)
     "Endpoint",
     "Message",
@@ -95,6 +96,10 @@ _LAZY: dict[str, str] = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("sdc", "errors"):
+        value = import_module(f"replay.{name}")
+        globals()[name] = value
+        return value
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'replay' has no attribute {name!r}")

@@ -31,6 +31,9 @@ bypass-window              an outage's bypasses cover neither none nor all of it
                            gradient bypasses differ from the activation bypasses
 recovery-digest-mismatch   a stage_up whose recovery message has no recovery_source, or whose
                            digest, source or target disagrees with it
+commit-without-quorum      a step committed under a quorum this actor never taped, or one without it
+recovery-without-source    a replica loaded a recovery state nobody sent it
+recovery-state-mismatch    a recovered replica's state digest differs from what its source sent
 =========================  ==============================================================
 
 The pipeline-stage rules (spec/stages.md §9) read each stage's outage windows from its own
@@ -66,7 +69,8 @@ RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-aft
          "quorum-below-minimum", "quorum-duplicate-member", "recovery-before-target", "snapshot-duplicate",
          "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious",
          "snapshot-channels-early", "snapshot-part-missing", "stage-send-while-offline", "stage-up-mismatch",
-         "bypass-outside-outage", "bypass-window", "recovery-digest-mismatch")
+         "bypass-outside-outage", "bypass-window", "recovery-digest-mismatch", "commit-without-quorum",
+         "recovery-without-source", "recovery-state-mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,8 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
     chans: dict[str, dict[str, Event]] = {}
     outcomes: dict[str, Event] = {}
     stages = _Stages()
+    quorums: dict[tuple[str, str], Event] = {}  # (actor, key) -> its quorum event
+    sent_state: dict[tuple[str, str, int], Event] = {}  # (source, peer, step) -> recovery_sent
 
     def v(rule: str, msg: str, *evs: Event) -> None:
         out.append(Violation(rule, msg, tuple(evs)))
@@ -162,6 +168,30 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
             if len(set(members)) < p["minimum"]:
                 v("quorum-below-minimum", f"quorum {p['key']!r} has {len(set(members))} members, minimum "
                   f"{p['minimum']}", ev)
+            quorums[(ev.actor, p["key"])] = ev
+        elif k == "step_commit":
+            p = ev.payload
+            if p["committed"]:
+                q = quorums.get((ev.actor, p["quorum"]))
+                group = ev.actor.split(".", 1)[0]
+                if q is None:
+                    v("commit-without-quorum", f"{ev.actor} committed step {ev.step} under quorum {p['quorum']!r}, "
+                      "which it never taped", ev)
+                elif group not in q.payload["members"]:
+                    v("commit-without-quorum", f"{ev.actor} committed step {ev.step} under quorum {p['quorum']!r}, "
+                      f"whose members {q.payload['members']} do not list its group {group!r}", q, ev)
+        elif k == "recovery_sent":
+            sent_state[(ev.actor, ev.payload["peer"], ev.step)] = ev
+        elif k == "recovery_loaded":
+            p = ev.payload
+            src = sent_state.get((p["source"], ev.actor, ev.step))
+            if src is None:
+                v("recovery-without-source", f"{ev.actor} loaded a recovery state from {p['source']} at step "
+                  f"{ev.step} that {p['source']} never sent it", ev)
+            elif src.payload["state"] != p["state"] or src.payload["stream"] != p["stream"]:
+                v("recovery-state-mismatch", f"{ev.actor} recovered from {p['source']} at step {ev.step} with state "
+                  f"{p['state'].hex()} (stream {p['stream'].hex()}), the source sent {src.payload['state'].hex()} "
+                  f"(stream {src.payload['stream'].hex()})", src, ev)
         elif k == "fault_recovered":
             p = ev.payload
             if p["observed"].compare(p["target_clock"]) not in (Order.AFTER, Order.EQUAL):
