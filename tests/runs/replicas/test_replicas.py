@@ -49,10 +49,14 @@ def test_sigkilled_group_survivors_train_on_replacement_recovers_and_replay_is_e
     # every committed step under a quorum; the joiner holds exactly what its source sent
     loaded = [e for e in evs if e.kind.name == "recovery_loaded"]
     sent = [e for e in evs if e.kind.name == "recovery_sent"]
-    assert len(loaded) == 1 and loaded[0].actor == "g3.0"
-    assert any(s.payload["state"] == loaded[0].payload["state"] and s.payload["peer"] == "g3.0" for s in sent)
-    k = evs.index(loaded[0])
-    forged = loaded[0].kind.pack(loaded[0].payload["source"], loaded[0].payload["stream"], b"\x00" * 16)
+    # torchft may also heal a group that started late (a taped quorum decision that depends on
+    # timing); the joiner g3.0 recovers exactly once, and every recovery matches what was sent
+    joined = [e for e in loaded if e.actor == "g3.0"]
+    assert len(joined) == 1
+    for ld in loaded:
+        assert any(s.payload["state"] == ld.payload["state"] and s.payload["peer"] == ld.actor for s in sent)
+    k = evs.index(joined[0])
+    forged = joined[0].kind.pack(joined[0].payload["source"], joined[0].payload["stream"], b"\x00" * 16)
     assert [v.rule for v in check_events(evs[:k] + [replace(evs[k], raw=forged)] + evs[k + 1:])] == [
         "recovery-state-mismatch"]
     # the real command re-executes the faulty run bit for bit (ranks as threads, decisions forced)
