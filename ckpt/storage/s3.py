@@ -465,6 +465,7 @@ class S3File:
         self._readahead = readahead
         self._blocks: dict[int, Future[Any]] = {}
         self._next = 0  # where the last read ended: read-ahead only for sequential reads
+        self._lock = threading.Lock()
         self._spool_fd = -1
         self._spooled: set[int] = set()  # blocks whose bytes are in the spool file
         if spool:
@@ -493,11 +494,17 @@ class S3File:
 
     def pread_into(self, offset: int, buf: memoryview) -> int:
         mv = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        want = len(mv)
-        if want == 0:
+        if len(mv) == 0:
             return 0
         if not self._readahead:
             return self._direct(offset, mv)
+        # One caller at a time (a reader may split a file between threads): the block
+        # window is this handle's state, and the handle parallelises its requests itself.
+        with self._lock:
+            return self._readahead_into(offset, mv)
+
+    def _readahead_into(self, offset: int, mv: memoryview) -> int:
+        want = len(mv)
         size = self.size()
         n = max(0, min(want, size - offset))
         if n == 0:
