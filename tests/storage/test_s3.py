@@ -28,6 +28,7 @@ from ckpt.errors import (
     MissingFileError,
     RunDirLockedError,
     SizeMismatchError,
+    UnsafePathError,
     UnsupportedSchemeError,
 )
 
@@ -402,6 +403,25 @@ def test_damaged_objects_raise_the_documented_errors_naming_the_url(s3, damage: 
     p = _ckpt(s3, "verify", url)
     assert p.returncode == 3, (p.returncode, p.stderr)
     assert url in p.stderr
+
+
+def test_hostile_manifest_objects(s3) -> None:
+    from ckpt.errors import FormatError, LimitExceededError
+
+    st = s3.storage()
+    st.put(s3.url("h/big/MANIFEST"), b"x" * 5000)
+    before = st.stats.snapshot()["get_bytes"]
+    with ckpt.knobs.override(max_manifest_bytes=4096):
+        with pytest.raises(LimitExceededError, match="above the limit") as ei:
+            ckpt.open(s3.url("h/big"))
+    assert s3.url("h/big/MANIFEST") in str(ei.value)
+    assert st.stats.snapshot()["get_bytes"] == before  # refused on its size, never downloaded
+    st.put(s3.url("h/junk/MANIFEST"), b"CKPTMAN\x00" + b"\xff" * 200)
+    with pytest.raises(FormatError) as ei:
+        ckpt.open(s3.url("h/junk"))
+    assert s3.url("h/junk/MANIFEST") in str(ei.value)
+    with pytest.raises(UnsafePathError):
+        ckpt.open(s3.url("h/../etc"))
 
 
 # --- URLs no backend serves (no server needed) -------------------------------------------
