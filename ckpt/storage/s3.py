@@ -80,7 +80,18 @@ class Stats:
             return {k: getattr(self, k) for k in ("gets", "get_bytes", "puts", "put_bytes", "heads", "lists", "deletes")}
 
 
+_CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                       "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
 def _store_from_env(bucket: str) -> S3Store:
+    if os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() in ("1", "true") and not any(
+        os.environ.get(k) for k in _CREDENTIAL_SOURCES
+    ):
+        # The standard switch: with instance metadata off and no other source, there is
+        # nothing to ask; fail now instead of timing out against the metadata address.
+        raise StorageError("no AWS credentials in the environment, and AWS_EC2_METADATA_DISABLED is set",
+                           path=f"s3://{bucket}")
     config: dict[str, Any] = {}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:

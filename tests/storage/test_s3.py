@@ -582,3 +582,21 @@ def test_sharded_dtensor_state_through_dcp_to_s3(s3) -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == f"ok {url}"
     ckpt.open(url).verify()
+
+
+def test_no_credentials_fails_at_once(monkeypatch) -> None:
+    """With instance metadata disabled (the standard switch; tests/conftest.py sets it) and
+    no credentials, an s3:// URL fails before any request, naming the bucket."""
+    pytest.importorskip("obstore")
+    from ckpt.errors import StorageError
+    from ckpt.storage import forget_backends
+
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+              "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_backends()
+    with pytest.raises(StorageError, match="no AWS credentials") as ei:
+        ckpt.open("s3://some-bucket/run/step-1")
+    assert "s3://some-bucket" in str(ei.value)
+    forget_backends()
