@@ -442,6 +442,10 @@ def test_a_url_is_never_a_local_path(tmp_path, monkeypatch) -> None:
 
     with pytest.raises(UnsupportedSchemeError):
         ckpt.save("s3://bucket/x", {"w": torch.zeros(2)}, storage=local)
+    from ckpt.stream import read_stream
+
+    with pytest.raises(UnsupportedSchemeError, match="local directories"):
+        read_stream(lambda n: b"", "s3://bucket/received")
     assert os.listdir(tmp_path) == []  # no folder named "gs:", "s3:", ...
 
 
