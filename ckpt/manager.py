@@ -139,6 +139,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
+from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
 from .storage import Storage, commits_by_manifest, is_space_error, resolve
@@ -234,7 +235,11 @@ def list_checkpoints(
         metrics = None
         if with_metrics and committed:
             try:
-                man = decode_manifest(storage.read_all(os.path.join(path, MANIFEST_NAME)), path=path)
+                mpath = os.path.join(path, MANIFEST_NAME)
+                size = storage.lstat(mpath).st_size
+                if size > knobs().max_manifest_bytes + 64:  # never read more than a reader would
+                    raise CkptError("MANIFEST above the size limit", path=mpath)
+                man = decode_manifest(storage.read(mpath, 0, size), path=path)
                 got = man.meta.get("metrics")
                 metrics = dict(got) if isinstance(got, dict) else None
             except (OSError, CkptError):

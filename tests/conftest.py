@@ -11,6 +11,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# An s3:// URL used without the test server (the `s3` fixture) must fail at once, never
+# ask the instance-metadata address for credentials (the standard AWS switch).
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
 
 def pytest_collection_modifyitems(config, items):
     try:

@@ -206,10 +206,6 @@ class LocalStorage:
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
 
-    def read_all(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
-
     def mkdir(self, path: str) -> None:
         os.mkdir(path, 0o755)
 

@@ -80,7 +80,18 @@ class Stats:
             return {k: getattr(self, k) for k in ("gets", "get_bytes", "puts", "put_bytes", "heads", "lists", "deletes")}
 
 
+_CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                       "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
 def _store_from_env(bucket: str) -> S3Store:
+    if os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() in ("1", "true") and not any(
+        os.environ.get(k) for k in _CREDENTIAL_SOURCES
+    ):
+        # The standard switch: with instance metadata off and no other source, there is
+        # nothing to ask; fail now instead of timing out against the metadata address.
+        raise StorageError("no AWS credentials in the environment, and AWS_EC2_METADATA_DISABLED is set",
+                           path=f"s3://{bucket}")
     config: dict[str, Any] = {}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
@@ -439,12 +450,17 @@ class S3Storage:
         return Recovery((), tuple(removed))
 
     def _orphans(self, child: str) -> list[str]:
-        objs = [self.url(o["path"]) for o in self.walk(child)]
+        from ..knobs import knobs
+
+        metas = {self.url(o["path"]): int(o["size"]) for o in self.walk(child)}
+        objs = sorted(metas)
         mpath = f"{child}/{MANIFEST_NAME}"
-        if mpath not in objs:
+        if mpath not in metas:
             return objs  # never committed: all of it is a crashed or abandoned save
+        if metas[mpath] > knobs().max_manifest_bytes + 64:
+            return []  # above the reader's limit: leave it for a reader to report
         try:
-            named = {f"{child}/{f.name}" for f in decode_manifest(self.read_all(mpath), path=mpath).files}
+            named = {f"{child}/{f.name}" for f in decode_manifest(self.read(mpath, 0, metas[mpath]), path=mpath).files}
         except (CkptError, FileNotFoundError):
             return []  # corrupt or vanished: leave it for a reader to report
         return [o for o in objs if o != mpath and o not in named]
@@ -465,6 +481,7 @@ class S3File:
         self._readahead = readahead
         self._blocks: dict[int, Future[Any]] = {}
         self._next = 0  # where the last read ended: read-ahead only for sequential reads
+        self._lock = threading.Lock()
         self._spool_fd = -1
         self._spooled: set[int] = set()  # blocks whose bytes are in the spool file
         if spool:
@@ -493,11 +510,17 @@ class S3File:
 
     def pread_into(self, offset: int, buf: memoryview) -> int:
         mv = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        want = len(mv)
-        if want == 0:
+        if len(mv) == 0:
             return 0
         if not self._readahead:
             return self._direct(offset, mv)
+        # One caller at a time (a reader may split a file between threads): the block
+        # window is this handle's state, and the handle parallelises its requests itself.
+        with self._lock:
+            return self._readahead_into(offset, mv)
+
+    def _readahead_into(self, offset: int, mv: memoryview) -> int:
+        want = len(mv)
         size = self.size()
         n = max(0, min(want, size - offset))
         if n == 0:
@@ -719,8 +742,10 @@ class ObjectLock:
                 pass
             etag = storage.etag(path)
             try:
-                holder = json.loads(storage.read_all(path)) if etag else {}
+                holder = json.loads(storage.read(path, 0, 4096)) if etag else {}  # ours: one short line
             except (FileNotFoundError, ValueError):
+                holder = {}
+            if not isinstance(holder, dict):
                 holder = {}
             if etag is not None and _dead_here(holder):
                 try:  # a killed process of this host: take its lock over (CAS on its ETag)

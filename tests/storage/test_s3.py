@@ -28,6 +28,7 @@ from ckpt.errors import (
     MissingFileError,
     RunDirLockedError,
     SizeMismatchError,
+    UnsafePathError,
     UnsupportedSchemeError,
 )
 
@@ -55,7 +56,8 @@ def _run(bucket, code: str, *args: str, stdin: str | None = None) -> subprocess.
 # --- save, load, lazy reads ------------------------------------------------------------
 
 
-def test_save_load_and_lazy_reads_round_trip(s3) -> None:
+def test_save_load_and_lazy_reads_round_trip(s3, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory (no folder "s3:")
     m, opt = _model(1), None
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     m(torch.randn(4, 32)).sum().backward()
@@ -80,6 +82,17 @@ def test_save_load_and_lazy_reads_round_trip(s3) -> None:
     fresh = ckpt.open(url).state()
     assert torch.equal(fresh["model"]["0.weight"], m.state_dict()["0.weight"])
     assert ckpt.open(url).verify().bytes == info.bytes
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_service_specific_endpoint_variable_wins(s3, monkeypatch) -> None:
+    from ckpt.storage import forget_backends
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    forget_backends()
+    ckpt.save(s3.url("ep/step-00000001"), {"w": torch.ones(3)}, step=1)
+    assert torch.equal(ckpt.open(s3.url("ep/step-00000001")).state()["w"], torch.ones(3))
 
 
 def test_lazy_tensor_fetches_only_its_chunks(s3) -> None:
@@ -109,6 +122,11 @@ def test_large_file_is_a_parallel_multipart_upload_hashed_while_streaming(s3) ->
     assert etag is not None and etag.strip('"').endswith("-3"), etag  # S3 names a multipart object's part count
     assert ckpt.open(url).verify().bytes == info.bytes  # the digests computed on upload match the bytes stored
     assert torch.equal(ckpt.open(url).state()["w"], big["w"])
+    # Unverified reads of a large part take the local two-thread path's branch: one handle, shared.
+    assert torch.equal(ckpt.open(url).state(verify=False)["w"], big["w"])
+    target = {"w": torch.empty_like(big["w"])}
+    ckpt.load(url, target, verify=False, restore_rng=False, exactness="off")
+    assert torch.equal(target["w"], big["w"])
 
 
 def test_in_place_load_downloads_each_byte_once(s3) -> None:
@@ -387,6 +405,25 @@ def test_damaged_objects_raise_the_documented_errors_naming_the_url(s3, damage: 
     assert url in p.stderr
 
 
+def test_hostile_manifest_objects(s3) -> None:
+    from ckpt.errors import FormatError, LimitExceededError
+
+    st = s3.storage()
+    st.put(s3.url("h/big/MANIFEST"), b"x" * 5000)
+    before = st.stats.snapshot()["get_bytes"]
+    with ckpt.knobs.override(max_manifest_bytes=4096):
+        with pytest.raises(LimitExceededError, match="above the limit") as ei:
+            ckpt.open(s3.url("h/big"))
+    assert s3.url("h/big/MANIFEST") in str(ei.value)
+    assert st.stats.snapshot()["get_bytes"] == before  # refused on its size, never downloaded
+    st.put(s3.url("h/junk/MANIFEST"), b"CKPTMAN\x00" + b"\xff" * 200)
+    with pytest.raises(FormatError) as ei:
+        ckpt.open(s3.url("h/junk"))
+    assert s3.url("h/junk/MANIFEST") in str(ei.value)
+    with pytest.raises(UnsafePathError):
+        ckpt.open(s3.url("h/../etc"))
+
+
 # --- URLs no backend serves (no server needed) -------------------------------------------
 
 
@@ -405,6 +442,10 @@ def test_a_url_is_never_a_local_path(tmp_path, monkeypatch) -> None:
 
     with pytest.raises(UnsupportedSchemeError):
         ckpt.save("s3://bucket/x", {"w": torch.zeros(2)}, storage=local)
+    from ckpt.stream import read_stream
+
+    with pytest.raises(UnsupportedSchemeError, match="local directories"):
+        read_stream(lambda n: b"", "s3://bucket/received")
     assert os.listdir(tmp_path) == []  # no folder named "gs:", "s3:", ...
 
 
@@ -545,3 +586,21 @@ def test_sharded_dtensor_state_through_dcp_to_s3(s3) -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == f"ok {url}"
     ckpt.open(url).verify()
+
+
+def test_no_credentials_fails_at_once(monkeypatch) -> None:
+    """With instance metadata disabled (the standard switch; tests/conftest.py sets it) and
+    no credentials, an s3:// URL fails before any request, naming the bucket."""
+    pytest.importorskip("obstore")
+    from ckpt.errors import StorageError
+    from ckpt.storage import forget_backends
+
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+              "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_backends()
+    with pytest.raises(StorageError, match="no AWS credentials") as ei:
+        ckpt.open("s3://some-bucket/run/step-1")
+    assert "s3://some-bucket" in str(ei.value)
+    forget_backends()
