@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from replay import Endpoint, RecorderSink, TorchDistTransport, TorchStoreControl, merge_tapes
 from runs.stages.config import StagesConfig
 from runs.stages.ctl import Controller
+from runs.stages.wiring import RunOutcome, make_agent, open_recorder
 from runs.stages.worker import Worker
 
 __all__ = ["run_processes"]
@@ -57,8 +58,6 @@ def _join(cfg: StagesConfig, rank: int, port: int, *, master: bool) -> Any:
 
 
 def _worker_proc(rank: int, port: int, cfg_d: dict[str, Any], run_dir: str, run_id: bytes) -> None:  # pragma: no cover - child
-    from runs.stages.run import make_agent, open_recorder
-
     torch.set_num_threads(1)
     cfg = StagesConfig.from_dict(cfg_d)
     name = cfg.actors[rank]
@@ -77,8 +76,6 @@ def _worker_proc(rank: int, port: int, cfg_d: dict[str, Any], run_dir: str, run_
 
 def run_processes(cfg: StagesConfig, run_dir: str | os.PathLike[str], *,
                   on_step: Callable[[int], None] | None = None) -> Any:
-    from runs.stages.run import RunOutcome, make_agent, open_recorder
-
     torch.set_num_threads(1)
     t0 = time.monotonic()
     run_dir = Path(run_dir)

@@ -165,7 +165,7 @@ def plot(path: str, rep: Report) -> str:
 def _mark_outages(ax: Any, sched: Any, cfg: StagesConfig) -> None:
     seen = set()
     for o in sched.outages:
-        kind = "first/last stage down (stall)" if o.edge else "inner stage down (bypassed)"
+        kind = "first/last stage down (replica stalls)" if o.edge else "inner stage down"
         ax.axvspan(o.first, o.until, color="red" if o.edge else "grey", alpha=0.12,
                    label=None if kind in seen else kind)
         seen.add(kind)
