@@ -37,8 +37,8 @@ def demo_config(*, quick: bool = False, transport: str = "gloo") -> StagesConfig
 def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport: str = "gloo",
              echo: Callable[[str], None] = print, progress: bool = False) -> Any:
     """Run everything; returns the :class:`~runs.stages.report.Report` (its ``checks``)."""
-    import ckpt
     from replay import TapeReader, check_tape, check_tapes, replay
+    from runs.common.report import ProgressBar, verify_checkpoints
     from runs.stages.chaos import describe
     from runs.stages.report import LOSS_TOLERANCE, Pair, Report, busy_fraction, plot, tape_counts
     from runs.stages.run import record, restore_run, snapshot_dirs
@@ -58,18 +58,10 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
         wall[key] = time.monotonic() - t0
         return v
 
-    def bar(label: str) -> Callable[[int], None] | None:
-        if not progress:
-            return None
-        import sys
+    progress_bar = ProgressBar(echo, progress)
 
-        def f(t: int) -> None:
-            n = 30 * (t + 1) // cfg.steps
-            sys.stdout.write(f"\r  {label:<20} [{'#' * n}{'.' * (30 - n)}] {t + 1}/{cfg.steps}")
-            if t + 1 == cfg.steps:
-                sys.stdout.write("\n")
-            sys.stdout.flush()
-        return f
+    def bar(label: str) -> Callable[[int], None]:
+        return lambda t: progress_bar(label, t + 1, cfg.steps)
 
     chaos = timed(f"chaos run: {cfg.replicas} replicas x {cfg.stages} stages ({cfg.transport}), compression "
                   f"{cfg.compression}, stage skipping", lambda: record(cfg, out / "run", on_step=bar("chaos run")), "chaos run")
@@ -97,13 +89,7 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
         restores.append((snap, res, ok))
 
     recoveries = sorted((out / "run" / "recovery").glob("*")) if (out / "run" / "recovery").exists() else []
-    verified = []
-    for p in recoveries:
-        try:
-            ckpt.open(p).verify()
-            verified.append(True)
-        except Exception:  # a refusal is a failed verification, reported
-            verified.append(False)
+    verified = [ok for _, ok in verify_checkpoints(str(p) for p in recoveries)]
 
     threads = cfg.with_(transport="threads", snapshot_at=())
     calm = timed("reference: the same configuration without failures (threads)",
@@ -148,14 +134,14 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
                          f"({res.events_compared} events after the cuts matched the tape)")
     rep.lines.append(f"peer recoveries: {n_up} of {rejoins} rejoins on the tape, each digest equal to its source's "
                      f"(tape check); {sum(verified)}/{len(verified)} recovery checkpoints verify")
-    rep.check("tape check", not violations and not pp_violations)
-    rep.check("replay bit-identical", same)
+    rep.checks.add("tape check", not violations and not pp_violations)
+    rep.checks.add("replay bit-identical", same)
     for snap, _res, ok in restores:
-        rep.check(f"snapshot restore {snap.name}", ok)
-    rep.check("peer recoveries", n_up == rejoins and all(verified) and len(verified) == rejoins)
-    rep.check("validation loss", all(abs(p.ratio - 1) <= LOSS_TOLERANCE
+        rep.checks.add(f"snapshot restore {snap.name}", ok)
+    rep.checks.add("peer recoveries", n_up == rejoins and all(verified) and len(verified) == rejoins)
+    rep.checks.add("validation loss", all(abs(p.ratio - 1) <= LOSS_TOLERANCE
                                      for p in [rep.headline, *([uncompressed] if uncompressed else [])]))
-    rep.check("stage-steps kept busy", busy_fraction(chaos) > busy_fraction(wait))
+    rep.checks.add("stage-steps kept busy", busy_fraction(chaos) > busy_fraction(wait))
     png = plot(str(out / "stages-loss.png"), rep)
     rep.lines.append(f"plot: {png}")
     text = rep.format()
@@ -173,4 +159,4 @@ def main(out_dir: str, *, quick: bool, echo: Callable[[str], None], progress: bo
          options: Mapping[str, Any]) -> list[tuple[str, bool]]:
     """``ckpt demo stages`` (the registry's entry point, :data:`runs.DEMOS`)."""
     rep = run_demo(out_dir, quick=quick, transport=str(options.get("transport", "gloo")), echo=echo, progress=progress)
-    return rep.checks
+    return rep.checks.items()

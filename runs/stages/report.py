@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from runs.common.report import Checks, yes
 from runs.stages.config import StagesConfig
 
 __all__ = ["LOSS_TOLERANCE", "curve", "final_val", "busy_fraction", "Report", "tape_counts", "plot"]
@@ -50,10 +51,6 @@ def tape_counts(events: Iterable[Any]) -> dict[str, int]:
     return out
 
 
-def yes(ok: bool | None) -> str:
-    return "yes" if ok else "NO"
-
-
 @dataclass
 class Pair:
     name: str  # the configuration, e.g. "shared"
@@ -85,11 +82,7 @@ class Report:
     alternatives: list[Pair] = field(default_factory=list)
     uncompressed: Pair | None = None
     lines: list[str] = field(default_factory=list)  # exactness lines, in order
-    checks: list[tuple[str, bool]] = field(default_factory=list)
-
-    def check(self, name: str, ok: bool | None) -> None:
-        if ok is not None:
-            self.checks.append((name, bool(ok)))
+    checks: Checks = field(default_factory=Checks)
 
     def figures(self) -> list[str]:
         c, h = self.cfg, self.headline
