@@ -161,9 +161,9 @@ def test_event_tapes_a_runs_kind_and_refuses_the_others(tmp_path: Path) -> None:
     with Recorder.open(str(tmp_path / "e.tape"), actor="r0s0", rng_every=0) as rec:
         rec.current_step = 4
         rec.event("bypass", "r0s1", "r0s0", "r0s2", "fwd")
-        with pytest.raises(ValueError, match="has its own recorder method"):
+        with pytest.raises(ValueError, match="not a run's own record kind: use its Actor method"):
             rec.event("send", "c", 1, "p", D1)
-        with pytest.raises(ValueError, match="unknown event kind"):
+        with pytest.raises(KeyError, match="unknown event kind"):
             rec.event("nope")
         with pytest.raises(TypeError, match="takes 4 fields"):
             rec.event("bypass", "r0s1")
