@@ -113,6 +113,9 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
             else:
                 alternatives.append(pair)
 
+    refs = [calm, wait, *(o for p in alternatives for o in (p.chaos, p.calm)),
+            *((uncompressed.chaos, uncompressed.calm) if uncompressed else ())]
+    ref_violations = [v for o in refs for v in check_tape(o.tape)]
     rep = Report(cfg, Pair(cfg.compression, chaos, calm), wait, alternatives, uncompressed)
     n_up = counts["stage_up"]
     rejoins = sum(1 for o in chaos.ctl.schedule.outages if o.until < cfg.steps)
@@ -122,8 +125,8 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
                      f"{counts['send']} messages, every one taped at both ends")
     rep.lines.append(f"tape check of the job tape: {len(violations)} violations"
                      + (f"; of the {len(per_process)} per-process tapes together: {len(pp_violations or [])}"
-                        if per_process else ""))
-    for v in [*violations, *(pp_violations or [])][:5]:
+                        if per_process else "") + f"; of the {len(refs)} reference runs' tapes: {len(ref_violations)}")
+    for v in [*violations, *(pp_violations or []), *ref_violations][:5]:
         rep.lines.append("    " + v.format().splitlines()[0])
     rep.lines.append(f"replay --mode force: {'IDENTICAL' if rr.identical else 'DIVERGED'} ({rr.events_compared} "
                      f"events); losses and validation losses equal: {'yes' if same else 'NO'}")
@@ -134,7 +137,7 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
                          f"({res.events_compared} events after the cuts matched the tape)")
     rep.lines.append(f"peer recoveries: {n_up} of {rejoins} rejoins on the tape, each digest equal to its source's "
                      f"(tape check); {sum(verified)}/{len(verified)} recovery checkpoints verify")
-    rep.checks.add("tape check", not violations and not pp_violations)
+    rep.checks.add("tape check", not violations and not pp_violations and not ref_violations)
     rep.checks.add("replay bit-identical", same)
     for snap, _res, ok in restores:
         rep.checks.add(f"snapshot restore {snap.name}", ok)
