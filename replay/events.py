@@ -339,6 +339,31 @@ KINDS: tuple[Kind, ...] = (
     Kind(24, "resume_check", (("verdict", "str"), ("first", "i64"), ("last", "i64"), ("report", "str")),
          "The verification of a resume against the ledger: verdict exact, diverged or skipped over steps "
          "first..last, with the full report text."),
+    # 48-55: loss-spike rollback and anticipatory routing (ckpt.guard; spec/loss-guard.md).
+    Kind(48, "spike", (("rule", "str"), ("value", "f64"), ("median", "f64"), ("mad", "f64"), ("scale", "f64"),
+                       ("score", "f64"), ("threshold", "f64"), ("window", "msgpack")),
+         "A loss spike or non-finite loss was detected at this step: rule robust_z or nonfinite, the loss, the "
+         "window's median and MAD, the scale and robust z-score, the threshold, and the window of accepted losses "
+         "the rule looked at (oldest first)."),
+    Kind(49, "rollback", (("episode", "u32"), ("to_step", "i64"), ("ckpt_id", "str"), ("ckpt_name", "str"),
+                          ("policy", "str"), ("edits", "msgpack"), ("discarded", "strs"), ("fallbacks", "strs")),
+         "The guard rolled back to the checkpoint of to_step (content id, name) and applied the data policy: edits "
+         "are the data edits made (epoch, steps, action, delay); discarded the newer checkpoints deleted, "
+         "fallbacks the newer ones that did not verify. Invariant: to_step < the event's step.", decision=True),
+    Kind(50, "routing", (("layer", "str"), ("epoch", "u64"), ("batch", "u64"), ("k", "u32"), ("experts", "msgpack"),
+                         ("digest", "d128")),
+         "Warmup: the top-k expert ids one MoE layer chose with the restored weights for the batch of global step "
+         "batch of epoch, as u16 LE bytes (tokens x k, row order); digest is xxh3-128 of those bytes.",
+         decision=True),
+    Kind(51, "routing_replay", (("layer", "str"), ("epoch", "u64"), ("batch", "u64"), ("digest", "d128")),
+         "A cached routing was used to train its batch; digest of the ids used. Invariant: equal to the digest of "
+         "the earlier routing event of the same layer, epoch and batch."),
+    Kind(52, "warmup", (("batches", "msgpack"), ("rng", "digests")),
+         "The routing warmup read these [epoch, step] batches ahead; rng is each training RNG stream's digest, "
+         "the same before and after it."),
+    Kind(53, "rollback_refused", (("reason", "str"), ("detail", "msgpack")),
+         "A spike was detected but not rolled back: reason limit (the rollback budget is spent) or no-checkpoint "
+         "(none before the anomaly); detail says why."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
