@@ -17,10 +17,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import msgpack
 
-from ckpt.format.codec import foreign_value
 from ckpt.tape.format import strict_pairs  # one definition, next to the framing it serves
+from ckpt.tape.payload import pack_msgpack, unpack_msgpack  # the msgpack field rules, with the framing
 from replay.clock import VectorClock
 from replay.errors import TapeFormatError
 
@@ -144,25 +143,8 @@ def _enc_refs(out: bytearray, v: Sequence[tuple[str, int]], name: str) -> None:
         out += _U64.pack(s)
 
 
-def _ext_refused(code: int, data: bytes) -> Any:
-    raise ValueError(f"msgpack ext type {code} is not allowed on a tape")
-
-
-def unpack_msgpack(data: bytes) -> Any:
-    """Decode one msgpack object under the tape rules; ``ValueError`` says what is wrong."""
-    try:
-        v = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_refused,
-                            object_pairs_hook=strict_pairs)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError, RecursionError) as e:
-        raise ValueError(f"bad msgpack: {e}") from None
-    bad = foreign_value(v)
-    if bad is not None:  # msgpack decodes ext -1 (Timestamp) without asking ext_hook
-        raise ValueError(f"msgpack extension value at {bad} is not allowed on a tape")
-    return v
-
-
 def _enc_msgpack(out: bytearray, v: Any, name: str) -> None:
-    raw = msgpack.packb(v, use_bin_type=True, use_single_float=False, strict_types=False)
+    raw = pack_msgpack(v)
     try:
         unpack_msgpack(raw)  # a recorder never writes what a reader refuses
     except ValueError as e:
