@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Union
 
+from ..guard import events as guard_events
 from ..tape.payload import PayloadReader, PayloadWriter
 
 __all__ = [
     "KIND_ACTOR", "KIND_OPEN", "KIND_STEP", "KIND_CHECK", "HAS_BATCH", "HAS_LOSS", "HAS_PARAMS",
-    "LedgerOpen", "LedgerStep", "ResumeCheck", "encode_event", "decode_event", "event_head", "read_head",
+    "LedgerOpen", "LedgerStep", "ResumeCheck", "GuardEntry", "encode_event", "decode_event", "event_head", "read_head",
 ]
 
 KIND_ACTOR = 1
@@ -62,9 +64,23 @@ class ResumeCheck:
     report: str
 
 
-def encode_event(rec: LedgerOpen | LedgerStep | ResumeCheck | str, counter: int, *, step: int = 0) -> tuple[int, bytes]:
+@dataclass(frozen=True, slots=True)
+class GuardEntry:
+    """A loss-spike guard event (kinds 48-53, ``ckpt.guard.events``) on the ledger, at ``step``."""
+
+    step: int
+    record: guard_events.GuardRecord
+
+
+LedgerRecord = Union[LedgerOpen, LedgerStep, ResumeCheck, GuardEntry, str]
+
+
+def encode_event(rec: LedgerRecord, counter: int, *, step: int = 0) -> tuple[int, bytes]:
     """(kind, body) of one ledger event; a ``str`` is the ``actor`` declaration.
     ``counter`` is the ledger actor's clock entry (1, 2, ... per non-actor event)."""
+    if isinstance(rec, GuardEntry):
+        kind, payload = guard_events.encode_payload(rec.record)
+        return kind, event_head(rec.step, counter) + payload
     w = PayloadWriter()
     if isinstance(rec, str):
         w.out += _HEAD.pack(0, 0, 0)
@@ -99,13 +115,16 @@ def read_head(body: bytes | memoryview, where: str) -> tuple[int, PayloadReader]
     return step, c
 
 
-def decode_event(kind: int, body: bytes | memoryview, *, where: str = "") -> LedgerOpen | LedgerStep | ResumeCheck | str | None:
+def decode_event(kind: int, body: bytes | memoryview, *, where: str = "") -> LedgerRecord | None:
     """The record of one ledger event; ``None`` for kinds the ledger does not own."""
+    if kind in guard_events.KINDS:
+        step, c = read_head(body, where)
+        return GuardEntry(step, guard_events.decode_payload(kind, b"", reader=c))
     if kind not in (KIND_ACTOR, KIND_OPEN, KIND_STEP, KIND_CHECK):
         return None
     step, c = read_head(body, where)
     if kind == KIND_ACTOR:
-        rec: LedgerOpen | LedgerStep | ResumeCheck | str = c.str()
+        rec: LedgerRecord = c.str()
     elif kind == KIND_OPEN:
         run_id = c.str()
         start = c.i64()
