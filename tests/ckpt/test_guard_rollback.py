@@ -167,7 +167,8 @@ def test_retention_keeps_a_target_before_the_lookback(tmp_path) -> None:
     # future targets) and 30 (the newest at or below it). A spike at 45 goes to 35.
     cfg = GuardConfig(z_threshold=20.0, lookback=6, skip_before=1)
     names: list[list[str]] = []
-    run = build(str(tmp_path / "r"), scaled=SPIKE, config=cfg, every=5, retention=ckpt.RetentionPolicy(keep_last=1))
+    run = build(str(tmp_path / "r"), scaled=samples_of([44]), config=cfg, every=5,
+                retention=ckpt.RetentionPolicy(keep_last=1))
     train(run, 44)
     names.append([r.name for r in run.mgr.checkpoints()])
     train(run, 60)
