@@ -24,6 +24,10 @@ snapshot-inflight-missing  a message crossing the cut is not in the recorded cha
 snapshot-inflight-spurious recorded channel state lists a message that did not cross the cut
 snapshot-channels-early    channel state taped for a snapshot the actor has not recorded yet
 snapshot-part-missing      a committed snapshot lists a part whose cut or channel state is not taped
+rollback-not-before-detection  a rollback's target step is not below its event's step
+rollback-without-spike     a rollback has no spike event of its actor and step before it
+routing-replay-uncached    a routing replay has no earlier routing event for its layer and batch
+routing-replay-mismatch    a routing replay's digest differs from the cached routing's
 =========================  ==============================================================
 
 Snapshots taped by a Chandy-Lamport participant come in two phases (spec §8.1): the
@@ -55,7 +59,8 @@ RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-aft
          "duplicate-recv", "merge-unknown-contribution", "merge-not-after-send", "merge-applied-twice",
          "quorum-below-minimum", "quorum-duplicate-member", "recovery-before-target", "snapshot-duplicate",
          "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious",
-         "snapshot-channels-early", "snapshot-part-missing")
+         "snapshot-channels-early", "snapshot-part-missing", "rollback-not-before-detection",
+         "rollback-without-spike", "routing-replay-uncached", "routing-replay-mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,8 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
     snaps: dict[str, dict[str, Event]] = {}
     chans: dict[str, dict[str, Event]] = {}
     outcomes: dict[str, Event] = {}
+    spikes: dict[tuple[str, int], Event] = {}
+    routed: dict[tuple[str, str, int, int], Event] = {}
 
     def v(rule: str, msg: str, *evs: Event) -> None:
         out.append(Violation(rule, msg, tuple(evs)))
@@ -171,6 +178,28 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
                   f"cut", ev)
             else:
                 mine[ev.actor] = ev
+        elif k == "spike":
+            spikes[(ev.actor, ev.step)] = ev
+        elif k == "rollback":
+            p = ev.payload
+            if p["to_step"] >= ev.step:
+                v("rollback-not-before-detection", f"rollback at step {ev.step} goes to step {p['to_step']}, not "
+                  "before it", ev)
+            if (ev.actor, ev.step) not in spikes:
+                v("rollback-without-spike", f"rollback at step {ev.step} has no spike event of {ev.actor} before it",
+                  ev)
+        elif k == "routing":
+            p = ev.payload
+            routed[(ev.actor, p["layer"], p["epoch"], p["batch"])] = ev
+        elif k == "routing_replay":
+            p = ev.payload
+            cached = routed.get((ev.actor, p["layer"], p["epoch"], p["batch"]))
+            if cached is None:
+                v("routing-replay-uncached", f"{p['layer']} replayed a routing for epoch {p['epoch']} batch "
+                  f"{p['batch']} that was never cached", ev)
+            elif cached.payload["digest"] != p["digest"]:
+                v("routing-replay-mismatch", f"{p['layer']} trained epoch {p['epoch']} batch {p['batch']} with "
+                  "experts other than the cached ones", cached, ev)
         elif k == "snapshot_outcome":
             sid = ev.payload["snapshot_id"]
             if sid in outcomes:

@@ -16,6 +16,7 @@ import xxhash
 
 from ..errors import TapeFormatError
 from ..tape.payload import PayloadReader, PayloadWriter
+from .rule import Verdict
 
 __all__ = [
     "SPIKE", "ROLLBACK", "ROUTING", "ROUTING_REPLAY", "WARMUP", "REFUSED", "KINDS", "DECISIONS",
@@ -29,16 +30,8 @@ KINDS = (SPIKE, ROLLBACK, ROUTING, ROUTING_REPLAY, WARMUP, REFUSED)
 DECISIONS = frozenset({ROLLBACK, ROUTING})
 
 
-@dataclass(frozen=True, slots=True)
-class Spike:
-    rule: str
-    value: float
-    median: float
-    mad: float
-    scale: float
-    score: float
-    threshold: float
-    window: tuple[float, ...]
+#: the ``spike`` event is the rule's verdict (``anomalous`` is true on a tape)
+Spike = Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +115,7 @@ def decode_payload(kind: int, body: bytes | memoryview, *, where: str = "",
         window = c.msgpack()
         if not isinstance(window, list) or not all(isinstance(x, float) for x in window):
             raise _bad(c, "spike window must be an array of float64")
-        rec = Spike(rule, value, med, mad, scale, score, thr, tuple(window))
+        rec = Spike(True, rule, value, med, mad, scale, score, thr, tuple(window))
     elif kind == ROLLBACK:
         episode, to_step, cid, name, policy = c.u32(), c.i64(), c.str(), c.str(), c.str()
         edits = c.msgpack()

@@ -161,8 +161,7 @@ class LossGuard:
         cfg, mgr = self.config, self.manager
         if mgr.ledger is not None:
             mgr.ledger.step(step, batch=batch, loss=loss, kill=False)  # the step happened; it is not saved
-        self._record(ev.Spike(verdict.rule, verdict.value, verdict.median, verdict.mad, verdict.scale, verdict.score,
-                              verdict.threshold, verdict.window), step)
+        self._record(verdict, step)
         what = f"{'non-finite loss' if verdict.rule == 'nonfinite' else 'loss spike'} at step {step} " \
                f"(loss {verdict.value!r}, median {verdict.median:.6g}, robust z {verdict.score:.3g})"
         if len(self.episodes) >= cfg.max_rollbacks:

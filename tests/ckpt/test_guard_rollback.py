@@ -87,7 +87,7 @@ def test_the_tape_shows_the_episode(tmp_path) -> None:
     assert problems == [] and len(tapes) == 1
     [tape] = tapes
     kinds = [(g.step, type(g.record).__name__) for g in tape.guard]
-    assert kinds == [(45, "Spike"), (45, "RollbackEvent")]
+    assert kinds == [(45, "Verdict"), (45, "RollbackEvent")]
     spike, rollback = (g.record for g in tape.guard)
     assert isinstance(spike, gev.Spike) and spike.rule == "robust_z" and spike.threshold == 20.0
     assert spike.window == run.rollbacks[0].verdict.window and spike.value == run.rollbacks[0].verdict.value
@@ -122,7 +122,7 @@ def test_a_spike_with_no_earlier_checkpoint(tmp_path) -> None:
         train(run, 50)
     finish(run)
     [tape], _ = read_ledger_dir(ledger_dir(run))
-    assert [type(g.record).__name__ for g in tape.guard] == ["Spike", "Refused"]
+    assert [type(g.record).__name__ for g in tape.guard] == ["Verdict", "Refused"]
     assert tape.guard[1].record.reason == "no-checkpoint"
     # on_no_checkpoint="continue": the step is accepted as it is and the run goes on
     cfg = GuardConfig(z_threshold=20.0, on_no_checkpoint="continue")
@@ -143,7 +143,7 @@ def test_repeated_spikes_are_bounded(tmp_path) -> None:
     assert [(rb.detected, rb.step, rb.edits) for rb in run.rollbacks] == [
         (45, 40, (DataEdit(0, (44,)),)), (45, 40, (DataEdit(0, (44,)), DataEdit(0, (45,))))]
     [tape], _ = read_ledger_dir(ledger_dir(run))
-    assert [type(g.record).__name__ for g in tape.guard][-2:] == ["Spike", "Refused"]
+    assert [type(g.record).__name__ for g in tape.guard][-2:] == ["Verdict", "Refused"]
     assert tape.guard[-1].record.detail == {"episodes": 2, "max_rollbacks": 2}
 
 
