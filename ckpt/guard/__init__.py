@@ -9,7 +9,7 @@ or reorder the offending window) through ``ckpt.data.ResumableLoader.edit``. At 
 and, given ``tape=`` (a ``replay.Recorder``), on the recorder's tape, whose forced
 replay follows the taped decisions. With ``warmup_batches=K``, the routing of the next K
 batches is computed with the restored weights and replayed when they train
-(``ckpt.guard.routing.select`` is the MoE layers' call).
+(``ckpt.guard.select_experts(layer, logits, k)`` is the MoE layers' call).
 
 Importing this package does not import torch; ``LossGuard`` loads it on first use.
 """
@@ -19,9 +19,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import GuardConfig
+from .routing import select as select_experts
 from .rule import Verdict, judge
 
-__all__ = ["GuardConfig", "LossGuard", "Rollback", "TapeSink", "Verdict", "judge", "routing", "events"]
+__all__ = ["GuardConfig", "LossGuard", "Rollback", "TapeSink", "Verdict", "judge", "select_experts", "routing",
+           "events"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .guard import LossGuard, Rollback, TapeSink
