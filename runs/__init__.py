@@ -30,4 +30,6 @@ DEMOS: dict[str, Demo] = {
                    "runs.diloco.demo:main"),
     "basic": Demo("single process: checkpoint a tiny transformer, inspect, verify, resume bit for bit",
                   "runs.basic.demo:main"),
+    "rollback": Demo("loss-spike rollback on a tiny MoE: detect, roll back, skip the window, replay the routing",
+                     "runs.rollback.demo:main"),
 }
