@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 import ckpt
@@ -90,6 +91,7 @@ def _run(rec: Any, cfg: dict[str, Any]) -> Outcome:
     seed = int(cfg["seed"])
     random.seed(seed)
     torch.manual_seed(seed)
+    np.random.seed(seed)  # taped with the other streams: a fresh process must start where the recording did
     # The fault, decided once: the global batches of epoch 0 whose samples are corrupted.
     window = rec.maybe_inject("corrupt_batches", "data", lambda: list(
         range(int(cfg["spike_at"]), int(cfg["spike_at"]) + int(cfg["spike_len"]))) if cfg["spike_len"] else None) or []
@@ -103,9 +105,11 @@ def _run(rec: Any, cfg: dict[str, Any]) -> Outcome:
         run_dir = str(cfg["run_dir"])
     else:  # a replay re-executes into a directory of its own, never over the recording's
         run_dir = scratch = tempfile.mkdtemp(prefix="rollback-replay-")
+    # A fixed run id: it is in every checkpoint's lineage, so the checkpoints (and the
+    # content ids the rollback event names) are the same bytes in a replay.
     mgr = ckpt.CheckpointManager(run_dir, {"model": model, "optim": opt, "sched": sched}, data=loader,
                                  every_steps=int(cfg["every"]), retention=ckpt.RetentionPolicy(keep_last=2),
-                                 signals=())
+                                 signals=(), run_id=str(cfg.get("run_id", f"rollback-{seed}")))
     guard = None
     if cfg["guard"]:
         gcfg = GuardConfig(window=int(cfg["window"]), z_threshold=float(cfg["z_threshold"]), policy=cfg["policy"],
