@@ -28,7 +28,7 @@ TOLERANCE = 0.05
 def _config(quick: bool) -> dict[str, Any]:
     if quick:
         return {"steps": 48, "spike_at": 40}
-    return {"steps": 160, "spike_at": 100, "spike_len": 3, "every": 20, "warmup": 8, "skip_after": 2}
+    return {"steps": 160, "n_seqs": 4096, "spike_at": 100, "spike_len": 3, "every": 20, "warmup": 8, "skip_after": 2}
 
 
 def main(out_dir: str | os.PathLike[str], *, quick: bool = False, echo: Callable[[str], None] = print,
@@ -62,7 +62,8 @@ def main(out_dir: str | os.PathLike[str], *, quick: bool = False, echo: Callable
         echo(f"  episode {rb.episode}: {v.rule} at step {rb.detected}: loss {v.value:.4f}, window median "
              f"{v.median:.4f}, MAD {v.mad:.4f}, robust z {v.score:.1f} > {v.threshold:g}")
         echo(f"    rolled back to {rb.checkpoint} (step {rb.step}); policy {rb.policy}: "
-             + "; ".join(f"epoch {e.epoch} batches {list(e.steps)} {e.action}ped" for e in rb.edits))
+             + "; ".join(f"epoch {e.epoch} batches {list(e.steps)} "
+                         + ("skipped" if e.action == "skip" else f"deferred by {e.delay}") for e in rb.edits))
         if rb.warmed:
             echo(f"    warmup: routing of batches {[s for _, s in rb.warmed]} cached with the restored weights "
                  f"({len(spiky.cached)} layer-batches)")

@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import pytest
 import torch
 
 import ckpt
@@ -16,6 +17,16 @@ from ckpt.data import EpochOrder, ResumableLoader
 from ckpt.guard import GuardConfig, LossGuard
 
 N, BATCH, DIM = 4096, 32, 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls on a loaded 2-core box: a second intra-op thread only contends.
+    (A module that imports this fixture gets it for every test.)"""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 class Regression(torch.utils.data.Dataset):

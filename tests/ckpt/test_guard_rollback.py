@@ -5,7 +5,7 @@ the no-spike run; no checkpoint, repeated spikes, reorder, retention, resume aft
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from ckpt.errors import CkptError, GuardConfigError, GuardError, NoRollbackTarge
 from ckpt.guard import GuardConfig, LossGuard
 from ckpt.guard import events as gev
 from ckpt.ledger import read_ledger_dir
-from _guard_kit import build, eval_loss, finish, ledger_dir, objects, samples_of, train
+from _guard_kit import build, eval_loss, finish, ledger_dir, objects, one_thread, samples_of, train  # noqa: F401
 
 # The regression's per-batch loss is noisy once it fits (a hard batch of 32 is 4x the
 # median): the injected spikes are 1e6x, so the tests judge at z > 20, not the default 6.
@@ -24,13 +24,6 @@ CFG = GuardConfig(z_threshold=20.0, skip_after=1)
 SPIKE = samples_of(range(44, 46))  # global steps 44-45 of epoch 0: trained at steps 45-46
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny matmuls on a loaded 2-core box: a second intra-op thread only contends.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _sd(obj: Any) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from ckpt.guard import GuardConfig, LossGuard
 from ckpt.ledger import read_ledger_dir
 from runs.common.tiny_lm import CorpusDataset, make_corpus, unlikely_corpus
 from runs.common.tiny_moe import TinyMoE
+from _guard_kit import one_thread  # noqa: F401  (autouse)
 
 B, N, SEED = 16, 1024, 1
 K = 4  # warmup batches
@@ -34,12 +35,6 @@ def _corpus() -> torch.Tensor:
 CORPUS = _corpus()
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @dataclass
