@@ -5,7 +5,8 @@
    guard with anticipatory routing (``DIR/spike.tape``, checkpoints in ``DIR/run``);
 3. the spiky run without the guard, for comparison;
 4. ``replay --mode force`` of ``spike.tape``, and ``tape check`` of it and of the ledger;
-5. the report: the episode, the routing replay, the end losses against the no-spike run.
+5. the report: the episode, the routing replay, the end losses against the no-spike run,
+   and ``DIR/loss.png`` (the three training-loss curves, the re-executed steps shaded).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def main(out_dir: str | os.PathLike[str], *, quick: bool = False, echo: Callable
     echo(f"  forced replay: {forced.format().splitlines()[0]}")
     echo(f"  tape check: {len(violations)} violations on spike.tape, {len(ledger_violations)} on the ledger "
          f"({len(ledger_tapes)} tape)")
-    echo(f"  wall {time.monotonic() - t0:.1f}s")
+    png = _plot(out / "loss.png", clean, spiky, bare)
+    echo(f"  wall {time.monotonic() - t0:.1f}s; loss curves in {png}")
 
     rb = spiky.rollbacks[0] if spiky.rollbacks else None
     window = set(spiky.corrupted)
@@ -95,6 +97,24 @@ def main(out_dir: str | os.PathLike[str], *, quick: bool = False, echo: Callable
         ("force replay identical", forced.identical and fv is not None and len(fv.rollbacks) == len(spiky.rollbacks)),
         ("tape check", not violations and not ledger_violations),
     ]
+
+
+def _timeline(losses: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
+    """The steps the run kept: a rolled-back step's later value replaces the abandoned one."""
+    last = dict(losses)
+    steps = sorted(last)
+    return steps, [last[s] for s in steps]
+
+
+def _plot(path: Path, clean: Any, spiky: Any, bare: Any) -> str:
+    from runs.common.plot import Curve, loss_plot
+
+    curves = [Curve(label, *_timeline(run.losses), style) for label, run, style in (
+        ("no spike", clean, "-"), ("spike, guarded", spiky, "-"), ("spike, unguarded", bare, ":"))]
+    marks = [(float(rb.detected), "spike") for rb in spiky.rollbacks]
+    spans = [(float(rb.step), float(rb.detected)) for rb in spiky.rollbacks]
+    return loss_plot(str(path), curves, marks=marks, spans=spans, ylabel="training loss",
+                     title="loss spike rolled back (grey: the re-executed steps)")
 
 
 def _record(tape: Path, config: dict[str, Any]) -> Any:
