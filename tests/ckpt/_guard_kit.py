@@ -88,10 +88,11 @@ def objects(scaled: frozenset[int] = frozenset(), nan: frozenset[int] = frozense
 
 def build(run_dir: str, *, scaled: frozenset[int] = frozenset(), nan: frozenset[int] = frozenset(),
           config: GuardConfig | None = GuardConfig(), every: int = 10, retention: Any = None,
-          tape: Any = None, save0: bool = True, resume: bool = False, seed: int = 3) -> Run:
+          tape: Any = None, save0: bool = True, resume: bool = False, seed: int = 3,
+          async_save: bool = False) -> Run:
     model, opt, sched, loader = objects(scaled, nan, seed)
     mgr = ckpt.CheckpointManager(run_dir, {"model": model, "optim": opt, "sched": sched}, data=loader,
-                                 every_steps=every, retention=retention, signals=())
+                                 every_steps=every, retention=retention, signals=(), async_save=async_save)
     guard = LossGuard(mgr, config, tape=tape) if config is not None else None
     if resume:
         mgr.resume()

@@ -74,6 +74,17 @@ def test_an_injected_spike_rolls_back_exactly_and_the_run_ends_near_the_clean_on
     assert eval_loss(unguarded) > 100 * eval_loss(clean)
 
 
+def test_an_async_manager_rolls_back_the_same_way(tmp_path) -> None:
+    # The save of step 40 may still be in flight when step 45 spikes: the rewind waits
+    # for it to commit before choosing, and the run is the synchronous one, bit for bit.
+    sync = finish(train(build(str(tmp_path / "s"), scaled=SPIKE, config=CFG), 60))
+    run = finish(train(build(str(tmp_path / "a"), scaled=SPIKE, config=CFG, async_save=True), 60))
+    assert [(rb.detected, rb.step) for rb in run.rollbacks] == [(45, 40)]
+    assert run.losses == sync.losses
+    for p, q in zip(sync.model.parameters(), run.model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_the_tape_shows_the_episode(tmp_path) -> None:
     run = finish(train(build(str(tmp_path / "r"), scaled=SPIKE, config=CFG), 50))
     tapes, problems = read_ledger_dir(ledger_dir(run))
