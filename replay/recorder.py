@@ -383,6 +383,31 @@ class Actor:
             self._emit(_FINJ.code, _FINJ.pack(fault, target, detail))
         return detail
 
+    # -- events a library below replay encodes (ckpt.guard: kinds 48-53) --------------------------
+    def record_event(self, kind: str | int, payload: bytes) -> None:
+        """Tape one event of ``kind`` whose payload is already encoded: ``ckpt`` cannot
+        import this package, so the kinds it owns are encoded there (``ckpt.tape.payload``)
+        and handed over as bytes. Refused (``TapeFormatError``) unless the event table's
+        decoder reads them; a decision kind goes through :meth:`decide_event`."""
+        k = _table_kind(kind)
+        if k.decision:
+            raise ValueError(f"{k.name} is a decision kind: use decide_event")
+        k.unpack(payload)  # a recorder never writes what a reader refuses
+        self._emit(k.code, bytes(payload))
+
+    def decide_event(self, kind: str | int, compute: Callable[[], bytes]) -> bytes:
+        """A decision of ``kind`` whose payload a library encodes: in force mode the payload
+        the tape holds next (``compute`` is not called), otherwise ``compute()``'s; taped
+        either way, and returned so the caller acts on what was decided."""
+        k = _table_kind(kind)
+        if not k.decision:
+            raise ValueError(f"{k.name} is not a decision kind: use record_event")
+        taped = self._taped(k.code)
+        payload = k.pack_map(taped) if taped is not None else bytes(compute())
+        k.unpack(payload)
+        self._emit(k.code, payload)
+        return payload
+
     # -- faults, checkpoints, snapshots ----------------------------------------------------------
     def fault_detected(self, fault: str, target: str, detail: Any = None) -> None:
         self._emit(_FDET.code, _FDET.pack(fault, target, _roundtrip(detail)))
@@ -567,6 +592,12 @@ class Recorder(Actor):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _table_kind(kind: str | int) -> Any:
+    from replay.events import kind as lookup
+
+    return lookup(kind)
 
 
 def _refs(inflight: Sequence[Stamp | tuple[str, int]]) -> list[tuple[str, int]]:

@@ -34,4 +34,6 @@ DEMOS: dict[str, Demo] = {
                   "runs.basic.demo:main"),
     "replicas": Demo("replica groups on torchft: SIGKILL, replacement recovers from a live peer, SDC checks, replay",
                      "runs.replicas.demo:main"),
+    "rollback": Demo("loss-spike rollback on a tiny MoE: detect, roll back, skip the window, replay the routing",
+                     "runs.rollback.demo:main"),
 }
