@@ -464,7 +464,9 @@ def prepare_load(
             wanted = {t.key for t in p.tensors if (p.name, t.key) in plan.cpu_dest}
             if not wanted:
                 continue
-            opened = reader.open_tensor_file(p)
+            # Read twice (pass 1 hashes, pass 2 copies) when bytes land in targets.
+            twice = verify and any((p.name, k) in plan.targets for k in wanted)
+            opened = reader.open_tensor_file(p, reread=True) if twice else reader.open_tensor_file(p)
             if opened is None:
                 continue
             handle, f = opened

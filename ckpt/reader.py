@@ -150,6 +150,7 @@ class CheckpointReader:
         # The one resolver: a plain path is local, s3://... the object-store backend,
         # any other URL a clear UnsupportedSchemeError (never a local folder "s3:").
         self._storage, self.path = resolve(path, storage)
+        self._manifest_bytes = b""
         self.manifest: Manifest = self._open()
         self._trees: dict[str, Any] = {}
         self._headers: dict[str, tuple[int, dict]] = {}
@@ -187,6 +188,7 @@ class CheckpointReader:
             raise LimitExceededError(f"MANIFEST is {mst.st_size} bytes, above the limit", path=mpath)
         try:
             data = self._storage.read(mpath, 0, mst.st_size)
+            self._manifest_bytes = data
         except FileNotFoundError:
             raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
         with gc_paused():
@@ -201,12 +203,18 @@ class CheckpointReader:
     def _raise_if_vanished(self) -> None:
         """Retention and replacement rename a checkpoint away before deleting it, so a
         path that stops existing under a reader means "removed", not "corrupt"."""
+        mpath = os.path.join(self.path, MANIFEST_NAME)
         try:
-            self._storage.lstat(os.path.join(self.path, MANIFEST_NAME))
+            self._storage.lstat(mpath)
+            now = self._storage.read(mpath, 0, len(self._manifest_bytes) + 1)
         except FileNotFoundError:
             raise CheckpointVanishedError(
                 "the checkpoint was removed while it was being read (e.g. by retention)", path=self.path
             ) from None
+        if now != self._manifest_bytes:
+            # Replaced by another save of the same name (overwrite): the files this
+            # reader opened belong to the old one.
+            raise CheckpointVanishedError("the checkpoint was replaced while it was being read", path=self.path)
 
     def _check_files(self, m: Manifest) -> None:
         expected = {MANIFEST_NAME}
@@ -225,6 +233,11 @@ class CheckpointReader:
                 raise SizeMismatchError(
                     f"file is {st.st_size} bytes, manifest says {f.size}", path=fp, offset=min(st.st_size, f.size)
                 )
+        if not getattr(self._storage, "strict_listing", True):
+            # An object store: objects a committed MANIFEST does not name are leftovers
+            # of other saves (a lost race, a crash, a replaced checkpoint); they are
+            # never read, and orphan cleanup removes them (spec/object-storage.md §O.4).
+            return
         try:
             listing = self._storage.listdir(self.path)
         except FileNotFoundError:
@@ -259,9 +272,9 @@ class CheckpointReader:
         """The backend this checkpoint is read through (``ckpt.storage``)."""
         return self._storage
 
-    def _open_handle(self, fp: str) -> ReadHandle:
+    def _open_handle(self, fp: str, *, reread: bool = False) -> ReadHandle:
         try:
-            return self._storage.open_read(fp)
+            return self._storage.open_read(fp, reread=True) if reread else self._storage.open_read(fp)
         except FileNotFoundError:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
@@ -448,20 +461,21 @@ class CheckpointReader:
             if own:
                 handle.close()
 
-    def open_tensor_file(self, pe: PartEntry) -> tuple[ReadHandle, FileEntry] | None:
+    def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[ReadHandle, FileEntry] | None:
         """Check a part's safetensors header and open its tensor file (caller closes it).
 
         A held local descriptor keeps reading the same bytes even if the checkpoint is
         renamed or deleted meanwhile (retention renames before it deletes); an object
         store handle pins the object's version, so a replaced or deleted object fails
         the read instead. An in-place load verifies and then copies through one handle
-        per file.
+        per file. ``reread``: the caller reads the bytes twice (verify, then copy); an
+        object store keeps the first pass's bytes locally instead of downloading twice.
         """
         f = pe.file("tensors")
         if f is None:
             return None
         self._header(pe)
-        return self._open_handle(self._fp(f)), f
+        return self._open_handle(self._fp(f), reread=reread), f
 
     def verify_bytes(self, f: FileEntry, data: Any, *, first: int = 0) -> None:
         """Check content of file ``f``, already in memory, against its digests: the

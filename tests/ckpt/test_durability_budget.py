@@ -160,3 +160,23 @@ def test_every_data_file_is_durable_before_the_manifest_exists_for_many_parts(tm
     synced = {p for k, p in ev[:manifest_at] if k == "fsync"}
     assert len(created) == 6 and set(created) == synced
     assert log.kinds()["fsync-dir"] == 2
+
+
+def test_a_rewind_makes_its_deletions_durable_before_removing_anything(tmp_path: Path, log: Log) -> None:
+    """A rewind deletes the checkpoints newer than the one it loads: one a crash brought
+    back would be the next resume's pick, so the renames aside are fsynced (once)."""
+    model = torch.nn.Linear(4, 4)
+    mgr = CheckpointManager(tmp_path / "run", {"model": model}, retention=RetentionPolicy(keep_last=5), signals=())
+    try:
+        for step in (1, 2, 3):
+            mgr.save(step)
+        log.events.clear()
+        rw = mgr.rewind(step=1)
+        ev = [e for e in log.events if "ledger" not in e[1]]
+    finally:
+        mgr.close()
+    assert rw is not None and sorted(rw.discarded) == ["step-00000002", "step-00000003"]
+    kinds = [k for k, _ in ev]
+    assert kinds == ["rename_dir", "rename_dir", "fsync-dir", "remove", "remove"], ev
+    assert ev[2] == ("fsync-dir", "run")
+    assert sorted(n for n in os.listdir(tmp_path / "run") if n.startswith("step-")) == ["step-00000001"]
