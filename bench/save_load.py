@@ -341,6 +341,8 @@ def bench_fresh(tensors: dict[str, torch.Tensor], base: str, rounds: int) -> Non
     for w in names:
         print(f"  {w:<14} load {statistics.median(load[w]) * 1e3:8.1f} ms  +touch {statistics.median(used[w]) * 1e3:8.1f} ms   "
               f"torch.load/this {paired(load['torch.load'], load[w]):5.2f}x")
+    print("  per round, +touch ms (ckpt / safetensors / torch.load): "
+          + "  ".join(f"{a * 1e3:.0f}/{b * 1e3:.0f}/{c * 1e3:.0f}" for a, b, c in zip(used["ckpt"], used["safetensors"], used["torch.load"])))
     print(f"  => torch.load / ckpt (default, verified) = {paired(load['torch.load'], load['ckpt']):.2f}x (target >= 2.0); "
           f"copy path {paired(load['torch.load'], load['ckpt copy']):.2f}x; A/A {paired(load['ckpt (A/A)'], load['ckpt']):.2f}x")
     print(f"  => ckpt / safetensors.load_file: {paired(used['ckpt'], used['safetensors']):.2f}x with one read of every page "
