@@ -456,6 +456,8 @@ def prepare_load(
         if ctx.get("data") is None:
             raise StateMismatchError("checkpoint holds no data-loader state", path=reader.path, key="@data")
         plan.walk(ctx["data"], None, pe, "@data")
+    if ctx.get("extra") is not None:
+        plan.walk(ctx["extra"], None, pe, "@extra")  # LoadResult.extra: its tensors come back fresh
     _check_rng_targets(reader, ctx, generators, restore_rng_state)
 
     prepared = PreparedLoad(reader, pe, ctx, plan, entries, [], data, generators, restore_rng_state, verify, diffs)

@@ -663,7 +663,7 @@ def compare_checkpoints(a: Any, b: Any, *, part_a: str | None = None, part_b: st
         part_a = None
     if part_b is not None and len(b.parts) == 1:
         part_b = None
-    sa, sb = a.state(part_a), b.state(part_b)
+    sa, sb = a.state(part=part_a), b.state(part=part_b)
     out: list[tuple[str, str | None, str]] = []
     count = [0]
     for name in list(sa) + [n for n in sb if n not in sa]:

@@ -1,0 +1,183 @@
+"""What is at a path: a checkpoint, a run directory, or something else, named.
+
+``ckpt inspect nope``, ``ckpt verify RUN_DIR`` or ``ckpt ls`` of a DCP checkpoint used
+to answer "no MANIFEST: the save never committed" for anything that was not a
+committed checkpoint. :func:`probe_path` looks (a ``stat``, one directory listing, a
+few magic bytes; never a file's content beyond that) and says what the path holds,
+with the command that reads it. The reader raises :class:`~ckpt.errors.NotACheckpointError`
+from it, and the CLI maps every kind to one exit code (spec/cli.md §2). No torch.
+
+Kinds (``PathKind.kind``):
+
+============  =========================================================================
+checkpoint    a directory with a MANIFEST (committed; whether it verifies is another matter)
+temporary     a save in progress or one that crashed (name starts with ``.tmp-``)
+incomplete    a directory without MANIFEST that is none of the below (a save that never
+              committed, an empty directory)
+run           a run directory: subdirectories that are checkpoints (or run directories)
+ledger        a step ledger (``NNNNN.tape`` files, ``ckpt.ledger``)
+tape          an event tape: a file starting with the tape magic, or a segment directory
+dcp           a torch.distributed.checkpoint directory (``.metadata`` + ``*.distcp``)
+hf            a Hugging Face model directory (``config.json``, ``model.safetensors`` ...)
+hf-trainer    a Hugging Face Trainer checkpoint (``trainer_state.json``)
+file          any other regular file (a checkpoint is a directory)
+missing       nothing at that path
+============  =========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+
+from .format.manifest import MANIFEST_NAME, TMP_PREFIX
+
+__all__ = ["PathKind", "probe_path", "KINDS", "FOREIGN_KINDS"]
+
+KINDS = ("checkpoint", "temporary", "incomplete", "run", "ledger", "tape", "dcp", "hf", "hf-trainer", "file", "missing")
+#: kinds that are a directory or file of another format or role: never "incomplete"
+FOREIGN_KINDS = ("run", "ledger", "tape", "dcp", "hf", "hf-trainer", "file")
+
+_TAPE_MAGIC = b"CKPTTAPE"
+_LEDGER_NAME = re.compile(r"^\d{5,}\.tape$")
+_SEGMENT_NAME = re.compile(r"^\d{8}\.seg$")
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+#: a listing longer than this is not scanned further (a huge directory is not a checkpoint anyway)
+_MAX_NAMES = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class PathKind:
+    """What :func:`probe_path` found. ``what`` is one line for a person; ``hint`` the
+    command that reads it (or None); ``checkpoints``: a run directory's committed
+    checkpoints, by name, oldest step first."""
+
+    kind: str
+    path: str
+    what: str
+    hint: str | None = None
+    checkpoints: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """``what`` and ``hint`` as one sentence, for an error message."""
+        return self.what + (f": {self.hint}" if self.hint else "")
+
+
+def _magic(path: str) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return b""
+    try:
+        return os.pread(fd, 8, 0)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+def _file_kind(path: str) -> PathKind:
+    head = _magic(path)
+    if head == _TAPE_MAGIC:
+        return PathKind("tape", path, "an event tape (a file)", f"read it with `ckpt tape show {path}` or `ckpt tape verify {path}`")
+    name = os.path.basename(path)
+    if name == MANIFEST_NAME:
+        parent = os.path.dirname(path) or "."
+        return PathKind("file", path, "a checkpoint's MANIFEST file", f"name the checkpoint directory: {parent}")
+    what = "a file, and a checkpoint is a directory (holding MANIFEST)"
+    if name.endswith(".safetensors"):
+        what = "a safetensors file, and a checkpoint is a directory (holding MANIFEST)"
+    elif head.startswith(b"PK\x03\x04"):
+        what = "a zip archive (torch.save writes these), and a checkpoint is a directory (holding MANIFEST)"
+    return PathKind("file", path, what)
+
+
+def _steps_first(names: list[str]) -> list[str]:
+    def key(n: str) -> tuple[int, int, str]:
+        m = re.search(r"(\d+)$", n)
+        return (0, int(m.group(1)), n) if m else (1, 0, n)
+
+    return sorted(names, key=key)
+
+
+def probe_path(path: str | os.PathLike[str]) -> PathKind:
+    """Say what ``path`` holds (see the module docstring for the kinds)."""
+    p = os.fspath(path)
+    try:
+        st = os.stat(p)  # follows a symlink: a link to a checkpoint is a checkpoint
+    except FileNotFoundError:
+        return PathKind("missing", p, "no such file or directory")
+    except NotADirectoryError:
+        return PathKind("missing", p, "no such file or directory (a parent is a file)")
+    if not stat.S_ISDIR(st.st_mode):
+        if stat.S_ISREG(st.st_mode):
+            return _file_kind(p)
+        return PathKind("file", p, "not a regular file or directory (a device, socket or pipe)")
+    real = os.path.realpath(p)
+    if os.path.basename(real).startswith(TMP_PREFIX):
+        return PathKind("temporary", p, "the temporary directory of a save in progress, or of one that crashed")
+    if os.path.isfile(os.path.join(p, MANIFEST_NAME)):
+        return PathKind("checkpoint", p, "a checkpoint")
+    try:
+        names = []
+        with os.scandir(p) as it:
+            for e in it:
+                names.append(e.name)
+                if len(names) >= _MAX_NAMES:
+                    break
+    except OSError as e:
+        return PathKind("incomplete", p, f"a directory that cannot be listed ({e.strerror})")
+    have = set(names)
+    if ".metadata" in have:
+        return PathKind("dcp", p, "a DCP checkpoint (torch.distributed.checkpoint: .metadata and .distcp files)",
+                        f"convert it with `ckpt import dcp {p} DST`")
+    if "trainer_state.json" in have:
+        return PathKind("hf-trainer", p, "a Hugging Face Trainer checkpoint (trainer_state.json), not a ckpt-replay checkpoint",
+                        "Trainer resumes from it; ckpt.integrations.hf.CkptTrainer writes checkpoints of ours")
+    if any(n in have for n in _HF_WEIGHTS):
+        return PathKind("hf", p, "a Hugging Face model directory (config.json and model weights), not a ckpt-replay checkpoint",
+                        "load it with transformers' from_pretrained; `ckpt export hf CKPT DIR` writes these")
+    ledger = [n for n in names if _LEDGER_NAME.match(n)]
+    if ledger:
+        first = os.path.join(p, sorted(ledger)[0])
+        return PathKind("ledger", p, f"a step ledger ({len(ledger)} tape(s)), not a checkpoint",
+                        f"read it with `ckpt tape show {first}`")
+    if any(_SEGMENT_NAME.match(n) for n in names) and any(
+        _magic(os.path.join(p, n)) == _TAPE_MAGIC for n in names if _SEGMENT_NAME.match(n)
+    ):
+        return PathKind("tape", p, "an event tape (a segment directory)", f"read it with `ckpt tape show {p}`")
+    ckpts, nested = [], 0
+    for n in names:
+        child = os.path.join(p, n)
+        if n.startswith(TMP_PREFIX) or not os.path.isdir(child):
+            continue
+        if os.path.isfile(os.path.join(child, MANIFEST_NAME)):
+            ckpts.append(n)
+        elif _holds_checkpoints(child):
+            nested += 1
+    if ckpts or nested:
+        ordered = tuple(_steps_first(ckpts))
+        newest = f", newest {ordered[-1]}" if ordered else ""
+        hint = f"`ckpt ls {p}` lists them"
+        if ordered:
+            hint += f"; name one (`ckpt inspect {os.path.join(p, ordered[-1])}`) or pass --latest"
+        what = f"a run directory ({len(ordered)} checkpoint(s){newest}" + (f", {nested} nested run dir(s)" if nested else "") + ")"
+        return PathKind("run", p, what, hint, ordered)
+    if not names:
+        return PathKind("incomplete", p, "an empty directory (no MANIFEST: not a committed checkpoint)")
+    return PathKind("incomplete", p, "no MANIFEST: the save never committed")
+
+
+def _holds_checkpoints(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            for i, e in enumerate(it):
+                if i >= 10_000:
+                    return False
+                if e.is_dir() and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
+                    return True
+    except OSError:
+        return False
+    return False
