@@ -12,8 +12,9 @@ Kinds (``PathKind.kind``):
 ============  =========================================================================
 checkpoint    a directory with a MANIFEST (committed; whether it verifies is another matter)
 temporary     a save in progress or one that crashed (name starts with ``.tmp-``)
-incomplete    a directory without MANIFEST that is none of the below (a save that never
-              committed, an empty directory)
+incomplete    a directory without MANIFEST that holds a save's files (one that never
+              committed), or nothing at all
+dir           any other directory: no MANIFEST, no checkpoint files, none of the below
 run           a run directory: subdirectories that are checkpoints (or run directories)
 ledger        a step ledger (``NNNNN.tape`` files, ``ckpt.ledger``)
 tape          an event tape: a file starting with the tape magic, or a segment directory
@@ -36,9 +37,12 @@ from .format.manifest import MANIFEST_NAME, TMP_PREFIX
 
 __all__ = ["PathKind", "probe_path", "KINDS", "FOREIGN_KINDS"]
 
-KINDS = ("checkpoint", "temporary", "incomplete", "run", "ledger", "tape", "dcp", "hf", "hf-trainer", "file", "missing")
+KINDS = ("checkpoint", "temporary", "incomplete", "run", "ledger", "tape", "dcp", "hf", "hf-trainer", "dir", "file",
+         "missing")
 #: kinds that are a directory or file of another format or role: never "incomplete"
-FOREIGN_KINDS = ("run", "ledger", "tape", "dcp", "hf", "hf-trainer", "file")
+FOREIGN_KINDS = ("run", "ledger", "tape", "dcp", "hf", "hf-trainer", "dir", "file")
+#: file names a save writes into a checkpoint directory (spec/checkpoint-format.md §3)
+_PART_FILE = re.compile(r"\.(state\.msgpack\.zst|safetensors)$")
 
 _TAPE_MAGIC = b"CKPTTAPE"
 _LEDGER_NAME = re.compile(r"^\d{5,}\.tape$")
@@ -134,15 +138,15 @@ def probe_path(path: str | os.PathLike[str]) -> PathKind:
         return PathKind("dcp", p, "a DCP checkpoint (torch.distributed.checkpoint: .metadata and .distcp files)",
                         f"convert it with `ckpt import dcp {p} DST`")
     if "trainer_state.json" in have:
-        return PathKind("hf-trainer", p, "a Hugging Face Trainer checkpoint (trainer_state.json), not a ckpt-replay checkpoint",
+        return PathKind("hf-trainer", p, "a Hugging Face Trainer checkpoint (trainer_state.json)",
                         "Trainer resumes from it; ckpt.integrations.hf.CkptTrainer writes checkpoints of ours")
     if any(n in have for n in _HF_WEIGHTS):
-        return PathKind("hf", p, "a Hugging Face model directory (config.json and model weights), not a ckpt-replay checkpoint",
+        return PathKind("hf", p, "a Hugging Face model directory (config.json, model weights)",
                         "load it with transformers' from_pretrained; `ckpt export hf CKPT DIR` writes these")
     ledger = [n for n in names if _LEDGER_NAME.match(n)]
     if ledger:
         first = os.path.join(p, sorted(ledger)[0])
-        return PathKind("ledger", p, f"a step ledger ({len(ledger)} tape(s)), not a checkpoint",
+        return PathKind("ledger", p, f"a step ledger ({len(ledger)} tape(s))",
                         f"read it with `ckpt tape show {first}`")
     if any(_SEGMENT_NAME.match(n) for n in names) and any(
         _magic(os.path.join(p, n)) == _TAPE_MAGIC for n in names if _SEGMENT_NAME.match(n)
@@ -162,12 +166,14 @@ def probe_path(path: str | os.PathLike[str]) -> PathKind:
         newest = f", newest {ordered[-1]}" if ordered else ""
         hint = f"`ckpt ls {p}` lists them"
         if ordered:
-            hint += f"; name one (`ckpt inspect {os.path.join(p, ordered[-1])}`) or pass --latest"
+            hint += f"; name one of them (`ckpt inspect {os.path.join(p, ordered[-1])}`, or `ckpt inspect --latest {p}`)"
         what = f"a run directory ({len(ordered)} checkpoint(s){newest}" + (f", {nested} nested run dir(s)" if nested else "") + ")"
         return PathKind("run", p, what, hint, ordered)
     if not names:
         return PathKind("incomplete", p, "an empty directory (no MANIFEST: not a committed checkpoint)")
-    return PathKind("incomplete", p, "no MANIFEST: the save never committed")
+    if any(_PART_FILE.search(n) for n in names):
+        return PathKind("incomplete", p, "no MANIFEST: the save never committed")
+    return PathKind("dir", p, "a directory that holds no checkpoint (no MANIFEST, no checkpoint files, no checkpoints in it)")
 
 
 def _holds_checkpoints(path: str) -> bool:

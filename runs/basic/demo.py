@@ -123,7 +123,9 @@ def run(out_dir: str, cfg: DemoConfig = DemoConfig(), echo: Callable[[str], None
     echo(f"  parameters bit-identical: {'yes' if same_params else 'NO'}")
     echo(f"  optimizer bit-identical:  {'yes' if same_opt else 'NO'}")
     echo(f"\noutput directory: {os.path.abspath(out_dir)}")
-    echo(f"next: ckpt ls {run_dir}; ckpt inspect {last}; ckpt diff {saved[min(saved)]} {last}")
+    echo("next:")
+    for cmd in (f"ckpt ls {run_dir}", f"ckpt inspect {last}", f"ckpt diff {saved[min(saved)]} {last}"):
+        echo(f"  {cmd}")
     return {
         "checkpoints": sorted(saved.values()),
         "valid": valid,

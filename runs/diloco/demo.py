@@ -41,10 +41,11 @@ class _Bar:
         if not self.enabled:
             return
         n = 30 * done // max(total, 1)
-        sys.stdout.write(f"\r  {label:<22} [{'#' * n}{'.' * (30 - n)}] {done}/{total}")
+        # stderr, like every progress bar of the CLI: stdout carries the report only
+        sys.stderr.write(f"\r  {label:<22} [{'#' * n}{'.' * (30 - n)}] {done}/{total}")
         if done >= total:
-            sys.stdout.write("\n")
-        sys.stdout.flush()
+            sys.stderr.write("\n")
+        sys.stderr.flush()
 
 
 def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport: str = "gloo",
@@ -138,8 +139,10 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     echo(f"output directory: {out}")
     last = base.checkpoints[-1] if base.checkpoints else str(out / "checkpoints")
     last_snap = snaps[-1] if snaps else last
-    echo(f"next: ckpt tape show {tape} | ckpt replay {tape} --mode force --trust | ckpt ls {out / 'checkpoints'}"
-         f" | ckpt inspect {last_snap}")
+    echo("next:")
+    for cmd in (f"ckpt tape show {tape}", f"ckpt replay {tape} --mode force --trust", f"ckpt ls {out / 'checkpoints'}",
+                f"ckpt inspect {last_snap}"):
+        echo(f"  {cmd}")
     return rep
 
 

@@ -44,7 +44,9 @@ def places(tmp_path: Path) -> dict[str, Path]:
     script = tmp_path / "file.py"
     script.write_text("print('hi')\n")
     (tmp_path / "empty").mkdir()
-    return {"checkpoint": run / "step-00000001", "run": run, "temporary": run / ".tmp-step-00000013-abcdef",
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("")
+    return {"dir": tmp_path / "src", "checkpoint": run / "step-00000001", "run": run, "temporary": run / ".tmp-step-00000013-abcdef",
             "incomplete": torn, "dcp": dcp_dir, "hf": hf, "hf-trainer": trainer, "ledger": ledger, "tape": tape,
             "file": script, "missing": tmp_path / "nope", "empty": tmp_path / "empty"}
 
