@@ -34,6 +34,7 @@ from ..errors import CheckpointExistsError, FormatError, UnsupportedValueError
 from ..format import dtypes
 from ..format.safetensors import TensorSlot, build_header
 from ..format.tree import TensorRef
+from ..storage import local
 
 __all__ = ["export_hf", "HFExport", "DEFAULT_MAX_SHARD_SIZE", "parse_size"]
 
@@ -249,7 +250,7 @@ def export_hf(
         _write_json(os.path.join(out, CONFIG_NAME), _jsonable(cfg))
         cfg_name = CONFIG_NAME
         written.append(CONFIG_NAME)
-    _fsync_dir(out)
+    local.fsync_dir(out)
     return HFExport(r.path, out, entry, tuple(written), len(names), total, tuple(tied), cfg_name,
                     None if cfg is not None else note, tuple(skipped))
 
@@ -295,10 +296,3 @@ def _write_json(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
