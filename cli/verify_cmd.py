@@ -56,7 +56,6 @@ def verify_cmd(paths: tuple[str, ...], quick: bool, as_json: bool) -> None:
         order = {s: i for i, s in enumerate(STATUSES)}
         parts = [f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: order.get(kv[0], 99))]
         skipped = len(outcomes) - len(checked)
-        if skipped:
-            parts.append(f"{skipped} skipped")
-        click.echo(f"summary: {len(checked)} checked: {', '.join(parts) or 'nothing found'}; exit {code}")
+        click.echo(f"summary: {len(checked)} checked: {', '.join(parts) or 'nothing found'}"
+                   + (f"; {skipped} skipped" if skipped else "") + f"; exit {code}")
     raise click.exceptions.Exit(code)
