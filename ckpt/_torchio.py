@@ -50,18 +50,21 @@ class ExactnessWarning(RuntimeWarning):
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
+    """What ``ckpt.load`` did. Its repr is short: the context (RNG states: tens of KiB),
+    the manifest and ``extra`` are left out of it (read them as attributes)."""
+
     path: str
     id: str
     step: int | None
     part: str
-    context: dict[str, Any]
-    manifest: Manifest
+    context: dict[str, Any] = field(repr=False)
+    manifest: Manifest = field(repr=False)
     env_differences: tuple[str, ...] = ()
     exact: bool = True
     restored_rng: tuple[str, ...] = ()
     in_place: int = 0
     fresh: int = 0
-    extra: Any = None
+    extra: Any = field(default=None, repr=False)
 
 
 def _stateful(obj: Any) -> bool:

@@ -24,7 +24,7 @@ import re
 import secrets
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
@@ -538,11 +538,13 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
 
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
+    """A committed checkpoint (what ``save`` returns); the manifest is left out of its repr."""
+
     path: str
     id: str
     step: int | None
     bytes: int
-    manifest: Manifest
+    manifest: Manifest = field(repr=False)
 
 
 def save(

@@ -104,7 +104,7 @@ class ReplayResult:
     out_tape: str | None = None  # fork
     # what the entry point returned (None when it stopped early or diverged): an
     # application reads its re-executed result here instead of through a module global
-    value: Any = None
+    value: Any = field(default=None, repr=False)
 
     @property
     def exit_code(self) -> int:

@@ -42,7 +42,7 @@ class CommandCheck:
     verdict: str  # IDENTICAL | DIFFERENT | NO CLAIM
     lines: tuple[str, ...]
     kill_at: tuple[int, ...] = ()
-    reports: tuple[ResumeReport, ...] = ()
+    reports: tuple[ResumeReport, ...] = field(default=(), repr=False)
     work: str = ""
     resume_checks: tuple[str, ...] = field(default=())
 
