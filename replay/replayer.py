@@ -448,8 +448,17 @@ def resolve_entry_point(spec: str, *, search_path: tuple[str, ...] = ()) -> Entr
 
     where: list[str] | None = [*search_path, *sys.path]
     found = None
-    for part in mod_name.split("."):
+    for i, part in enumerate(mod_name.split(".")):
         found = PathFinder.find_spec(part, where)
+        if found is None and i == 0:
+            # A top-level package installed by a meta-path finder (pip's editable installs):
+            # finding a top-level spec runs no code of the package.
+            import importlib.util
+
+            try:
+                found = importlib.util.find_spec(part)
+            except (ImportError, ValueError):
+                found = None
         if found is None:
             return EntryPoint(spec, mod_name, attr, None)
         where = list(found.submodule_search_locations or [])

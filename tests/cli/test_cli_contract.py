@@ -219,6 +219,16 @@ def test_verify_several_paths_one_summary_one_code(world: dict[str, Path]) -> No
     assert r.output.splitlines()[-1] == "summary: 2 checked: 2 structure ok; exit 0"
 
 
+def test_demo_refuses_a_directory_in_use(tmp_path: Path) -> None:
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    for args in (["demo", "--basic"], ["demo", "basic"], ["demo"]):
+        r = invoke(*args, "--out", used)
+        assert r.exit_code == 2 and "is not empty" in r.output, r.output
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]  # nothing written next to it
+
+
 def test_real_subprocess_exit_codes_and_stderr(world: dict[str, Path]) -> None:
     env = dict(os.environ, CKPT_PROGRESS="0")
 
@@ -316,3 +326,16 @@ def test_json_reports_match_the_spec(world: dict[str, Path], tmp_path: Path) -> 
     for command, table in TABLES.items():
         unseen = {k for k, (optional, _) in table.items() if not optional and k not in seen.get(command, set())}
         assert not unseen, f"{command}: documented but never produced here: {sorted(unseen)}"
+
+
+def test_replay_names_the_file_of_an_installed_entry_point(tmp_path: Path) -> None:
+    """`ckpt replay` prints the file a taped entry point resolves to, before it asks for trust:
+    a package installed by a meta-path finder (pip install -e) used to read "(not found)"."""
+    code = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.', %r)]\n"
+            "from replay.replayer import resolve_entry_point\n"
+            "print(resolve_entry_point('runs.diloco.run:main').file)\n"
+            "print('runs' in sys.modules)") % str(ROOT)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    file, imported = p.stdout.split()
+    assert file == str(ROOT / "runs" / "diloco" / "run.py") and imported == "False", p.stdout + p.stderr

@@ -24,6 +24,9 @@ The convention, for every section of the README (a block that does not follow it
   ``copy=A,B``        copy these repository files into the scratch directory, at the
                       same relative paths (``docs/examples/tiny_gpt.py``)
   ``vary=N1,N2``      outputs that vary from run to run, named from VARY below
+  ``needs=NAME``      a setup from NEEDS below, e.g. ``needs=s3``: the S3-compatible server
+                      the tests start (``s3_server`` in tests/conftest.py), its
+                      ``AWS_*`` variables set for the block, bucket ``ckpt-readme`` made
   ``timeout=S``       seconds per command (default 900)
   ``no-run=REASON``   the block does not run (a reviewer reads REASON)
   ==================  ===================================================================
@@ -61,8 +64,19 @@ VARY: dict[str, tuple[str, str]] = {
     "hex": (r"\b[0-9a-f]{8,}\b", r"[0-9a-f]+"),  # ids and digests
     "sizes": (r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)\b", r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)"),
     "times": (r"\d+(?:\.\d+)? s\b", r"\d+(?:\.\d+)? s"),  # durations
+    "direction": (r"\b(?:better|worse)\b", r"(?:better|worse)"),  # which side of a comparison won
 }
 _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
+
+
+def _need_s3(request: pytest.FixtureRequest) -> dict[str, str]:
+    server = request.getfixturevalue("s3_server")
+    server.create_bucket("ckpt-readme")
+    return dict(server.env())
+
+
+#: ``needs=`` names: each prepares what a block needs and returns environment variables for it
+NEEDS: dict[str, Any] = {"s3": _need_s3}
 
 
 @dataclass
@@ -129,7 +143,7 @@ def expected_pattern(expected: str, vary: set[str]) -> str:
     out: list[str] = []
     for line in expected.rstrip("\n").split("\n"):
         line = line.rstrip()
-        if line == "...":
+        if line.strip() == "...":
             out.append(r"(?:[^\n]*\n)*?")
             continue
         pat = []
@@ -149,7 +163,7 @@ def expected_pattern(expected: str, vary: set[str]) -> str:
 
 
 def _lit(text: str, vary: set[str]) -> str:
-    if "numbers" in vary:  # numbers of another width shift the columns after them
+    if vary:  # a varying value of another width shifts the columns after it: a gap of 2+ spaces stretches
         return r" +".join(re.escape(p) for p in re.split(r" {2,}", text)) if "  " in text else re.escape(text)
     return re.escape(text)
 
@@ -187,6 +201,7 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["CKPT_PROGRESS"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr interleave in time order, as on a terminal
     env.setdefault("COLUMNS", "120")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
@@ -209,14 +224,18 @@ def _expected_exit(cmd: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def run_block(block: Block, factory: pytest.TempPathFactory) -> None:
+def run_block(block: Block, factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
     if block.index in _DONE:
         return
     after = block.options.get("after")
     if after:
         firsts = [b for b in BLOCKS if b.options.get("id") == after]
         assert firsts, f"README.md:{block.line}: after={after} names no block"
-        run_block(firsts[0], factory)
+        run_block(firsts[0], factory, request)
+    extra_env: dict[str, str] = {}
+    for need in filter(None, block.options.get("needs", "").split(",")):
+        assert need in NEEDS, f"README.md:{block.line}: needs={need}: known are {sorted(NEEDS)}"
+        extra_env.update(NEEDS[need](request))
     scratch = _scratch_for(block, factory)
     for rel in filter(None, block.options.get("copy", "").split(",")):
         dst = scratch / rel
@@ -229,12 +248,12 @@ def run_block(block: Block, factory: pytest.TempPathFactory) -> None:
         if "file" in block.options:
             script = scratch / block.options["file"]
             script.write_text(block.code, encoding="utf-8")
-            p = subprocess.run([sys.executable, script.name], cwd=scratch, env=_env(), capture_output=True, text=True,
-                               timeout=timeout)
+            p = subprocess.run([sys.executable, script.name], cwd=scratch, env={**_env(), **extra_env},
+                               capture_output=True, text=True, timeout=timeout)
             assert p.returncode == 0, f"{where}: exited {p.returncode}\n{p.stdout}\n{p.stderr}"
             printed = p.stdout
         else:
-            printed = _exec(block.code, scratch, where)
+            printed = _exec(block.code, scratch, where, extra_env)
         printed = normalise(printed, scratch)
         if block.output is None:
             assert not printed, f"{where} prints output the README does not show; add a ```text block after it " \
@@ -245,7 +264,7 @@ def run_block(block: Block, factory: pytest.TempPathFactory) -> None:
         assert block.output is None, f"{where}: a console block holds its own output"
         for cmd, expected in _commands(block.code):
             real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
-            p = subprocess.run(["bash", "-c", real], cwd=scratch, env=_env(), stdout=subprocess.PIPE,
+            p = subprocess.run(["bash", "-c", real], cwd=scratch, env={**_env(), **extra_env}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, timeout=timeout)
             want = _expected_exit(cmd)
             assert p.returncode == want, f"{where}: `{cmd}` exited {p.returncode}, the README says {want}:\n{p.stdout}"
@@ -253,15 +272,22 @@ def run_block(block: Block, factory: pytest.TempPathFactory) -> None:
     _DONE.add(block.index)
 
 
-def _exec(code: str, scratch: Path, where: str) -> str:
+def _exec(code: str, scratch: Path, where: str, env: dict[str, str] | None = None) -> str:
     buf = io.StringIO()
     old = os.getcwd()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
     os.chdir(scratch)
     try:
         with contextlib.redirect_stdout(buf):
             exec(compile(code, where, "exec"), {"__name__": "__readme__"})
     finally:
         os.chdir(old)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return buf.getvalue()
 
 
@@ -284,7 +310,7 @@ def test_every_block_follows_the_convention() -> None:
         assert b.lang in ("python", "console"), (
             f"README.md:{b.line}: a ```{b.lang} block that is neither an example nor an example's output: make it "
             f"a ```console session or the output of one (<!-- output -->), or mark it <!-- example: no-run=REASON -->")
-        known = {"id", "after", "file", "copy", "vary", "timeout", "no-run"}
+        known = {"id", "after", "file", "copy", "vary", "needs", "timeout", "no-run"}
         assert set(b.options) <= known, f"README.md:{b.line}: unknown options {sorted(set(b.options) - known)}"
 
 
@@ -292,8 +318,8 @@ RUNNABLE = [b for b in BLOCKS[1:] if b.lang in ("python", "console") and "no-run
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"line{b.line}-{b.lang}" for b in RUNNABLE])
-def test_readme_example(block: Block, tmp_path_factory: pytest.TempPathFactory) -> None:
-    run_block(block, tmp_path_factory)
+def test_readme_example(block: Block, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
+    run_block(block, tmp_path_factory, request)
 
 
 def test_the_harness_normalises_as_documented() -> None:
@@ -306,6 +332,7 @@ def test_the_harness_normalises_as_documented() -> None:
     assert re.fullmatch(expected_pattern("loss 2.6500  ok\n", {"numbers"}), "loss 12.01 ok\n")
     assert re.fullmatch(expected_pattern("id e9179ee9f035f8cc\n", {"hex"}), "id 0123456789abcdef\n")
     assert not re.fullmatch(expected_pattern("id e9179ee9f035f8cc\n", set()), "id 0123456789abcdef\n")
+    assert re.fullmatch(expected_pattern("chaos better by 7.9%\n", {"direction"}), "chaos worse by 7.9%\n")
     assert normalise("at /x/y/run  \n\n", Path("/x/y")) == "at /tmp/run\n"
     blocks = parse("```bash\nmake\n```\n<!-- example: id=a vary=hex -->\n```python\nprint(1)\n```\n<!-- output -->\n"
                    "```text\n1\n```\n")
