@@ -28,6 +28,8 @@ class TensorSource(PartSource, Protocol):
 
     def read_tensor_bytes_into(self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True) -> None: ...
 
+    def read_tensors_into(self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True) -> None: ...
+
     def stream_part_into(self, pe: PartEntry, destinations: Any, *, verify: bool = True, fd: int | None = None) -> None: ...
 
     def open_tensor_file(self, pe: PartEntry) -> tuple[int, FileEntry] | None: ...
@@ -176,12 +178,15 @@ def resolve_lazily(reader: TensorSource, pe: PartEntry, saved: Any, *, map_locat
     """``saved`` with its tensors read one by one (only the chunks each overlaps)."""
     by_key = {t.key: t for t in pe.tensors}
     tensors: dict[str, torch.Tensor] = {}
+    items = []
     for key in _refs(saved):
         t = by_key.get(key)
         if t is None:
             raise FormatError("structure refers to a tensor the manifest does not list", path=reader.path, key=key)
-        tensors[key] = read_tensor(reader, pe, t, map_location=map_location, verify=verify)
-    return resolve(saved, tensors, reader.path)
+        tensors[key] = empty_for(t)
+        items.append((t, tensor_memoryview(tensors[key])))
+    reader.read_tensors_into(pe, items, verify=verify)  # each chunk read and hashed once
+    return resolve(saved, {k: place(v, map_location) for k, v in tensors.items()}, reader.path)
 
 
 def materialize_entry(

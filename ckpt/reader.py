@@ -403,6 +403,64 @@ class CheckpointReader:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
 
+    def read_tensors_into(
+        self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True
+    ) -> None:
+        """Read several tensors of one part into fresh memory, hashing each chunk they
+        overlap once: tensors whose chunks touch are read as one run, in file order.
+
+        For fresh destinations only (``state(ENTRY)``, an export): bytes are copied out as
+        their piece is read, so after an error a destination may hold part of its bytes.
+        Reading tensors one by one would hash a whole chunk for each small tensor in it.
+        """
+        if not items:
+            return  # a tensor-free entry never touches the tensor file
+        if not verify:
+            for t, dst in items:
+                self.read_tensor_bytes_into(pe, t, dst, verify=False)
+            return
+        self._header(pe)
+        f = pe.file("tensors")
+        if f is None:
+            return
+        fp, cs = self._fp(f), f.chunk_size
+        runs: list[tuple[int, int, list[tuple[TensorEntry, memoryview]]]] = []
+        for t, dst in sorted(items, key=lambda it: it[0].offset):
+            if not t.nbytes:
+                continue
+            first, last = t.offset // cs, (t.offset + t.nbytes - 1) // cs
+            if runs and first <= runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], last), runs[-1][2] + [(t, dst)])
+            else:
+                runs.append((first, last, [(t, dst)]))
+        try:
+            for first, last, group in runs:
+                lo, hi = first * cs, min((last + 1) * cs, f.size)
+                verifier = _ChunkVerifier(fp, f, first=first)
+                scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
+                pos, k = lo, 0
+                while pos < hi:
+                    n = min(len(scratch), hi - pos)
+                    piece = scratch[:n]
+                    got = self._storage.pread_into(fp, pos, piece)
+                    if got != n:
+                        raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got)
+                    verifier.update(piece)
+                    while k < len(group) and group[k][0].offset + group[k][0].nbytes <= pos:
+                        k += 1  # tensors that ended before this piece
+                    for t, dst in group[k:]:
+                        if t.offset >= pos + n:
+                            break
+                        a, b = max(pos, t.offset), min(pos + n, t.offset + t.nbytes)
+                        if a < b:
+                            out = dst.cast("B") if dst.format != "B" or dst.ndim != 1 else dst
+                            out[a - t.offset : b - t.offset] = piece[a - pos : b - pos]
+                    pos += n
+                verifier.finish()
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
     def stream_part_into(
         self,
         pe: PartEntry,

@@ -18,8 +18,8 @@ What ``transformers``' ``save_pretrained`` writes and ``from_pretrained`` reads
   or ``config_key`` names one.
 
 No torch and no transformers: the bytes are copied tensor by tensor from the
-checkpoint's safetensors file (each chunk verified as it is read) into stock
-safetensors files, so memory is one tensor plus one read piece. Sharded (DTensor)
+checkpoint's safetensors file (each chunk verified as it is read, once) into stock
+safetensors files, so memory is one output shard plus one read piece. Sharded (DTensor)
 checkpoints are read as global tensors first (that path imports torch).
 """
 
@@ -230,10 +230,12 @@ def export_hf(
         slots = [TensorSlot(n, metas[n][0], metas[n][1], metas[n][2]) for n in order]
         header, _ = build_header(slots, {"format": "pt"})
         tmp = os.path.join(out, f".{fname}.tmp")
+        # one shard in memory at a time, read in file order (each chunk hashed once)
+        data = _shard_bytes(r, pe, [(n, flat[n]) for n in shard], entries, verify)
         with open(tmp, "wb") as f:
             f.write(header)
             for n in order:
-                f.write(_tensor_bytes(r, pe, flat[n], entries, verify))
+                f.write(data.pop(n))
                 done += sizes[n]
                 if progress is not None:
                     progress(done, total)
@@ -266,16 +268,21 @@ def _part_holding(r: Any, entry: str) -> Any:
     return r.parts[0]
 
 
-def _tensor_bytes(r: Any, pe: Any, v: Any, entries: Mapping[str, Any], verify: bool) -> Any:
-    if isinstance(v, TensorRef):
-        t = entries[v.key]
-        buf = bytearray(t.nbytes)
-        if t.nbytes:
-            r.read_tensor_bytes_into(pe, t, memoryview(buf), verify=verify)
-        return buf
-    from ..writer import tensor_memoryview
+def _shard_bytes(r: Any, pe: Any, named: list[tuple[str, Any]], entries: Mapping[str, Any], verify: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    items = []
+    for n, v in named:
+        if isinstance(v, TensorRef):
+            t = entries[v.key]
+            out[n] = bytearray(t.nbytes)
+            items.append((t, memoryview(out[n])))
+        else:  # a global tensor of a sharded checkpoint, already in memory
+            from ..writer import tensor_memoryview
 
-    return tensor_memoryview(v.detach().cpu().contiguous())
+            out[n] = tensor_memoryview(v.detach().cpu().contiguous())
+    if items:
+        r.read_tensors_into(pe, items, verify=verify)
+    return out
 
 
 def _jsonable(v: Any) -> Any:

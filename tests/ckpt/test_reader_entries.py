@@ -42,7 +42,13 @@ def test_state_of_one_entry_is_a_plain_state_dict(saved) -> None:
     assert not fresh.load_state_dict(sd, strict=True).missing_keys
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), m.state_dict().values()))
     assert ckpt.open(path).state("model_args") == {"dim": 32, "hidden": 64}
-    assert set(ckpt.open(path).state()) == {"model", "optim", "model_args"}
+    whole = ckpt.open(path).state()
+    assert set(whole) == {"model", "optim", "model_args"}
+    # the optimizer's many small tensors (several to a 4 KiB chunk, some spanning two): read once each, equal
+    opt = ckpt.open(path).state("optim")
+    assert opt["param_groups"] == whole["optim"]["param_groups"]
+    for i, st in whole["optim"]["state"].items():
+        assert all(torch.equal(v, opt["state"][i][k]) for k, v in st.items())
 
 
 def test_state_of_one_entry_reads_only_its_tensors(saved) -> None:
