@@ -32,6 +32,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass
+from typing import Any
 
 from .format.manifest import MANIFEST_NAME, TMP_PREFIX
 
@@ -69,21 +70,70 @@ class PathKind:
         return self.what + (f": {self.hint}" if self.hint else "")
 
 
-def _magic(path: str) -> bytes:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return b""
-    try:
-        return os.pread(fd, 8, 0)
-    except OSError:
-        return b""
-    finally:
-        os.close(fd)
+class _Local:
+    """The filesystem as the probe sees it: ``stat`` follows symlinks (a link to a
+    checkpoint is a checkpoint)."""
+
+    def stat(self, p: str) -> os.stat_result:
+        return os.stat(p)
+
+    def names(self, p: str) -> list[str]:
+        out = []
+        with os.scandir(p) as it:
+            for e in it:
+                out.append(e.name)
+                if len(out) >= _MAX_NAMES:
+                    break
+        return out
+
+    def head(self, p: str) -> bytes:
+        try:
+            fd = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            return b""
+        try:
+            return os.pread(fd, 8, 0)
+        except OSError:
+            return b""
+        finally:
+            os.close(fd)
 
 
-def _file_kind(path: str) -> PathKind:
-    head = _magic(path)
+class _Through:
+    """Any ``ckpt.storage`` backend (an object store: prefixes stand for directories)."""
+
+    def __init__(self, storage: Any) -> None:
+        self.s = storage
+
+    def stat(self, p: str) -> os.stat_result:
+        return self.s.lstat(p)
+
+    def names(self, p: str) -> list[str]:
+        return list(self.s.listdir(p))[:_MAX_NAMES]
+
+    def head(self, p: str) -> bytes:
+        try:
+            return bytes(self.s.read(p, 0, 8))
+        except (OSError, ValueError):
+            return b""
+
+
+def _is_dir(fs: Any, p: str) -> bool:
+    try:
+        return stat.S_ISDIR(fs.stat(p).st_mode)
+    except OSError:
+        return False
+
+
+def _is_file(fs: Any, p: str) -> bool:
+    try:
+        return stat.S_ISREG(fs.stat(p).st_mode)
+    except OSError:
+        return False
+
+
+def _file_kind(fs: Any, path: str) -> PathKind:
+    head = fs.head(path)
     if head == _TAPE_MAGIC:
         return PathKind("tape", path, "an event tape (a file)", f"read it with `ckpt tape show {path}` or `ckpt tape verify {path}`")
     name = os.path.basename(path)
@@ -106,33 +156,30 @@ def _steps_first(names: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def probe_path(path: str | os.PathLike[str]) -> PathKind:
-    """Say what ``path`` holds (see the module docstring for the kinds)."""
+def probe_path(path: str | os.PathLike[str], *, storage: Any = None) -> PathKind:
+    """Say what ``path`` holds (see the module docstring for the kinds). ``storage``: the
+    backend that serves ``path`` (default: the local filesystem)."""
     p = os.fspath(path)
+    fs: Any = _Local() if storage is None or getattr(storage, "scheme", "file") == "file" else _Through(storage)
     try:
-        st = os.stat(p)  # follows a symlink: a link to a checkpoint is a checkpoint
+        st = fs.stat(p)
     except FileNotFoundError:
         return PathKind("missing", p, "no such file or directory")
     except NotADirectoryError:
         return PathKind("missing", p, "no such file or directory (a parent is a file)")
     if not stat.S_ISDIR(st.st_mode):
         if stat.S_ISREG(st.st_mode):
-            return _file_kind(p)
+            return _file_kind(fs, p)
         return PathKind("file", p, "not a regular file or directory (a device, socket or pipe)")
-    real = os.path.realpath(p)
-    if os.path.basename(real).startswith(TMP_PREFIX):
+    real = os.path.realpath(p) if isinstance(fs, _Local) else p
+    if os.path.basename(real.rstrip("/")).startswith(TMP_PREFIX):
         return PathKind("temporary", p, "the temporary directory of a save in progress, or of one that crashed")
-    if os.path.isfile(os.path.join(p, MANIFEST_NAME)):
+    if _is_file(fs, os.path.join(p, MANIFEST_NAME)):
         return PathKind("checkpoint", p, "a checkpoint")
     try:
-        names = []
-        with os.scandir(p) as it:
-            for e in it:
-                names.append(e.name)
-                if len(names) >= _MAX_NAMES:
-                    break
+        names = fs.names(p)
     except OSError as e:
-        return PathKind("incomplete", p, f"a directory that cannot be listed ({e.strerror})")
+        return PathKind("incomplete", p, f"a directory that cannot be listed ({e.strerror or e})")
     have = set(names)
     if ".metadata" in have:
         return PathKind("dcp", p, "a DCP checkpoint (torch.distributed.checkpoint: .metadata and .distcp files)",
@@ -146,20 +193,18 @@ def probe_path(path: str | os.PathLike[str]) -> PathKind:
     ledger = [n for n in names if _LEDGER_NAME.match(n)]
     if ledger:
         first = os.path.join(p, sorted(ledger)[0])
-        return PathKind("ledger", p, f"a step ledger ({len(ledger)} tape(s))",
-                        f"read it with `ckpt tape show {first}`")
-    if any(_SEGMENT_NAME.match(n) for n in names) and any(
-        _magic(os.path.join(p, n)) == _TAPE_MAGIC for n in names if _SEGMENT_NAME.match(n)
-    ):
+        return PathKind("ledger", p, f"a step ledger ({len(ledger)} tape(s))", f"read it with `ckpt tape show {first}`")
+    segments = [n for n in names if _SEGMENT_NAME.match(n)]
+    if segments and any(fs.head(os.path.join(p, n)) == _TAPE_MAGIC for n in segments[:4]):
         return PathKind("tape", p, "an event tape (a segment directory)", f"read it with `ckpt tape show {p}`")
     ckpts, nested = [], 0
     for n in names:
         child = os.path.join(p, n)
-        if n.startswith(TMP_PREFIX) or not os.path.isdir(child):
+        if n.startswith(TMP_PREFIX) or not _is_dir(fs, child):
             continue
-        if os.path.isfile(os.path.join(child, MANIFEST_NAME)):
+        if _is_file(fs, os.path.join(child, MANIFEST_NAME)):
             ckpts.append(n)
-        elif _holds_checkpoints(child):
+        elif _holds_checkpoints(fs, child):
             nested += 1
     if ckpts or nested:
         ordered = tuple(_steps_first(ckpts))
@@ -176,14 +221,13 @@ def probe_path(path: str | os.PathLike[str]) -> PathKind:
     return PathKind("dir", p, "a directory that holds no checkpoint (no MANIFEST, no checkpoint files, no checkpoints in it)")
 
 
-def _holds_checkpoints(path: str) -> bool:
+def _holds_checkpoints(fs: Any, path: str) -> bool:
     try:
-        with os.scandir(path) as it:
-            for i, e in enumerate(it):
-                if i >= 10_000:
-                    return False
-                if e.is_dir() and os.path.isfile(os.path.join(e.path, MANIFEST_NAME)):
-                    return True
+        for i, n in enumerate(fs.names(path)):
+            if i >= 10_000:
+                return False
+            if _is_file(fs, os.path.join(path, n, MANIFEST_NAME)):
+                return True
     except OSError:
         return False
     return False

@@ -166,7 +166,7 @@ class CheckpointReader:
             self.path = p = os.path.realpath(p)
             st = self._storage.lstat(p)
         if not stat.S_ISDIR(st.st_mode):
-            raise _not_a_checkpoint(p)
+            raise _not_a_checkpoint(p, self._storage)
         # After resolving: a link named "latest" to a temporary dir is still temporary.
         if os.path.basename(p).startswith(TMP_PREFIX):
             raise IncompleteCheckpointError("temporary directory of an unfinished save, not a checkpoint", path=p)
@@ -178,7 +178,7 @@ class CheckpointReader:
                 self._storage.lstat(p)
             except FileNotFoundError:  # the directory itself went away after the first lstat
                 raise CheckpointVanishedError("the checkpoint was removed while it was being opened", path=p) from None
-            raise _not_a_checkpoint(p) from None
+            raise _not_a_checkpoint(p, self._storage) from None
         if not stat.S_ISREG(mst.st_mode):
             raise UnsafePathError("MANIFEST is not a regular file", path=mpath)
         limit = knobs().max_manifest_bytes + 64
@@ -711,11 +711,11 @@ def _holds_tensor_ref(obj: Any) -> bool:
     return False
 
 
-def _not_a_checkpoint(path: str) -> CkptError:
+def _not_a_checkpoint(path: str, storage: Any = None) -> CkptError:
     """No MANIFEST (or not a directory): say what the path holds instead (ckpt.probe)."""
     from .probe import FOREIGN_KINDS, probe_path
 
-    found = probe_path(path)
+    found = probe_path(path, storage=storage)
     if found.kind in FOREIGN_KINDS:
         return NotACheckpointError(f"not a checkpoint: {found.describe()}", path=path, kind=found.kind)
     return IncompleteCheckpointError(found.what, path=path)

@@ -87,3 +87,23 @@ def test_reader_names_what_a_path_is(places: dict[str, Path]) -> None:
         ckpt.open(places["temporary"])
     with pytest.raises(CheckpointNotFoundError):
         ckpt.open(places["missing"])
+
+
+def test_the_same_answers_through_a_storage_backend(places: dict[str, Path]) -> None:
+    """What an object-store backend is asked (lstat, listdir, read): the same kinds."""
+    from ckpt.storage import local
+
+    class Backend:  # a backend of another scheme, served here by the local one
+        scheme = "test"
+
+        def lstat(self, p: str):
+            return local.lstat(p)
+
+        def listdir(self, p: str):
+            return local.listdir(p)
+
+        def read(self, p: str, offset: int, size: int) -> bytes:
+            return local.read(p, offset, size)
+
+    for name, p in places.items():
+        assert probe_path(p, storage=Backend()).kind == probe_path(p).kind, name
