@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .errors import CkptError
-from .probe import PathKind, probe_path
+from .probe import PathKind, backend, list_dir, probe_path
 
 __all__ = ["Outcome", "verify_paths", "overall_exit_code", "STATUSES"]
 
@@ -57,9 +57,9 @@ def _collect(path: str, found: PathKind, named: bool, out: list[tuple[str, PathK
     if k == "checkpoint":
         out.append((path, found))
     elif k == "run" and depth < 8:
-        for name in sorted(os.listdir(path)):
+        for name, is_dir in list_dir(path):
             child = os.path.join(path, name)
-            if not os.path.isdir(child):
+            if not is_dir:
                 continue  # files beside checkpoints (a tape, a plot) are not checkpoints
             sub = probe_path(child)
             if sub.kind in ("checkpoint", "run") or (sub.kind == "incomplete" and (_STEP_NAME.match(name) or
@@ -99,7 +99,8 @@ def verify_paths(
     for path, what in todo:
         if isinstance(what, PathKind):
             try:
-                readers[path] = CheckpointReader(path)
+                storage, at = backend(path)
+                readers[path] = CheckpointReader(at) if storage is None else CheckpointReader(at, storage=storage)
             except CkptError as e:
                 readers[path] = _failed(path, e)
     total = sum(r.manifest.total_bytes for r in readers.values() if isinstance(r, CheckpointReader))

@@ -36,7 +36,7 @@ from typing import Any
 
 from .format.manifest import MANIFEST_NAME, TMP_PREFIX
 
-__all__ = ["PathKind", "probe_path", "KINDS", "FOREIGN_KINDS"]
+__all__ = ["PathKind", "probe_path", "backend", "list_dir", "KINDS", "FOREIGN_KINDS"]
 
 KINDS = ("checkpoint", "temporary", "incomplete", "run", "ledger", "tape", "dcp", "hf", "hf-trainer", "dir", "file",
          "missing")
@@ -156,11 +156,36 @@ def _steps_first(names: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
+def backend(path: str | os.PathLike[str], storage: Any = None) -> tuple[Any, str]:
+    """``(storage, path)``: the backend that serves ``path`` (None: the local filesystem, the
+    path as typed), through ``ckpt.storage.resolve`` where there is one (URLs)."""
+    p = os.fspath(path)
+    if storage is not None:
+        return (None, p) if getattr(storage, "scheme", "file") == "file" else (storage, p)
+    try:
+        from .storage import resolve  # type: ignore[attr-defined]
+    except ImportError:  # a tree without object-store backends: every path is local
+        return None, p
+    got, norm = resolve(p)
+    return (None, p) if getattr(got, "scheme", "file") == "file" else (got, norm)
+
+
+def _fs(storage: Any) -> Any:
+    return _Local() if storage is None else _Through(storage)
+
+
+def list_dir(path: str, storage: Any = None) -> list[tuple[str, bool]]:
+    """``(name, is a directory)`` of the entries of a directory, through ``backend()``."""
+    st, p = backend(path, storage)
+    fs = _fs(st)
+    return [(n, _is_dir(fs, os.path.join(p, n))) for n in sorted(fs.names(p))]
+
+
 def probe_path(path: str | os.PathLike[str], *, storage: Any = None) -> PathKind:
     """Say what ``path`` holds (see the module docstring for the kinds). ``storage``: the
-    backend that serves ``path`` (default: the local filesystem)."""
-    p = os.fspath(path)
-    fs: Any = _Local() if storage is None or getattr(storage, "scheme", "file") == "file" else _Through(storage)
+    backend that serves ``path`` (default: the one ``ckpt.storage`` resolves it to)."""
+    st_, p = backend(path, storage)
+    fs: Any = _fs(st_)
     try:
         st = fs.stat(p)
     except FileNotFoundError:

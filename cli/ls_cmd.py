@@ -28,10 +28,22 @@ _OTHER = {
 
 
 def _dir_size(path: str) -> int:
+    """Bytes of the files directly in ``path`` (local or object store)."""
+    from ckpt.probe import backend
+
+    storage, p = backend(path)
+    if storage is None:
+        total = 0
+        for name in os.listdir(p):
+            try:
+                total += os.lstat(os.path.join(p, name)).st_size
+            except OSError:
+                pass
+        return total
     total = 0
-    for name in os.listdir(path):
+    for name in storage.listdir(p):
         try:
-            st = os.lstat(os.path.join(path, name))
+            st = storage.lstat(os.path.join(p, name))
             total += st.st_size
         except OSError:
             pass
@@ -42,7 +54,7 @@ def _row(name: str, p: str, deep: bool) -> dict[str, Any]:
     from ckpt import CheckpointReader
     from ckpt.errors import CkptError, IncompleteCheckpointError
     from ckpt.ledger import ledger_tapes
-    from ckpt.probe import probe_path
+    from ckpt.probe import backend, probe_path
 
     found = probe_path(p)
     row: dict[str, Any] = {"name": name, "path": p, "step": None, "time": None, "bytes": _dir_size(p), "kind": None,
@@ -53,7 +65,8 @@ def _row(name: str, p: str, deep: bool) -> dict[str, Any]:
         row.update(status="incomplete", problem=found.what)
     elif found.kind == "checkpoint":
         try:
-            r = CheckpointReader(p)
+            storage, at = backend(p)
+            r = CheckpointReader(at) if storage is None else CheckpointReader(at, storage=storage)
             row.update(step=r.step, time=r.manifest.created_at, kind=r.manifest.kind)
             r.verify(quick=not deep)
             row.update(state="valid" if deep else "committed", verified=deep,
@@ -72,10 +85,12 @@ def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
 
     if probe_path(run_dir).kind == "checkpoint":
         return [_row(os.path.basename(os.path.abspath(run_dir)), run_dir, deep)]
+    from ckpt.probe import list_dir
+
     rows = []
-    for name in sorted(os.listdir(run_dir)):
+    for name, is_dir in list_dir(run_dir):
         p = os.path.join(run_dir, name)
-        if not os.path.isdir(p) or os.path.islink(p):
+        if not is_dir or os.path.islink(p):
             continue
         rows.append(_row(name, p, deep))
     rows.sort(key=lambda r: (r["step"] is None, r["step"] if r["step"] is not None else 0, r["name"]))
