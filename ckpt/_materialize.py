@@ -20,13 +20,15 @@ from .format.manifest import FileEntry, PartEntry, TensorEntry
 from .format.tree import DeviceRef, DtypeRef, TensorRef
 from .writer import tensor_memoryview
 
-__all__ = ["read_tensor", "materialize_state", "resolve", "empty_for", "place", "TensorSource"]
+__all__ = ["read_tensor", "materialize_state", "materialize_entry", "resolve_lazily", "resolve", "empty_for", "place", "TensorSource"]
 
 
 class TensorSource(PartSource, Protocol):
     """The reading half of ``CheckpointReader`` that materialisation uses."""
 
     def read_tensor_bytes_into(self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True) -> None: ...
+
+    def read_tensors_into(self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True) -> None: ...
 
     def stream_part_into(self, pe: PartEntry, destinations: Any, *, verify: bool = True, handle: Any = None) -> None: ...
 
@@ -161,3 +163,49 @@ def materialize_state(
         src, saved = replica_target(reader, pe, name, saved, verify=verify)
         out[name] = resolve(saved, tensors_of(src), reader.path)
     return out
+
+
+def _refs(obj: Any) -> list[str]:
+    """The tensor keys a saved subtree refers to, in document order (duplicates once)."""
+    seen: dict[str, None] = {}
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, TensorRef):
+            seen.setdefault(v.key)
+        elif isinstance(v, dict):
+            stack.extend(reversed(list(v.values())))
+        elif isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+    return list(seen)
+
+
+def resolve_lazily(reader: TensorSource, pe: PartEntry, saved: Any, *, map_location: Any = None, verify: bool = True) -> Any:
+    """``saved`` with its tensors read one by one (only the chunks each overlaps)."""
+    by_key = {t.key: t for t in pe.tensors}
+    tensors: dict[str, torch.Tensor] = {}
+    items = []
+    for key in _refs(saved):
+        t = by_key.get(key)
+        if t is None:
+            raise FormatError("structure refers to a tensor the manifest does not list", path=reader.path, key=key)
+        tensors[key] = empty_for(t)
+        items.append((t, tensor_memoryview(tensors[key])))
+    reader.read_tensors_into(pe, items, verify=verify)  # each chunk read and hashed once
+    return resolve(saved, {k: place(v, map_location) for k, v in tensors.items()}, reader.path)
+
+
+def materialize_entry(
+    reader: TensorSource, pe: PartEntry, name: str, *, map_location: Any, verify: bool, mmap: bool = False
+) -> Any:
+    """One top-level entry as saved (a module's plain ``state_dict``): only its tensors are read."""
+    state = reader.tree(pe.name, verify=verify)["state"]
+    if name not in state:
+        raise FormatError(f"no entry {name!r} in this checkpoint (it has {sorted(state)})", path=reader.path, key=name)
+    src, saved = replica_target(reader, pe, name, state[name], verify=verify)
+    keys = _refs(saved)
+    if mmap or (keys and len(keys) == len(src.tensors)):
+        # the entry is the whole tensor file (or a mapping was asked for): one pass
+        fetch = _mmap_fresh if mmap else _stream_fresh
+        return resolve(saved, {k: place(v, map_location) for k, v in fetch(reader, src, verify).items()}, reader.path)
+    return resolve_lazily(reader, src, saved, map_location=map_location, verify=verify)

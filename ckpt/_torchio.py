@@ -50,18 +50,21 @@ class ExactnessWarning(RuntimeWarning):
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
+    """What ``ckpt.load`` did. Its repr is short: the context (RNG states: tens of KiB),
+    the manifest and ``extra`` are left out of it (read them as attributes)."""
+
     path: str
     id: str
     step: int | None
     part: str
-    context: dict[str, Any]
-    manifest: Manifest
+    context: dict[str, Any] = field(repr=False)
+    manifest: Manifest = field(repr=False)
     env_differences: tuple[str, ...] = ()
     exact: bool = True
     restored_rng: tuple[str, ...] = ()
     in_place: int = 0
     fresh: int = 0
-    extra: Any = None
+    extra: Any = field(default=None, repr=False)
 
 
 def _stateful(obj: Any) -> bool:
@@ -456,6 +459,8 @@ def prepare_load(
         if ctx.get("data") is None:
             raise StateMismatchError("checkpoint holds no data-loader state", path=reader.path, key="@data")
         plan.walk(ctx["data"], None, pe, "@data")
+    if ctx.get("extra") is not None:
+        plan.walk(ctx["extra"], None, pe, "@extra")  # LoadResult.extra: its tensors come back fresh
     _check_rng_targets(reader, ctx, generators, restore_rng_state)
 
     prepared = PreparedLoad(reader, pe, ctx, plan, entries, [], data, generators, restore_rng_state, verify, diffs)

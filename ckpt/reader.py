@@ -27,16 +27,17 @@ from .errors import (
     IncompleteCheckpointError,
     LimitExceededError,
     MissingFileError,
+    NotACheckpointError,
     SizeMismatchError,
     UnexpectedFileError,
     UnsafePathError,
 )
-from .format.codec import zstd_decompress
+from .format.codec import unpackb, zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
 from .format.context import check_context, check_entry_names
 from .format.manifest import MANIFEST_NAME, TMP_PREFIX, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
 from .format.safetensors import check_against_manifest, parse_header
-from .format.tree import decode_tree
+from .format.tree import TensorRef, decode_tree
 from .knobs import knobs
 from .storage import ReadHandle, Storage, resolve
 
@@ -167,7 +168,7 @@ class CheckpointReader:
             self.path = p = self._storage.realpath(p)
             st = self._storage.lstat(p)
         if not stat.S_ISDIR(st.st_mode):
-            raise FormatError("a checkpoint is a directory; this is not one", path=p)
+            raise _not_a_checkpoint(p, self._storage)
         # After resolving: a link named "latest" to a temporary dir is still temporary.
         if os.path.basename(p).startswith(TMP_PREFIX):
             raise IncompleteCheckpointError("temporary directory of an unfinished save, not a checkpoint", path=p)
@@ -179,7 +180,7 @@ class CheckpointReader:
                 self._storage.lstat(p)
             except FileNotFoundError:  # the directory itself went away after the first lstat
                 raise CheckpointVanishedError("the checkpoint was removed while it was being opened", path=p) from None
-            raise IncompleteCheckpointError("no MANIFEST: the save never committed", path=p) from None
+            raise _not_a_checkpoint(p, self._storage) from None
         if not stat.S_ISREG(mst.st_mode):
             raise UnsafePathError("MANIFEST is not a regular file", path=mpath)
         limit = knobs().max_manifest_bytes + 64
@@ -313,7 +314,31 @@ class CheckpointReader:
         return self._trees[pe.name]
 
     def context(self, part: str | None = None) -> dict[str, Any]:
-        return self.tree(part)["context"]
+        """A part's context (step, rng, data, config, topology, commit, env, lineage, extra).
+
+        Reads only the structure file, except where ``extra`` holds tensors: those are
+        read (verified) and returned as tensors, never as placeholders."""
+        ctx = self.tree(part)["context"]
+        if not _holds_tensor_ref(ctx.get("extra")):
+            return ctx
+        from ._materialize import resolve_lazily
+
+        return {**ctx, "extra": resolve_lazily(self, self.part(part), ctx["extra"])}
+
+    def config(self, part: str | None = None) -> Any:
+        """The config saved with ``config=`` (its canonical form: maps, lists, plain values),
+        or None when the save had none. Reads only the part's small structure file, never
+        a tensor: read it first, then build the model (``ckpt.open(p).config()["model"]``)."""
+        cfg = self.tree(part)["context"].get("config")
+        if not cfg:
+            return None
+        pe = self.part(part)
+        where = self._fp(pe.file("state")) if pe.file("state") is not None else self.path
+        return unpackb(cfg["canonical"], path=where, what="config")
+
+    def entries(self, part: str | None = None) -> tuple[str, ...]:
+        """The names of a part's top-level state entries (``"model"``, ``"optim"``, ...)."""
+        return tuple(self.tree(part)["state"])
 
     # -- tensors -------------------------------------------------------------------------
     def tensor_entries(self, part: str | None = None) -> tuple[TensorEntry, ...]:
@@ -394,6 +419,64 @@ class CheckpointReader:
             verifier.finish()
             if whole:
                 dst[:] = scratch[t.offset - lo : t.offset - lo + t.nbytes]
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
+    def read_tensors_into(
+        self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True
+    ) -> None:
+        """Read several tensors of one part into fresh memory, hashing each chunk they
+        overlap once: tensors whose chunks touch are read as one run, in file order.
+
+        For fresh destinations only (``state(ENTRY)``, an export): bytes are copied out as
+        their piece is read, so after an error a destination may hold part of its bytes.
+        Reading tensors one by one would hash a whole chunk for each small tensor in it.
+        """
+        if not items:
+            return  # a tensor-free entry never touches the tensor file
+        if not verify:
+            for t, dst in items:
+                self.read_tensor_bytes_into(pe, t, dst, verify=False)
+            return
+        self._header(pe)
+        f = pe.file("tensors")
+        if f is None:
+            return
+        fp, cs = self._fp(f), f.chunk_size
+        runs: list[tuple[int, int, list[tuple[TensorEntry, memoryview]]]] = []
+        for t, dst in sorted(items, key=lambda it: it[0].offset):
+            if not t.nbytes:
+                continue
+            first, last = t.offset // cs, (t.offset + t.nbytes - 1) // cs
+            if runs and first <= runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], last), runs[-1][2] + [(t, dst)])
+            else:
+                runs.append((first, last, [(t, dst)]))
+        try:
+            for first, last, group in runs:
+                lo, hi = first * cs, min((last + 1) * cs, f.size)
+                verifier = _ChunkVerifier(fp, f, first=first)
+                scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
+                pos, k = lo, 0
+                while pos < hi:
+                    n = min(len(scratch), hi - pos)
+                    piece = scratch[:n]
+                    got = self._storage.pread_into(fp, pos, piece)
+                    if got != n:
+                        raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got)
+                    verifier.update(piece)
+                    while k < len(group) and group[k][0].offset + group[k][0].nbytes <= pos:
+                        k += 1  # tensors that ended before this piece
+                    for t, dst in group[k:]:
+                        if t.offset >= pos + n:
+                            break
+                        a, b = max(pos, t.offset), min(pos + n, t.offset + t.nbytes)
+                        if a < b:
+                            out = dst.cast("B") if dst.format != "B" or dst.ndim != 1 else dst
+                            out[a - t.offset : b - t.offset] = piece[a - pos : b - pos]
+                    pos += n
+                verifier.finish()
         except FileNotFoundError:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
@@ -588,21 +671,77 @@ class CheckpointReader:
         return read_tensor(self, pe, t, map_location=map_location, verify=verify)
 
     def state(
-        self, part: str | None = None, *, map_location: Any = None, verify: bool = True, mmap: bool = False
-    ) -> dict[str, Any]:
-        """The whole saved state of a part, as plain trees of fresh tensors.
+        self,
+        entry: str | None = None,
+        *,
+        part: str | None = None,
+        map_location: Any = None,
+        verify: bool = True,
+        mmap: bool = False,
+    ) -> Any:
+        """The saved state of a part as plain trees of fresh tensors: every entry, or one.
 
+        ``state("model")`` is that entry alone, as it was saved: for a module, a plain
+        ``state_dict`` with the entry prefix stripped (``{"0.weight": ...}``), ready for
+        ``module.load_state_dict(sd, strict=True)``; only its own tensors are read (an
+        optimizer in the same file is not). ``state()`` maps every entry name to that.
         ``mmap=True`` backs the tensors by a private copy-on-write mapping of the file
         instead of reading them into new memory (faster; see ``_materialize._mmap_fresh``
         for the one caveat: do not truncate the file while the tensors are alive).
         """
-        from ._materialize import materialize_state
+        from ._materialize import materialize_entry, materialize_state
 
+        if entry is not None and part is None:
+            entry, part = self._entry_or_part(entry)
         if part is None and "sharded" in self.meta:  # sharded hook: global tensors (ckpt.dcp)
             from .dcp.full import full_state
 
-            return full_state(self, verify=verify)
-        return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
+            full = full_state(self, verify=verify)
+            if entry is None:
+                return full
+            if entry not in full:
+                raise FormatError(f"no entry {entry!r} in this checkpoint (it has {sorted(full)})", path=self.path, key=entry)
+            return full[entry]
+        pe = self.part(part)
+        if entry is None:
+            return materialize_state(self, pe, map_location=map_location, verify=verify, mmap=mmap)
+        return materialize_entry(self, pe, entry, map_location=map_location, verify=verify, mmap=mmap)
+
+    def _entry_or_part(self, name: str) -> tuple[str | None, str | None]:
+        """``state(NAME)`` selects an entry. A part name there is the old signature
+        (``state(part)``): still accepted, with a DeprecationWarning."""
+        if "sharded" in self.meta or not any(pe.name == name for pe in self.parts):
+            return name, None
+        if len(self.parts) == 1 and name in self.tree(name)["state"]:
+            return name, None  # an entry that happens to share the part's name
+        import warnings
+
+        warnings.warn(f"state({name!r}) names a part: use state(part={name!r}); state(NAME) selects an entry",
+                      DeprecationWarning, stacklevel=3)
+        return None, name
+
+
+def _holds_tensor_ref(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, TensorRef):
+            return True
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return False
+
+
+def _not_a_checkpoint(path: str, storage: Any = None) -> CkptError:
+    """No MANIFEST (or not a directory): say what the path holds instead (ckpt.probe)."""
+    from .probe import FOREIGN_KINDS, probe_path
+
+    found = probe_path(path, storage=storage)
+    if found.kind in FOREIGN_KINDS:
+        return NotACheckpointError(f"not a checkpoint: {found.describe()}", path=path, kind=found.kind)
+    return IncompleteCheckpointError(found.what, path=path)
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> CheckpointReader:

@@ -24,7 +24,7 @@ import re
 import secrets
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
@@ -347,7 +347,7 @@ def write_part(
         tensors = [TensorEntry(t.key, t.dtype, t.shape, 1, t.offset, t.nbytes) for t in tensors]
     summary = {
         "step": step,
-        "entries": {key: {"type": entry_types[key], "tensors": collector.counts.get(key, [0, 0])[0], "bytes": collector.counts.get(key, [0, 0])[1]} for key in wire_state},
+        "entries": {key: _entry_summary(state[key], entry_types[key], collector.counts.get(key, [0, 0])) for key in wire_state},
         "rng": rng_kinds(rng_state) if rng_state else [],
         "data": None if data is None else {"type": context["data_type"], "state": _preview(data_state)},
         "config_hash": context["config"]["hash"] if context["config"] else None,
@@ -357,6 +357,13 @@ def write_part(
         "lineage": context["lineage"],
     }
     return PartEntry(name, tuple(files), tuple(tensors), summary)
+
+
+def _entry_summary(obj: Any, type_name: str, counts: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": type_name, "tensors": counts[0], "bytes": counts[1]}
+    if isinstance(obj, Replicated):
+        out["replica_of"] = obj.part  # its bytes (and its type) are in that part (spec §4.6)
+    return out
 
 
 def _preview(wire: Any) -> Any:
@@ -558,11 +565,13 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
 
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
+    """A committed checkpoint (what ``save`` returns); the manifest is left out of its repr."""
+
     path: str
     id: str
     step: int | None
     bytes: int
-    manifest: Manifest
+    manifest: Manifest = field(repr=False)
 
 
 def save(

@@ -10,21 +10,20 @@ from typing import Any
 
 import click
 
-from ckpt_cli._common import classify, dump_json, handle_errors, human_bytes, when
+from ckpt_cli._common import classify, dump_json, handle_errors, human_bytes, json_option, not_found, when, wrong_kind
 
 
 def manifest_summary(r: Any) -> dict[str, Any]:
     m = r.manifest
     parts = []
+    by_part = {p.name: p.summary.get("entries") or {} for p in m.parts}
     for p in m.parts:
         s = p.summary
         parts.append(
             {
                 "name": p.name,
                 "files": [{"name": f.name, "role": f.role, "bytes": f.size, "chunks": len(f.digests) // 16} for f in p.files],
-                "entries": {
-                    k: {**v, "field": classify(v.get("type", ""), v.get("tensors"), k)} for k, v in (s.get("entries") or {}).items()
-                },
+                "entries": {k: _entry(k, v, by_part) for k, v in (s.get("entries") or {}).items()},
                 "tensors": [{"name": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for t in p.tensors],
                 "rng": s.get("rng"),
                 "data": s.get("data"),
@@ -49,6 +48,18 @@ def manifest_summary(r: Any) -> dict[str, Any]:
         "parts": parts,
         "sharded": sharded_summary(r) if isinstance(m.meta, dict) and "sharded" in m.meta else None,
     }
+
+
+def _entry(name: str, e: dict[str, Any], by_part: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """An entry's summary with its field; a replicated one takes its type (and the field
+    it belongs to) from the part that holds its bytes, and says which part that is."""
+    src = e.get("replica_of")
+    if isinstance(src, str):
+        held = (by_part.get(src) or {}).get(name) or {}
+        typ = held.get("type", e.get("type", ""))
+        return {**e, "type": typ, "field": classify(typ, held.get("tensors"), name),
+                "replica": {"part": src, "tensors": held.get("tensors"), "bytes": held.get("bytes")}}
+    return {**e, "field": classify(e.get("type", ""), e.get("tensors"), name), "replica": None}
 
 
 def sharded_summary(r: Any) -> dict[str, Any]:
@@ -128,7 +139,10 @@ def render(s: dict[str, Any], *, tensors: bool = True, max_tensors: int = 50) ->
         out.append("  seven fields:")
         by_field: dict[str, list[str]] = {}
         for name, e in p["entries"].items():
+            rep = e.get("replica")
             by_field.setdefault(e["field"], []).append(
+                f"{name}: replicated, held by part {rep['part']} ({rep.get('tensors') or 0} tensors, "
+                f"{human_bytes(rep.get('bytes'))} there; {e.get('type')})" if rep else
                 f"{name} (plain values)" if e["field"] == "other" else
                 f"{name}: {e.get('tensors', 0)} tensors, {human_bytes(e.get('bytes'))} ({e.get('type')})"
             )
@@ -201,16 +215,38 @@ def _snapshot_lines(meta: dict[str, Any]) -> list[str]:
 
 
 @click.command("inspect")
-@click.argument("path", type=click.Path(file_okay=False, path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("path")
+@json_option("§4.1")
 @click.option("--all", "show_all", is_flag=True, help="List every tensor.")
+@click.option("--latest", is_flag=True, help="PATH is a run directory: inspect its newest committed checkpoint.")
 @handle_errors
-def inspect_cmd(path: str, as_json: bool, show_all: bool) -> None:
-    """Summarise a checkpoint without loading it (and without importing torch)."""
+def inspect_cmd(path: str, as_json: bool, show_all: bool, latest: bool) -> None:
+    """Summarise a checkpoint without loading it (and without importing torch).
+
+    Exit 0; 3 corrupt; 4 incomplete; 5 missing; 7 not a checkpoint (a file, a run
+    directory without --latest, a tape, a DCP or Hugging Face directory: named)."""
     from ckpt import CheckpointReader
 
+    if latest:
+        path = newest_checkpoint(path)
     s = manifest_summary(CheckpointReader(path))
     if as_json:
         dump_json(s)
     else:
         click.echo(render(s, max_tensors=10**9 if show_all else 50))
+
+
+def newest_checkpoint(run_dir: str) -> str:
+    """The newest committed checkpoint of a run directory, by step (``--latest``)."""
+    from ckpt.probe import probe_path
+
+    found = probe_path(run_dir)
+    if found.kind == "checkpoint":
+        return run_dir
+    if found.kind == "missing":
+        raise not_found(run_dir)
+    if found.kind != "run" or not found.checkpoints:
+        raise wrong_kind(f"--latest: {run_dir} holds no committed checkpoint: it is {found.what}")
+    import os
+
+    return os.path.join(run_dir, found.checkpoints[-1])

@@ -117,7 +117,7 @@ def _run_stage(stage: str, path: Path, r: Any) -> Any:
         r.verify()
         return r
     for pe in r.parts:
-        r.state(pe.name)
+        r.state(part=pe.name)
     return r
 
 
@@ -161,7 +161,7 @@ def test_vector(name: str) -> None:
         for key, desc in pexp["tensors"].items():
             assert_tensor(r.tensor(key, part=part), desc, f"{name}:{part}:{key}")
         # the whole state, fresh
-        fresh = r.state(part)
+        fresh = r.state(part=part)
         assert_tree(fresh, pexp["state"], f"{name}:{part}")
         for a, b in pexp["aliases"]:
             assert lookup(fresh, a) is lookup(fresh, b), (a, b)
