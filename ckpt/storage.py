@@ -42,6 +42,10 @@ class Storage(Protocol):
     def exchange(self, a: str, b: str) -> bool: ...  # atomic swap; False if unsupported here
     def remove_tree(self, path: str) -> None: ...
     def fsync_dir(self, path: str) -> None: ...
+    # Dedup (spec/format-2.md §V.4): give ``src``'s bytes a second name ``dst`` without
+    # writing them (a hard link; an object store may do a server-side copy). False when
+    # this backend or filesystem cannot: the writer then writes the bytes.
+    def link(self, src: str, dst: str) -> bool: ...
 
 
 _OVERLAP_MIN = 8 << 20
@@ -188,6 +192,18 @@ class LocalStorage:
 
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
+
+    def link(self, src: str, dst: str) -> bool:
+        try:
+            # follow_symlinks=False: link the file itself, never a symlink's target
+            os.link(src, dst, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError:
+            # EXDEV (another filesystem), EMLINK (link limit), EPERM/EOPNOTSUPP (no hard
+            # links here), ENOENT (the source was removed): write the bytes instead.
+            return False
+        return True
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

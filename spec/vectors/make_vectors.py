@@ -346,7 +346,7 @@ def _describe_ok(vec: Path, ck: Path, state_by_part: dict[str, dict[str, Any]], 
             "kind": m.kind,
             "step": m.step,
             "created_at": {"$float": struct.pack(">d", m.created_at).hex()},
-            "files": sorted(f.name for f in m.files),
+            "files": sorted(n for n, _, part_manifest in m.parts.file_sizes() if not part_manifest),
         },
         "parts": parts,
     }
@@ -491,8 +491,8 @@ def build(out: Path) -> list[str]:
         bad("invalid-wrong-magic", lambda ck: (ck / MANIFEST_NAME).write_bytes(_hand_manifest(_raw_body(ck), magic=b"CKPTMNFX")),
             "FormatError", "open", "Magic CKPTMNFX; digest recomputed so only the magic is wrong.")
         bad("invalid-future-major-version",
-            lambda ck: (ck / MANIFEST_NAME).write_bytes(_hand_manifest(None, major=2, body_bytes=b"\xc1 a v2 body")),
-            "UnsupportedVersionError", "open", "Major version 2 with a body this reader cannot parse; refused before the body.")
+            lambda ck: (ck / MANIFEST_NAME).write_bytes(_hand_manifest(None, major=3, body_bytes=b"\xc1 a v3 body")),
+            "UnsupportedVersionError", "open", "Major version 3 with a body this reader cannot parse; refused before the body.")
 
         def absurd_len(ck: Path) -> None:
             data = (ck / MANIFEST_NAME).read_bytes()
