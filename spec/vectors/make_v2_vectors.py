@@ -27,11 +27,9 @@ import msgpack  # noqa: E402
 import torch  # noqa: E402
 import zstandard  # noqa: E402
 
-import ckpt.writer as writer  # noqa: E402
-from ckpt.format import bpz, dtypes  # noqa: E402
+from ckpt.format import bpz  # noqa: E402
 from ckpt.format.digest import ChunkHasher, digest_bytes  # noqa: E402
 from ckpt.format.manifest import MANIFEST_NAME  # noqa: E402
-from ckpt.knobs import override  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("make_vectors", HERE / "make_vectors.py")
 assert _spec is not None and _spec.loader is not None
@@ -152,34 +150,10 @@ def _every_dtype_state() -> dict[str, Any]:
     return {"dtypes": {k: {"vec": v["vec"]} for k, v in st["dtypes"].items()}}
 
 
-def _write(path: Path, state: dict[str, Any], *, parts: list[tuple[str, dict[str, Any]]] | None = None,
-           part_manifests: bool = False, **kw: Any) -> None:
-    """make_vectors._write with 2.0 options (compress, dedup_from, part manifests)."""
-    saved = (writer.capture_env, writer.capture_topology, writer.capture_commit, writer.__version__)
-    writer.capture_env = lambda: dict(v1.FIXED_ENV)
-    writer.capture_topology = lambda: dict(v1.FIXED_TOPOLOGY)
-    writer.capture_commit = lambda code_dir=None: dict(v1.FIXED_COMMIT)
-    writer.__version__ = "0.1.0"
-    try:
-        with override(chunk_size=CHUNK, bpz_block=4096):
-            dedup_from = kw.pop("dedup_from", None)
-            pending = writer.begin(path, part_manifests=part_manifests)
-            try:
-                kw.setdefault("lineage", {"run_id": None, "resumed_from": None})
-                todo = parts if parts is not None else [(writer.part_name_for_rank(0), state)]
-                pes = []
-                for name, st in todo:
-                    reuse = writer.reuse_from(dedup_from, name) if dedup_from else None
-                    pes.append(writer.write_part(pending, name, st, rng=False, step=1, reuse=reuse, **kw))
-                writer.commit(pending, pes, step=1)
-            except BaseException:
-                writer.abort(pending)
-                raise
-    finally:
-        writer.capture_env, writer.capture_topology, writer.capture_commit, writer.__version__ = saved
-    body = raw_body_v2(path)
-    body["created_at"] = v1.CREATED_AT
-    sign_v2(path, body, fix_id=False, major=struct.unpack_from("<H", (path / MANIFEST_NAME).read_bytes(), 8)[0])
+def _write(path: Path, state: dict[str, Any], **kw: Any) -> None:
+    """make_vectors._write: fixed context and created_at; takes compress=, dedup=,
+    dedup_from= and part_manifests= too."""
+    v1._write(path, state, **kw)
 
 
 def _packed_state() -> dict[str, Any]:
@@ -472,15 +446,7 @@ def build(out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
-
-    warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
-    args = sys.argv[1:] if argv is None else argv
-    out = Path(args[0]) if args else HERE / "checkpoint-v2"
-    made = build(out)
-    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"{len(made)} vectors, {total} bytes in {out}")
-    return 0
+    return v1.main(argv, builder=build, default="checkpoint-v2")
 
 
 if __name__ == "__main__":
