@@ -30,15 +30,15 @@ class TensorSource(PartSource, Protocol):
         self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, fd: int | None = None
     ) -> None: ...
 
-    def stream_part_into(self, pe: PartEntry, destinations: Any, *, verify: bool = True, fd: int | None = None) -> None: ...
+    def stream_part_into(self, pe: PartEntry, destinations: Any, *, verify: bool = True, handle: Any = None) -> None: ...
 
     def stream_file_into(
-        self, pe: PartEntry, index: int, destinations: Any, *, verify: bool = True, fd: int | None = None
+        self, pe: PartEntry, index: int, destinations: Any, *, verify: bool = True, handle: Any = None
     ) -> None: ...
 
-    def open_data_file(self, pe: PartEntry, index: int) -> int: ...
+    def open_data_file(self, pe: PartEntry, index: int) -> Any: ...
 
-    def open_tensor_file(self, pe: PartEntry) -> tuple[int, FileEntry] | None: ...
+    def open_tensor_file(self, pe: PartEntry) -> tuple[Any, FileEntry] | None: ...
 
     def verify_bytes(self, f: FileEntry, data: Any) -> None: ...
 
@@ -89,7 +89,8 @@ def resolve(obj: Any, tensors: Mapping[str, torch.Tensor], path: str) -> Any:
     return obj
 
 
-def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str, torch.Tensor]:
+def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool, index: int | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the part (or of its data file ``index``) read into fresh memory."""
     fresh: dict[str, torch.Tensor] = {}
 
     def dest(t: TensorEntry) -> memoryview:
@@ -97,7 +98,10 @@ def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str
         fresh[t.key] = out
         return tensor_memoryview(out)
 
-    reader.stream_part_into(pe, dest, verify=verify)
+    if index is None:
+        reader.stream_part_into(pe, dest, verify=verify)
+    else:
+        reader.stream_file_into(pe, index, dest, verify=verify)
     return fresh
 
 
@@ -119,8 +123,15 @@ def _mmap_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str, 
             for t in entries:
                 out[t.key] = read_tensor(reader, pe, t, map_location=None, verify=verify)
             continue
-        fd = reader.open_data_file(pe, index)  # checks the safetensors header against the manifest
+        handle = reader.open_data_file(pe, index)  # checks the safetensors header against the manifest
+        fileno = getattr(handle, "fileno", None)
+        if fileno is None:
+            # Not a local file (an object store): nothing to map; read it into memory.
+            handle.close()
+            out.update(_stream_fresh(reader, pe, verify, index))
+            continue
         try:
+            fd = fileno()
             size = os.fstat(fd).st_size
             if size != f.size:
                 raise SizeMismatchError(
@@ -129,7 +140,7 @@ def _mmap_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str, 
                 )
             mm = mmap.mmap(fd, f.size, access=mmap.ACCESS_COPY) if f.size else None
         finally:
-            os.close(fd)
+            handle.close()
         if mm is None:
             out.update({t.key: empty_for(t) for t in entries})
             continue

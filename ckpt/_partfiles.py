@@ -26,7 +26,7 @@ from .format.manifest import FileEntry, PartEntry, TensorEntry
 from ._tensorbytes import tensor_memoryview
 from .errors import CkptError
 from .knobs import knobs
-from .storage import Storage, local
+from .storage import Storage
 
 __all__ = ["Compress", "Reuse", "Layout", "plan", "write_packed", "link_shared", "compress_policy", "reuse_from"]
 
@@ -100,13 +100,14 @@ def _hash_all(tensors: Sequence[tuple[str, Any]]) -> dict[str, bytes]:
     return {k: digest_bytes(_values(t)) for k, t in tensors}
 
 
-def _content_name(part: str, rows: Iterable[list[Any]], suffix: str, taken: set[str]) -> str:
+def _content_name(part: str, rows: Iterable[list[Any]], suffix: str, taken: set[str],
+                  file_name: Callable[[str, str], str]) -> str:
     h = digest_bytes(packb(list(rows)))[:8].hex()
-    name = f"{part}-{h}{suffix}"
+    name = file_name(part, f"-{h}{suffix}")
     n = 0
     while name in taken:  # a 2^-64 accident; still never reuse a name in one checkpoint
         n += 1
-        name = f"{part}-{h}~{n}{suffix}"
+        name = file_name(part, f"-{h}~{n}{suffix}")
     return name
 
 
@@ -119,6 +120,7 @@ def plan(
     reuse: Reuse | None = None,
     dedup: bool = False,
     storage: Storage | None = None,
+    file_name: Callable[[str, str], str] | None = None,
 ) -> Layout:
     """Decide where every tensor goes. ``dedup``: hash every tensor (so a later save can
     share this one's files) even when there is nothing to reuse yet."""
@@ -135,22 +137,28 @@ def plan(
     for k, t in tensors:
         if k not in reused:
             (out.packed if encode[k] else out.plain).append((k, t))
-    _name_files(part, out)
+    _name_files(part, out, file_name or _plain_name)
     return out
 
 
-def _name_files(part: str, out: Layout) -> None:
+def _plain_name(part: str, suffix: str) -> str:
+    return f"{part}{suffix}"
+
+
+def _name_files(part: str, out: Layout, file_name: Callable[[str, str], str]) -> None:
+    """``file_name(part, suffix)``: the save's naming (``PendingCheckpoint.file_name``: an
+    object store adds a per-save tag)."""
     if not out.dedup:
-        out.plain_name, out.packed_name = f"{part}.safetensors", f"{part}.bpz"
+        out.plain_name, out.packed_name = file_name(part, ".safetensors"), file_name(part, ".bpz")
         return
     taken = {s.entry.name for s in out.shared}
 
     def rows(ts: list[tuple[str, Any]], enc: str | None) -> Iterable[list[Any]]:
         return ([k, dtypes.dtype_name(t.dtype), list(t.shape), out.digests[k], enc] for k, t in ts)
 
-    out.plain_name = _content_name(part, rows(out.plain, None), ".safetensors", taken)
+    out.plain_name = _content_name(part, rows(out.plain, None), ".safetensors", taken, file_name)
     taken.add(out.plain_name)
-    out.packed_name = _content_name(part, rows(out.packed, bpz.NAME), ".bpz", taken)
+    out.packed_name = _content_name(part, rows(out.packed, bpz.NAME), ".bpz", taken, file_name)
 
 
 def _shareable(
@@ -194,7 +202,9 @@ def _shareable(
     return out[:60]  # files per part stay within the limit of 64 (§V.7)
 
 
-def link_shared(part: str, layout: Layout, tmp_dir: str, storage: Storage) -> list[tuple[FileEntry, list[TensorEntry]]]:
+def link_shared(
+    part: str, layout: Layout, tmp_dir: str, storage: Storage, *, file_name: Callable[[str, str], str] | None = None
+) -> list[tuple[FileEntry, list[TensorEntry]]]:
     """Link the planned shared files into the temporary directory (§V.4.2 rule 3), before
     anything else is written. A file that cannot be linked (another filesystem, the link
     limit, a backend without links or server-side copy, the source gone) is written
@@ -214,7 +224,7 @@ def link_shared(part: str, layout: Layout, tmp_dir: str, storage: Storage) -> li
             (layout.packed if layout.encode[e.key] else layout.plain).append((e.key, layout.tensors[e.key]))
     if len(keep) != len(layout.shared):
         layout.shared = keep
-        _name_files(part, layout)
+        _name_files(part, layout, file_name or _plain_name)
     return done
 
 
@@ -248,7 +258,7 @@ def write_packed(
     return FileEntry(name, "packed", size, k.chunk_size, digests), entries
 
 
-def reuse_from(path: str | os.PathLike[str], part: str, *, storage: Storage = local) -> Reuse | None:
+def reuse_from(path: str | os.PathLike[str], part: str, *, storage: Storage | None = None) -> Reuse | None:
     """The part ``part`` of the committed checkpoint at ``path``, as a dedup source; None
     when there is none to share from (not committed, no such part, unreadable): the save
     then writes everything, which is always correct."""

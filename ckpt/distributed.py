@@ -38,7 +38,7 @@ from .errors import CkptError
 from ._partfiles import Reuse
 from .format.manifest import Manifest, part_record
 from .knobs import knobs
-from .storage import Storage, first_errno, local
+from .storage import Storage, first_errno, resolve
 from .writer import PendingCheckpoint, Replicated, abort, begin, commit, part_name_for_rank, write_part
 
 __all__ = ["DistributedCheckpointer", "DistributedSaveError", "is_distributed"]
@@ -126,7 +126,7 @@ class DistributedCheckpointer:
         meta: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         code_dir: str | None = None,
-        storage: Storage = local,
+        storage: Storage | None = None,
         compress: Any = None,
         reuse: Reuse | None = None,
         dedup: bool = False,
@@ -138,14 +138,14 @@ class DistributedCheckpointer:
         are as for ``ckpt.write_part`` (format 2.0). ``part_manifests``: list parts by
         reference (default: when the job has more ranks than ``CKPT_INLINE_PARTS_MAX``).
         """
-        final = os.path.abspath(os.fspath(path))
+        storage, final = resolve(path, storage)
         if part_manifests is None:
             part_manifests = self.world_size > knobs().inline_parts_max
         # 1. rank 0 creates the temporary directory
         if self.rank == 0:
             try:
                 pending = begin(final, overwrite=overwrite, storage=storage, part_manifests=part_manifests)
-                msg = _pack({"tmp": pending.tmp_dir})
+                msg = _pack({"tmp": pending.tmp_dir, "tag": pending.tag})
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 msg = _pack(_error_record(e))
         else:
@@ -154,7 +154,9 @@ class DistributedCheckpointer:
         if "error" in got:
             raise DistributedSaveError(f"rank 0 could not start the save: {got['error']}", path=final, errno=got.get("errno"))
         # overwrite travels with the pending record: the commit enforces it atomically.
-        pending = PendingCheckpoint(final=final, tmp_dir=got["tmp"], overwrite=overwrite, part_manifests=part_manifests)
+        pending = PendingCheckpoint(
+            final=final, tmp_dir=got["tmp"], overwrite=overwrite, tag=got.get("tag", ""), part_manifests=part_manifests
+        )
 
         # 2. every rank writes its part
         missing = [k for k in replicated if k not in state]

@@ -49,7 +49,7 @@ from .format.manifest import (
 from .format.safetensors import check_against_manifest, parse_header
 from .format.tree import decode_tree
 from .knobs import knobs
-from .storage import Storage, local, preadv_full
+from .storage import ReadHandle, Storage, resolve
 
 __all__ = ["CheckpointReader", "open_checkpoint", "VerifyReport", "TMP_PREFIX"]
 
@@ -182,7 +182,7 @@ class _PipelinedVerifier:
         self._feeder.abort()
 
 
-def _parallel_reads(fd: int, fp: str, jobs: list[tuple[TensorEntry, memoryview]], request: int) -> None:
+def _parallel_reads(handle: ReadHandle, fp: str, jobs: list[tuple[TensorEntry, memoryview]], request: int) -> None:
     """Read (tensor, destination) pairs in ``request``-sized pieces on two threads."""
     pieces: list[tuple[TensorEntry, memoryview, int]] = []
     for t, dst in jobs:
@@ -192,7 +192,7 @@ def _parallel_reads(fd: int, fp: str, jobs: list[tuple[TensorEntry, memoryview]]
 
     def run(share: list[tuple[TensorEntry, memoryview, int]]) -> None:
         for t, piece, lo in share:
-            got = preadv_full(fd, piece, t.offset + lo, request)
+            got = handle.pread_into(t.offset + lo, piece)
             if got != len(piece):
                 raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + lo + got, key=t.key)
 
@@ -215,9 +215,10 @@ def _parallel_reads(fd: int, fp: str, jobs: list[tuple[TensorEntry, memoryview]]
 class CheckpointReader:
     """A committed checkpoint, opened lazily. Create with :func:`ckpt.open`."""
 
-    def __init__(self, path: str | os.PathLike[str], *, storage: Storage = local) -> None:
-        self.path = os.path.abspath(os.fspath(path))
-        self._storage = storage
+    def __init__(self, path: str | os.PathLike[str], *, storage: Storage | None = None) -> None:
+        # The one resolver: a plain path is local, s3://... the object-store backend,
+        # any other URL a clear UnsupportedSchemeError (never a local folder "s3:").
+        self._storage, self.path = resolve(path, storage)
         self.manifest: Manifest = self._open()
         self._trees: dict[str, Any] = {}
         self._headers: dict[tuple[str, int], tuple[int, dict]] = {}  # (part, file index) -> safetensors header
@@ -232,7 +233,7 @@ class CheckpointReader:
         if stat.S_ISLNK(st.st_mode):
             # Following a symlinked checkpoint is fine for users, but resolve it so every
             # later containment check is against the real directory.
-            self.path = p = os.path.realpath(p)
+            self.path = p = self._storage.realpath(p)
             st = self._storage.lstat(p)
         if not stat.S_ISDIR(st.st_mode):
             raise FormatError("a checkpoint is a directory; this is not one", path=p)
@@ -293,7 +294,7 @@ class CheckpointReader:
             except FileNotFoundError:
                 raise MissingFileError("file named in the manifest is missing", path=fp) from None
             if stat.S_ISLNK(st.st_mode):
-                raise UnsafePathError("checkpoint files must not be symlinks", path=fp, target=os.readlink(fp))
+                raise UnsafePathError("checkpoint files must not be symlinks", path=fp, target=self._storage.readlink(fp))
             if not stat.S_ISREG(st.st_mode):
                 raise UnsafePathError("checkpoint file is not a regular file", path=fp)
             if st.st_size != f.size:
@@ -329,9 +330,14 @@ class CheckpointReader:
     def _fp(self, f: FileEntry) -> str:
         return os.path.join(self.path, f.name)
 
-    def _open_fd(self, fp: str) -> int:
+    @property
+    def storage(self) -> Storage:
+        """The backend this checkpoint is read through (``ckpt.storage``)."""
+        return self._storage
+
+    def _open_handle(self, fp: str) -> ReadHandle:
         try:
-            return os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+            return self._storage.open_read(fp)
         except FileNotFoundError:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
@@ -401,24 +407,25 @@ class CheckpointReader:
         raise FormatError("no such tensor in this checkpoint", path=self.path, key=key)
 
     def read_tensor_bytes_into(
-        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, fd: int | None = None
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, handle: ReadHandle | None = None
     ) -> None:
         """Read one tensor's bytes into ``dst``, verifying every chunk it overlaps.
 
-        ``fd``: read through this descriptor of the tensor's file (see
-        :meth:`open_data_file`) instead of through the storage by path. A packed tensor
-        (format 2.0) is decoded into ``dst`` from the chunks its span overlaps.
+        ``handle``: read through this open file of the tensor (see :meth:`open_data_file`)
+        instead of through the storage by path. Only the chunks the tensor overlaps are
+        read (ranged requests on an object store). A packed tensor (format 2.0) is decoded
+        into ``dst`` from the chunks its span overlaps.
         """
         if t.encoding is not None:
-            self._read_encoded_into(pe, t, dst, verify=verify, fd=fd)
+            self._read_encoded_into(pe, t, dst, verify=verify, handle=handle)
             return
         self._header(pe, t.file)
         f = pe.files[t.file]
         fp = self._fp(f)
 
         def pread_into(offset: int, buf: memoryview) -> int:
-            if fd is not None:
-                return preadv_full(fd, buf, offset)
+            if handle is not None:
+                return handle.pread_into(offset, buf)
             return self._storage.pread_into(fp, offset, buf)
 
         if not verify:
@@ -463,7 +470,9 @@ class CheckpointReader:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
 
-    def _read_encoded_into(self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool, fd: int | None) -> None:
+    def _read_encoded_into(
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool, handle: ReadHandle | None
+    ) -> None:
         """Decode a BPZ1 span (format-2.md §V.3) into ``dst``: the chunks the span overlaps
         are read in pieces of at most _VERIFY_PIECE, each hashed before it is decoded."""
         from .format import dtypes
@@ -485,7 +494,7 @@ class CheckpointReader:
             while pos < stop:
                 n = min(len(scratch), stop - pos)
                 piece = scratch[:n]
-                got = preadv_full(fd, piece, pos) if fd is not None else self._storage.pread_into(fp, pos, piece)
+                got = handle.pread_into(pos, piece) if handle is not None else self._storage.pread_into(fp, pos, piece)
                 if got != n:
                     raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got, key=t.key)
                 if verifier is not None:
@@ -517,15 +526,15 @@ class CheckpointReader:
         destinations: Callable[[TensorEntry], memoryview],
         *,
         verify: bool = True,
-        fd: int | None = None,
+        handle: ReadHandle | None = None,
     ) -> None:
         """Read every tensor of a part straight into caller memory, file by file (see
-        :meth:`stream_file_into`). ``fd``: a descriptor of the part's only data file."""
+        :meth:`stream_file_into`). ``handle``: the part's only data file, opened."""
         files = pe.data_files()
-        if fd is not None and len(files) > 1:
-            raise ValueError("one descriptor for a part with several tensor files")
+        if handle is not None and len(files) > 1:
+            raise ValueError("one handle for a part with several tensor files")
         for i in files:
-            self.stream_file_into(pe, i, destinations, verify=verify, fd=fd)
+            self.stream_file_into(pe, i, destinations, verify=verify, handle=handle)
 
     def stream_file_into(
         self,
@@ -534,7 +543,7 @@ class CheckpointReader:
         destinations: Callable[[TensorEntry], memoryview],
         *,
         verify: bool = True,
-        fd: int | None = None,
+        handle: ReadHandle | None = None,
     ) -> None:
         """Read every tensor of data file ``index`` of a part into caller memory.
 
@@ -544,28 +553,28 @@ class CheckpointReader:
         because tensors tile the data region (checked against the safetensors header),
         the hashed ranges cover every byte of the file. A shared file (format 2.0, which
         may hold tensors this checkpoint does not reference) and a packed file are read
-        tensor by tensor (:meth:`read_tensor_bytes_into`). ``fd``: read through this
-        descriptor (from :meth:`open_data_file`; the caller closes it).
+        tensor by tensor (:meth:`read_tensor_bytes_into`). ``handle``: read through this
+        open file (from :meth:`open_data_file`; the caller closes it).
         """
         f = pe.files[index]
         entries = pe.tensors_in(index)
         if f.role == "packed" or f.origin is not None:
-            own = fd is None
-            if fd is None:
-                fd = self.open_data_file(pe, index)
+            own = handle is None
+            if handle is None:
+                handle = self.open_data_file(pe, index)
             try:
                 for t in sorted(entries, key=lambda e: e.offset):
-                    self.read_tensor_bytes_into(pe, t, destinations(t), verify=verify, fd=fd)
+                    self.read_tensor_bytes_into(pe, t, destinations(t), verify=verify, handle=handle)
             finally:
                 if own:
-                    os.close(fd)
+                    handle.close()
             return
         self._header(pe, index)
         n, _ = self._headers[(pe.name, index)]
         fp = self._fp(f)
-        own_fd = fd is None
-        if fd is None:
-            fd = self._open_fd(fp)
+        own = handle is None
+        if handle is None:
+            handle = self._open_handle(fp)
         verifier: _ChunkVerifier | _PipelinedVerifier | None = None
         try:
             if verify:
@@ -575,18 +584,18 @@ class CheckpointReader:
                 if f.size >= _PIPELINE_MIN_BYTES:
                     verifier = _PipelinedVerifier(verifier)
                 head = bytearray(8 + n)
-                preadv_full(fd, memoryview(head), 0)
+                handle.pread_into(0, memoryview(head))
                 verifier.update(head)
             request = knobs().read_request
             ordered = sorted(entries, key=lambda e: e.offset)
             if verifier is None and f.size >= _PIPELINE_MIN_BYTES:
                 # Without hashing, the second core has nothing to do: split the reads
                 # between two threads (the kernel copy from the page cache is the cost).
-                _parallel_reads(fd, fp, [(t, destinations(t)) for t in ordered], request)
+                _parallel_reads(handle, fp, [(t, destinations(t)) for t in ordered], request)
                 ordered = []
             for t in ordered:
                 dst = destinations(t)
-                got = preadv_full(fd, dst, t.offset, request)
+                got = handle.pread_into(t.offset, dst)
                 if got != t.nbytes:
                     raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + got, key=t.key)
                 if verifier is not None:
@@ -597,18 +606,23 @@ class CheckpointReader:
         finally:
             if isinstance(verifier, _PipelinedVerifier):
                 verifier.abort()
-            if own_fd:
-                os.close(fd)
+            if own:
+                handle.close()
 
-    def open_data_file(self, pe: PartEntry, index: int) -> int:
-        """Check data file ``index``'s safetensors header (if it is one) and open it; the
-        caller closes the descriptor. A held descriptor keeps reading the same bytes even
-        if the checkpoint is renamed or deleted meanwhile (retention renames before it
-        deletes): an in-place load verifies and then copies through one descriptor per file."""
+    def open_data_file(self, pe: PartEntry, index: int) -> ReadHandle:
+        """Check data file ``index``'s safetensors header (if it is one) and open it
+        (caller closes it).
+
+        A held local descriptor keeps reading the same bytes even if the checkpoint is
+        renamed or deleted meanwhile (retention renames before it deletes); an object
+        store handle pins the object's version, so a replaced or deleted object fails
+        the read instead. An in-place load verifies and then copies through one handle
+        per file.
+        """
         self._header(pe, index)
-        return self._open_fd(self._fp(pe.files[index]))
+        return self._open_handle(self._fp(pe.files[index]))
 
-    def open_tensor_file(self, pe: PartEntry) -> tuple[int, FileEntry] | None:
+    def open_tensor_file(self, pe: PartEntry) -> tuple[ReadHandle, FileEntry] | None:
         """The part's one safetensors file, checked and opened (None if it has none); see
         :meth:`open_data_file` for parts with several data files."""
         files = pe.data_files()
@@ -628,7 +642,7 @@ class CheckpointReader:
         self,
         f: FileEntry,
         *,
-        fd: int | None = None,
+        handle: ReadHandle | None = None,
         span: tuple[int, int] | None = None,
         progress: Callable[[int], None] | None = None,
         observe: Callable[[int, memoryview], None] | None = None,
@@ -647,9 +661,9 @@ class CheckpointReader:
         first = lo // cs
         pos, end = first * cs, min(((hi - 1) // cs + 1) * cs, f.size)
         v = _ChunkVerifier(fp, f, first=first)
-        own_fd = fd is None
-        if fd is None:
-            fd = self._open_fd(fp)
+        own = handle is None
+        if handle is None:
+            handle = self._open_handle(fp)
         try:
             # The buffer follows the bytes read, never the declared chunk size: a
             # MANIFEST may declare 1 GiB chunks for a 4 KiB file (§12).
@@ -680,7 +694,7 @@ class CheckpointReader:
                     while pos < end and not failed:
                         want = min(step, end - pos)
                         mv = free.get()
-                        got = preadv_full(fd, mv[:want], pos)
+                        got = handle.pread_into(pos, mv[:want])
                         if got != want:
                             raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
                         feeder.feed((mv, want, pos))
@@ -696,7 +710,7 @@ class CheckpointReader:
                 mv = memoryview(bytearray(step))
                 while pos < end:
                     want = min(step, end - pos)
-                    got = preadv_full(fd, mv[:want], pos)
+                    got = handle.pread_into(pos, mv[:want])
                     if got != want:
                         raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
                     v.update(mv[:want])
@@ -707,8 +721,8 @@ class CheckpointReader:
                         progress(want)
             v.finish()
         finally:
-            if own_fd:
-                os.close(fd)
+            if own:
+                handle.close()
         return pos - start
 
     # -- verification ----------------------------------------------------------------------
@@ -763,5 +777,5 @@ class CheckpointReader:
         return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, storage: Storage = local) -> CheckpointReader:
+def open_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> CheckpointReader:
     return CheckpointReader(path, storage=storage)

@@ -60,7 +60,7 @@ from .format.manifest import (
 from .format.safetensors import TensorSlot, build_header
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
-from .storage import Storage, local
+from .storage import Storage, commits_by_manifest, resolve
 from . import _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
 from ._tensorbytes import tensor_memoryview
@@ -88,13 +88,24 @@ DEL_SUFFIX = ".del"
 @dataclass(frozen=True, slots=True)
 class PendingCheckpoint:
     """A checkpoint being written. Rebuild it in another process from the two paths
-    (and the same ``overwrite``: the commit, not ``begin``, enforces it)."""
+    and ``tag`` (and the same ``overwrite``: the commit, not ``begin``, enforces it).
+
+    ``tmp_dir`` is where the part files are created: a temporary sibling directory on
+    a filesystem, the final prefix itself on an object store, where ``tag`` (``.`` and
+    12 hex digits, empty on a filesystem) makes every file name unique to this save so
+    that racing or replacing writers never overwrite each other's objects
+    (spec/object-storage.md)."""
 
     final: str
     tmp_dir: str
     overwrite: bool = False
+    tag: str = ""
     #: format 2.0: each part writes a part manifest and returns a PartRef (many ranks)
     part_manifests: bool = False
+
+    def file_name(self, part: str, suffix: str) -> str:
+        """The name of a part's file in this save: ``<part><tag><suffix>``."""
+        return f"{part}{self.tag}{suffix}"
 
 
 def tmp_name(name: str, suffix: str = "") -> str:
@@ -114,16 +125,19 @@ def part_name_for_rank(rank: int) -> str:
 
 
 def begin(
-    path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage = local, part_manifests: bool = False
+    path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage | None = None, part_manifests: bool = False
 ) -> PendingCheckpoint:
     """Create the temporary directory of a save. ``part_manifests``: every part is written
     with a part manifest and listed by reference in the MANIFEST (format 2.0 §V.5: a job
     of many ranks keeps its MANIFEST small and its commit cheap)."""
-    final = os.path.abspath(os.fspath(path))
+    storage, final = resolve(path, storage)
     parent, name = os.path.split(final)
     check_name(name, what="checkpoint directory", path=final)
-    os.makedirs(parent, exist_ok=True)
-    if os.path.lexists(final) and not overwrite:
+    if commits_by_manifest(storage):  # an object store: no temporary directory (§10.6)
+        pending = storage.begin(final, overwrite=overwrite)  # type: ignore[attr-defined]
+        return dataclasses.replace(pending, part_manifests=True) if part_manifests else pending
+    storage.makedirs(parent)
+    if storage.exists(final) and not overwrite:
         # Early refusal only; commit() enforces it atomically (another writer may
         # commit this name while we write).
         raise CheckpointExistsError("a checkpoint already exists here; pass overwrite=True to replace it", path=final)
@@ -132,7 +146,11 @@ def begin(
     return PendingCheckpoint(final=final, tmp_dir=tmp, overwrite=overwrite, part_manifests=part_manifests)
 
 
-def abort(pending: PendingCheckpoint, *, storage: Storage = local) -> None:
+def abort(pending: PendingCheckpoint, *, storage: Storage | None = None) -> None:
+    storage, _ = resolve(pending.final, storage)
+    if commits_by_manifest(storage):
+        storage.abort(pending)  # type: ignore[attr-defined]
+        return
     storage.remove_tree(pending.tmp_dir)
 
 
@@ -258,7 +276,7 @@ def write_part(
     extra: Any = None,
     lineage: Mapping[str, Any] | None = None,
     code_dir: str | None = None,
-    storage: Storage = local,
+    storage: Storage | None = None,
     compress: Compress = None,
     reuse: Reuse | None = None,
     dedup: bool = False,
@@ -272,6 +290,7 @@ def write_part(
     (format 2.0 dedup; implies ``dedup``). ``dedup``: record a digest of every tensor so a
     later save can share this one's files.
     """
+    storage, _ = resolve(pending.final, storage)
     check_name(name, what="part")
     if not isinstance(state, Mapping):
         raise UnsupportedValueError("state must be a mapping of name -> Stateful or tree", key="<root>")
@@ -317,9 +336,9 @@ def write_part(
     files: list[FileEntry] = []
     placed: list[tuple[str, TensorEntry]] = []  # (file name, entry): indices are set at the end
     layout = _partfiles.plan(name, collector.tensors, collector.tops, compress=compress, reuse=reuse, dedup=dedup,
-                             storage=storage)
+                             storage=storage, file_name=pending.file_name)
     # Shared files first (format-2.md §V.4): a file that cannot be linked is written below.
-    for fe, entries in _partfiles.link_shared(name, layout, pending.tmp_dir, storage):
+    for fe, entries in _partfiles.link_shared(name, layout, pending.tmp_dir, storage, file_name=pending.file_name):
         files.append(fe)
         placed.extend((fe.name, e) for e in entries)
     plain = layout.plain
@@ -351,7 +370,7 @@ def write_part(
     if len(raw) > k.max_state_raw_bytes:
         raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
     comp = zstd_compress(raw)
-    sname = f"{name}.state.msgpack.zst"
+    sname = pending.file_name(name, ".state.msgpack.zst")
     sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
     try:
         sink.write(comp)
@@ -384,7 +403,7 @@ def _write_part_manifest(pending: PendingCheckpoint, part: PartEntry, storage: S
     """The part's detail in its own file (format-2.md §V.5.1), durable; the committer gets
     only the short reference."""
     blob = encode_part_manifest(part, V2)
-    mname = f"{part.name}.part"
+    mname = pending.file_name(part.name, ".part")
     _write_whole(storage, os.path.join(pending.tmp_dir, mname), blob)
     return PartRef(part.name, mname, len(blob), digest_bytes(blob), tuple((f.name, f.size) for f in part.files))
 
@@ -418,13 +437,15 @@ def commit(
     kind: str = "checkpoint",
     step: int | None = None,
     meta: Mapping[str, Any] | None = None,
-    storage: Storage = local,
+    storage: Storage | None = None,
 ) -> Manifest:
-    """Write MANIFEST last, fsync, and rename the temporary directory into place.
+    """Write MANIFEST last, fsync, and rename the temporary directory into place (on an
+    object store: put MANIFEST last, conditionally, spec/object-storage.md).
 
     ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
     crosses process boundaries as plain data). The MANIFEST is format 1.0 unless a part
     uses a 2.0 feature (packed or shared files, tensor digests, a part reference)."""
+    storage, _ = resolve(pending.final, storage)
     parts = [p if isinstance(p, (PartEntry, PartRef)) else part_record(dict(p)) for p in parts]
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
@@ -443,7 +464,11 @@ def commit(
         meta=dict(meta or {}),
         version=V2 if uses_v2(ordered) else V1,
     )
-    _write_whole(storage, os.path.join(pending.tmp_dir, MANIFEST_NAME), encode_manifest(manifest))
+    blob = encode_manifest(manifest)
+    if commits_by_manifest(storage):
+        storage.publish(pending, blob)  # type: ignore[attr-defined]
+        return manifest
+    _write_whole(storage, os.path.join(pending.tmp_dir, MANIFEST_NAME), blob)
     storage.fsync_dir(pending.tmp_dir)
     _publish(pending, storage)
     return manifest
@@ -503,10 +528,11 @@ class Recovery:
     removed: tuple[str, ...]
 
 
-def is_complete(path: str, *, storage: Storage = local) -> bool:
+def is_complete(path: str, *, storage: Storage | None = None) -> bool:
     """A committed copy whatever its name: its MANIFEST decodes (own digest included)
     and every file it names is a regular file of the declared size. Chunk digests are
     not re-hashed (resume verifies them); this tells a whole copy from a torn save."""
+    storage, path = resolve(path, storage)
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
         st = storage.lstat(mpath)
@@ -522,7 +548,7 @@ def is_complete(path: str, *, storage: Storage = local) -> bool:
     return True
 
 
-def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | None = None, storage: Storage = local) -> Recovery:
+def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | None = None, storage: Storage | None = None) -> Recovery:
     """Clean a directory of checkpoints after a crash, never losing a complete copy.
 
     For each final name (accepted by ``names``, default any valid name) that has no
@@ -531,11 +557,14 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     the old one of an interrupted overwrite (``.tmp-<name>-<hex>.old``). Then every
     ``.tmp-*`` entry is removed, except copies of a name whose restore failed. Only the
     process that owns the directory may call this (the manager holds the run lock):
-    another writer's save in progress would be removed.
+    another writer's save in progress would be removed. On an object store the same
+    rules are applied to prefixes (spec/object-storage.md).
     """
-    root = os.fspath(parent)
+    storage, root = resolve(parent, storage)
+    if commits_by_manifest(storage):
+        return storage.recover(root, names=names)  # type: ignore[attr-defined]
     try:
-        entries = sorted(os.listdir(root))
+        entries = sorted(storage.listdir(root))
     except FileNotFoundError:
         return Recovery((), ())
     tmps = [n for n in entries if n.startswith(TMP_PREFIX)]
@@ -557,7 +586,7 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     keep: set[str] = set()
     for name, cands in sorted(by_name.items()):
         final = os.path.join(root, name)
-        if os.path.isfile(os.path.join(final, MANIFEST_NAME)):
+        if storage.isfile(os.path.join(final, MANIFEST_NAME)):
             continue  # committed under its final name: the copies are redundant
         for _, t in sorted(cands):
             if not is_complete(os.path.join(root, t), storage=storage):
@@ -607,7 +636,7 @@ def save(
     overwrite: bool = False,
     meta: Mapping[str, Any] | None = None,
     this_rank_only: bool = False,
-    storage: Storage = local,
+    storage: Storage | None = None,
     compress: Compress = None,
     dedup_from: str | os.PathLike[str] | None = None,
     dedup: bool = False,
@@ -628,6 +657,7 @@ def save(
     """
     if not this_rank_only:
         _refuse_under_process_group(path)
+    storage, path = resolve(path, storage)
     pending = begin(path, overwrite=overwrite, storage=storage)
     try:
         reuse = reuse_from(dedup_from, part_name_for_rank(0), storage=storage) if dedup_from is not None else None
