@@ -38,7 +38,7 @@ MiB = 1 << 20
 class LoRA(torch.nn.Module):
     """A frozen base of ``n`` square layers with rank-r adapters (trainable)."""
 
-    def __init__(self, base_mib: int, width: int = 2048, rank: int = 64) -> None:
+    def __init__(self, base_mib: int, width: int = 2048, rank: int = 32) -> None:
         super().__init__()
         n = max(1, base_mib * MiB // (width * width * 4))
         torch.manual_seed(0)
