@@ -241,16 +241,21 @@ def write_packed(
     sink = storage.create(os.path.join(tmp_dir, name), k.chunk_size)
     pos = 0
     try:
+        starts: list[int] = []
         with ThreadPoolExecutor(max(1, k.bpz_threads), thread_name_prefix="ckpt-bpz") as pool:
-            for key, t in layout.packed:
-                start = pos
-                for pieces in bpz.encode_blocks(_values(t), t.element_size(), block=k.bpz_block, pool=pool):
-                    for b in pieces:
-                        sink.write(b)
-                        pos += len(b)
-                nbytes = t.numel() * t.element_size()
-                entries.append(TensorEntry(key, dtypes.dtype_name(t.dtype), tuple(t.shape), -1, start, nbytes,
-                                           layout.digests.get(key), bpz.NAME, pos - start))
+            # One pipeline over every tensor's blocks: small tensors overlap too.
+            items = [(_values(t), t.element_size()) for _, t in layout.packed]
+            for i, pieces in bpz.encode_many(items, block=k.bpz_block, pool=pool):
+                if i == len(starts):
+                    starts.append(pos)
+                for b in pieces:
+                    sink.write(b)
+                    pos += len(b)
+        starts.append(pos)
+        for (key, t), lo, hi in zip(layout.packed, starts, starts[1:]):
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorEntry(key, dtypes.dtype_name(t.dtype), tuple(t.shape), -1, lo, nbytes,
+                                       layout.digests.get(key), bpz.NAME, hi - lo))
         size, digests = sink.close()
     except BaseException:
         sink.discard()
