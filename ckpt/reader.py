@@ -34,7 +34,6 @@ from .errors import (
 from .format.codec import zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
 from .format.context import check_context, check_entry_names
-from .format import bpz
 from .format.manifest import (
     MANIFEST_NAME,
     TMP_PREFIX,
@@ -81,7 +80,7 @@ class _DigestCheck:
     def _start(self, t: TensorEntry) -> None:
         import xxhash
 
-        from .format import dtypes
+        from .format import bpz, dtypes
 
         h = xxhash.xxh3_128()
         dec = None
@@ -475,7 +474,7 @@ class CheckpointReader:
     ) -> None:
         """Decode a BPZ1 span (format-2.md §V.3) into ``dst``: the chunks the span overlaps
         are read in pieces of at most _VERIFY_PIECE, each hashed before it is decoded."""
-        from .format import dtypes
+        from .format import bpz, dtypes  # numpy: only when a packed tensor is read (inspect stays light)
 
         f = pe.files[t.file]
         fp = self._fp(f)

@@ -503,30 +503,44 @@ def _validate(body: Any, version: tuple[int, int], path: str | None) -> Manifest
 
 
 def _validate_ref(rp: dict[str, Any], path: str | None, where: str, seen_files: set[str], seen_parts: set[str]) -> PartRef:
+    # Checks first, messages only on failure: a MANIFEST may list thousands of references
+    # and `ckpt inspect` decodes every one (format-2.md §V.9).
     k = knobs()
+
+    def bad(msg: str, at: str = where) -> None:
+        raise FormatError(f"invalid manifest: {msg}", path=path, key=at)
+
     pname = check_name(rp.get("name"), what="part", path=path)
-    _need(pname not in seen_parts, f"duplicate part name {pname!r}", path, where)
+    if pname in seen_parts:
+        bad(f"duplicate part name {pname!r}")
     seen_parts.add(pname)
     man = rp.get("manifest")
-    _need(isinstance(man, list) and len(man) == 3, "a part reference's manifest must be [name, size, digest]", path, where)
+    if type(man) is not list or len(man) != 3:
+        bad("a part reference's manifest must be [name, size, digest]")
     mname, msize, mdigest = man
     check_name(mname, what="part manifest", path=path)
-    _need(mname not in seen_files, f"duplicate file name {mname!r}", path, where)
+    if mname in seen_files:
+        bad(f"duplicate file name {mname!r}")
     seen_files.add(mname)
-    _need(_int(msize, HEADER_SIZE + DIGEST_SIZE, k.max_manifest_bytes + HEADER_SIZE + DIGEST_SIZE),
-          f"part manifest size {msize!r} out of range", path, where)
-    _need(isinstance(mdigest, bytes) and len(mdigest) == DIGEST_SIZE, "part manifest digest must be 16 bytes", path, where)
+    if not _int(msize, HEADER_SIZE + DIGEST_SIZE, k.max_manifest_bytes + HEADER_SIZE + DIGEST_SIZE):
+        bad(f"part manifest size {msize!r} out of range")
+    if type(mdigest) is not bytes or len(mdigest) != DIGEST_SIZE:
+        bad("part manifest digest must be 16 bytes")
     sizes = rp.get("sizes")
-    _need(isinstance(sizes, list) and 1 <= len(sizes) <= 64, "sizes must list 1 to 64 files", path, where)
+    if type(sizes) is not list or not 1 <= len(sizes) <= 64:
+        bad("sizes must list 1 to 64 files")
     out = []
+    limit = k.max_file_bytes
     for fi, e in enumerate(sizes):
-        fw = f"{where}.sizes[{fi}]"
-        _need(isinstance(e, list) and len(e) == 2, "a sizes entry must be [name, size]", path, fw)
+        if type(e) is not list or len(e) != 2:
+            bad("a sizes entry must be [name, size]", f"{where}.sizes[{fi}]")
         name, size = e
         check_name(name, what="file", path=path)
-        _need(name not in seen_files, f"duplicate file name {name!r}", path, fw)
+        if name in seen_files:
+            bad(f"duplicate file name {name!r}", f"{where}.sizes[{fi}]")
         seen_files.add(name)
-        _need(_int(size, 0, k.max_file_bytes), f"file size {size!r} out of range", path, fw)
+        if type(size) is not int or not 0 <= size <= limit:
+            bad(f"file size {size!r} out of range", f"{where}.sizes[{fi}]")
         out.append((name, size))
     return PartRef(pname, mname, msize, mdigest, tuple(out))
 
