@@ -9,7 +9,7 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata]'
+	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata,torchft]'
 	touch $@
 
 .PHONY: venv demo test bench fuzz clean

@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from runs.common.report import ProgressBar, verify_checkpoints
 from runs.diloco.config import DiLoCoConfig
 
 __all__ = ["demo_config", "run_demo"]
@@ -32,25 +32,9 @@ def demo_config(*, quick: bool = False, transport: str = "gloo") -> DiLoCoConfig
     return DiLoCoConfig(grace_cap_s=0.05, jitter_s=0.03, transport=transport, snapshot_every=4)
 
 
-class _Bar:
-    def __init__(self, echo: Callable[[str], None], enabled: bool) -> None:
-        self.echo = echo
-        self.enabled = enabled
-
-    def __call__(self, label: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        n = 30 * done // max(total, 1)
-        sys.stdout.write(f"\r  {label:<22} [{'#' * n}{'.' * (30 - n)}] {done}/{total}")
-        if done >= total:
-            sys.stdout.write("\n")
-        sys.stdout.flush()
-
-
 def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport: str = "gloo",
              echo: Callable[[str], None] = print, progress: bool = False) -> Any:
     """Run everything; returns the :class:`~runs.diloco.report.Report` (``ok()`` says all held)."""
-    import ckpt
     from replay import check_tape
     from runs.diloco.baseline import run_baseline
     from runs.diloco.chaos import describe
@@ -65,7 +49,7 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     if tape.exists():
         raise FileExistsError(f"{tape} exists: pass an empty --out directory")
     cfg = demo_config(quick=quick, transport=transport)
-    bar = _Bar(echo, progress)
+    bar = ProgressBar(echo, progress)
     wall: dict[str, float] = {}
 
     echo(f"chaos run: {cfg.learners} learners ({cfg.transport}), syncer, seeded faults")
@@ -124,12 +108,7 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
 
     snaps = [k["path"] for k in list_snapshots(out / "checkpoints")]
     rep.snapshots_kept = len(snaps)
-    for p in [*snaps, *base.checkpoints]:
-        try:
-            ckpt.open(p).verify()
-            rep.checkpoints_verified.append((p, True))
-        except Exception:  # reported as a failed verification, never hidden
-            rep.checkpoints_verified.append((p, False))
+    rep.checkpoints_verified = verify_checkpoints([*snaps, *base.checkpoints])
     rep.plot_path = plot(str(out / "loss.png"), cfg, chaos, nofault, base, events)
     rep.wall_s = wall
     echo("")

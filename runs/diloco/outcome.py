@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from runs.diloco.chaos import Schedule, learner_names, make_schedule
+from runs.common.chaos import Schedule, taped_schedule
+from runs.diloco.chaos import learner_names, make_schedule
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerOutcome
 from runs.diloco.syncer import SyncerOutcome
@@ -37,8 +38,7 @@ class RunResult:
 
 
 def decide_schedule(hub: TapeHub, cfg: DiLoCoConfig) -> Schedule:
-    chaos = hub.local("chaos")
-    return Schedule.from_json(chaos.decide("schedule", "all", lambda: make_schedule(cfg).to_json()))
+    return taped_schedule(hub.local("chaos"), lambda: make_schedule(cfg))
 
 
 def spares_of(cfg: DiLoCoConfig, schedule: Schedule) -> dict[str, list[str]]:

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from runs.common.plot import Curve, fault_marks, loss_plot
+from runs.common.report import Checks, fault_tally, gap_words, yes
 from runs.diloco.baseline import BaselineResult
 from runs.diloco.chaos import FAULT_CLASSES
 from runs.diloco.config import DiLoCoConfig
@@ -54,28 +56,25 @@ class FaultLine:
 def fault_summary(events: Sequence[Any], plans: Sequence[dict[str, Any]], quorum: int,
                   state_finite: bool) -> list[FaultLine]:
     """Per fault class: how many were injected (tape) and whether each was absorbed."""
-    inj = [e for e in events if e.kind.name == "fault_injected"]
-    det = [e for e in events if e.kind.name == "fault_detected"]
-    rec = [e for e in events if e.kind.name == "fault_recovered"]
+    tally = fault_tally(events, FAULT_CLASSES)
     out = []
     for kind in FAULT_CLASSES:
-        n = sum(1 for e in inj if e.payload["fault"] == kind)
+        t = tally[kind]
+        n = t.injected
         if kind in ("kill", "loss"):
-            targets = [e.payload["target"] for e in inj if e.payload["fault"] == kind]
-            back = [e.payload["target"] for e in rec if e.payload["fault"] == kind]
-            ok = sorted(targets) == sorted(back)
-            how = f"{len(back)}/{len(targets)} learners recovered from a peer, nobody else stopped"
+            ok = sorted(t.targets) == sorted(t.recovered)
+            how = f"{len(t.recovered)}/{len(t.targets)} learners recovered from a peer, nobody else stopped"
         elif kind == "jitter":
-            jittered = {e.payload["target"] for e in inj if e.payload["fault"] == kind}
+            jittered = set(t.targets)
             late = sum(1 for p in plans if jittered & set(p.get("stragglers", ())))
             without = sum(1 for p in plans if jittered - set(p["members"]))
             ok = all(len(p["members"]) >= 1 for p in plans)
             how = (f"{without} syncer steps merged without the straggler, {late} took it late "
                    f"within the grace window")
         else:
-            q = sum(1 for e in det if e.payload["fault"] == "nan")
+            q = t.detected
             ok = q > 0 and state_finite
-            how = f"{q} samples quarantined, merged model finite: {'yes' if state_finite else 'NO'}"
+            how = f"{q} samples quarantined, merged model finite: {yes(state_finite)}"
         out.append(FaultLine(kind, n, ok and n > 0, how))
     return out
 
@@ -127,26 +126,22 @@ class Report:
     def checks(self) -> list[tuple[str, bool]]:
         """The demo's verdict as named checks, in report order (a check that was not run
         is left out)."""
-        out = [("zero downtime", bool(self.zero_downtime))]
-        out += [(f"{f.kind} absorbed", bool(f.absorbed)) for f in self.faults]
-        out.append(("validation loss", bool(self.loss_ok)))
-        if self.replay_identical is not None:
-            out.append(("replay bit-identical", bool(self.replay_identical)))
-        if self.tape_check_violations is not None:
-            out.append(("tape check", not self.tape_check_violations))
-        if self.snapshot_restore_identical is not None:
-            out.append(("snapshot restore", bool(self.snapshot_restore_identical)))
-        if self.syncer_fault_ok is not None:
-            out.append(("syncer fault", bool(self.syncer_fault_ok)))
-        if self.checkpoints_verified:
-            out.append(("checkpoints verified", all(v for _, v in self.checkpoints_verified)))
-        return out
+        c = Checks().add("zero downtime", bool(self.zero_downtime))
+        for f in self.faults:
+            c.add(f"{f.kind} absorbed", bool(f.absorbed))
+        c.add("validation loss", bool(self.loss_ok))
+        c.add("replay bit-identical", self.replay_identical)
+        c.add("tape check", None if self.tape_check_violations is None else not self.tape_check_violations)
+        c.add("snapshot restore", self.snapshot_restore_identical)
+        c.add("syncer fault", self.syncer_fault_ok)
+        c.add("checkpoints verified", all(v for _, v in self.checkpoints_verified) if self.checkpoints_verified
+              else None)
+        return c.items()
 
     def ok(self) -> bool:
         return all(v for _, v in self.checks())
 
     def format(self) -> str:
-        yes = lambda b: "yes" if b else "NO"  # noqa: E731
         b = self.baseline
         lines = [f"Decoupled DiLoCo: {self.cfg.learners} learners, quorum {self.cfg.quorum}, "
                  f"{self.cfg.fragments} fragments every {self.cfg.inner_h} steps, {self.cfg.steps} inner steps",
@@ -160,7 +155,7 @@ class Report:
                      f"synchronous elastic baseline {b.goodput:.1%} ({b.useful}/{b.capacity}: {b.restarts} "
                      f"restarts, {b.rolled_back_steps} steps rolled back, {b.downtime_slots} idle slots)")
         lines.append(f"validation loss: chaos {self.val_chaos:.4f}, no faults {self.val_nofault:.4f} "
-                     f"({_gap_words(self.loss_gap)}, tolerance {LOSS_TOLERANCE:.0%} worse: {yes(self.loss_ok)}); "
+                     f"({gap_words(self.loss_gap)}, tolerance {LOSS_TOLERANCE:.0%} worse: {yes(self.loss_ok)}); "
                      f"baseline {b.val[-1][1]:.4f}" if b.val else "")
         if self.replay_identical is not None:
             lines.append(f"replay --mode force: bit-identical {yes(self.replay_identical)} "
@@ -196,42 +191,13 @@ def build_report(cfg: DiLoCoConfig, chaos: Any, nofault: Any, baseline: Baseline
 def plot(path: str, cfg: DiLoCoConfig, chaos: Any, nofault: Any, baseline: BaselineResult,
          events: Sequence[Any]) -> str:
     """Validation loss against logical time (inner steps / synchronous slots), faults marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     per_sync = cfg.inner_h / cfg.fragments
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    for res, label, style in ((nofault, "Decoupled DiLoCo, no faults", "-"), (chaos, "Decoupled DiLoCo, chaos", "-")):
-        xs = [(s + 1) * per_sync for s, _ in res.syncer.val]
-        ax.plot(xs, [v for _, v in res.syncer.val], style, label=label)
+    curves = [Curve(label, [(s + 1) * per_sync for s, _ in res.syncer.val], [v for _, v in res.syncer.val])
+              for res, label in ((nofault, "Decoupled DiLoCo, no faults"), (chaos, "Decoupled DiLoCo, chaos"))]
     if baseline.val:
-        ax.plot([s for s, _ in baseline.val], [v for _, v in baseline.val], "--",
-                label="synchronous elastic DP (restart from checkpoint)")
-    colors = {"kill": "red", "loss": "purple", "jitter": "orange", "nan": "brown"}
-    seen: set[str] = set()
-    for e in events:
-        if e.kind.name != "fault_injected":
-            continue
-        kind = e.payload["fault"]
-        x = float((e.payload.get("detail") or {}).get("step", 0)) if isinstance(e.payload.get("detail"), dict) else 0.0
-        ax.axvline(x, color=colors.get(kind, "grey"), alpha=0.5, linestyle=":",
-                   label=None if kind in seen else f"fault: {kind}")
-        seen.add(kind)
-    for slot, kind, _who in baseline.events:
-        if kind in ("kill", "loss"):
-            ax.axvspan(slot, slot + 0.8, color="grey", alpha=0.15)
-    ax.set_xlabel("logical time (inner steps; baseline: synchronous step slots)")
-    ax.set_ylabel("validation loss")
-    ax.set_title("Decoupled DiLoCo under seeded chaos vs a synchronous elastic baseline")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _gap_words(gap: float) -> str:
-    """The one-sided loss check in words: a chaos run that ends *better* passes outright."""
-    return f"chaos worse by {gap:.1%}" if gap > 0 else f"chaos better by {-gap:.1%}"
+        curves.append(Curve("synchronous elastic DP (restart from checkpoint)", [s for s, _ in baseline.val],
+                            [v for _, v in baseline.val], "--"))
+    spans = [(slot, slot + 0.8) for slot, kind, _who in baseline.events if kind in ("kill", "loss")]
+    return loss_plot(path, curves, marks=fault_marks(events), spans=spans,
+                     xlabel="logical time (inner steps; baseline: synchronous step slots)",
+                     title="Decoupled DiLoCo under seeded chaos vs a synchronous elastic baseline")
