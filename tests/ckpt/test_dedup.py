@@ -181,7 +181,7 @@ _CHILD = textwrap.dedent(
 
     def state_at(step):
         return {"base": {"w": torch.arange(60000, dtype=torch.float32)},  # frozen: never changes
-                "ema": {"w": torch.full((5000,), float(step // 3))},       # changes every third step
+                "ema": {"w": torch.full((20000,), float(step // 3))},      # changes every third step (packed)
                 "head": {"w": torch.full((64,), float(step))}}
 
     holder = {k: {"w": v["w"].clone()} for k, v in state_at(0).items()}
@@ -211,14 +211,15 @@ def _check_run(run: Path) -> None:
         step = int(name[5:])
         got = r.state()
         assert torch.equal(got["head"]["w"], torch.full((64,), float(step))), name
-        assert torch.equal(got["ema"]["w"], torch.full((5000,), float(step // 3))), name
+        assert torch.equal(got["ema"]["w"], torch.full((20000,), float(step // 3))), name
 
 
 def test_sigkill_at_any_step_of_a_dedup_save_leaves_no_dangling_reference(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    # op counts of a save here: mkdir, links, creates, fsyncs, renames, retention renames and removes,
-    # each counted before and after; these points fall in every phase of several saves in a row
-    for kill_at in (3, 8, 14, 21, 29, 38, 47, 57):
+    # A save here is 14-24 storage operations (mkdir, links, creates, directory fsyncs, the publishing
+    # rename, retention's rename and remove), each counted before and after; every child starts
+    # with recovery and a resume, so these points fall in every phase of several saves in a row.
+    for kill_at in (3, 9, 16, 24, 33, 45):
         out = subprocess.run([sys.executable, "-c", _CHILD, str(run), str(kill_at)], capture_output=True, text=True,
                              cwd=REPO, timeout=300)
         assert out.returncode == -9, (kill_at, out.returncode, out.stdout, out.stderr[-2000:])
