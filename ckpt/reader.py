@@ -561,9 +561,13 @@ class CheckpointReader:
             own = handle is None
             if handle is None:
                 handle = self.open_data_file(pe, index)
+            ordered = sorted(entries, key=lambda e: e.offset)
             try:
-                for t in sorted(entries, key=lambda e: e.offset):
-                    self.read_tensor_bytes_into(pe, t, destinations(t), verify=verify, handle=handle)
+                if f.role == "packed":
+                    self._decode_file(f, ordered, destinations, verify=verify, handle=handle)
+                else:
+                    for t in ordered:
+                        self.read_tensor_bytes_into(pe, t, destinations(t), verify=verify, handle=handle)
             finally:
                 if own:
                     handle.close()
@@ -607,6 +611,66 @@ class CheckpointReader:
                 verifier.abort()
             if own:
                 handle.close()
+
+    def _decode_file(
+        self,
+        f: FileEntry,
+        ordered: list[TensorEntry],
+        destinations: Callable[[TensorEntry], memoryview],
+        *,
+        verify: bool,
+        handle: ReadHandle,
+    ) -> None:
+        """Decode every span of a packed file in one pass over it: each piece is hashed
+        (on verify_file's second thread, while the next one is read) before it is decoded,
+        so every byte is read and hashed once. A span that does not decode is reported only
+        after the chunks are known good: damaged bytes are a checksum error, not a decoding
+        one."""
+        from collections import deque
+
+        from .format import bpz, dtypes
+
+        fp = self._fp(f)
+        spans = deque(
+            (t, bpz.SpanDecoder(destinations(t), dtypes.itemsize(t.dtype), t.stored_nbytes, path=fp, offset=t.offset, key=t.key))
+            for t in ordered
+        )
+        failed: list[FormatError] = []
+
+        def observe(at: int, piece: memoryview) -> None:
+            end = at + len(piece)
+            while spans:
+                t, dec = spans[0]
+                lo, hi = t.offset, t.offset + t.stored_nbytes
+                if lo >= end:
+                    return
+                try:
+                    if not failed:
+                        a, b = max(lo, at), min(hi, end)
+                        if a < b:
+                            dec.feed(piece[a - at : b - at])
+                        if hi <= end:
+                            dec.finish()
+                except FormatError as e:
+                    failed.append(e)
+                if hi > end:
+                    return
+                spans.popleft()
+
+        if verify:
+            self.verify_file(f, handle=handle, observe=observe)
+        else:
+            buf = memoryview(bytearray(min(f.size, _VERIFY_PIECE)))
+            for pos in range(0, f.size, len(buf) or 1):
+                n = min(len(buf), f.size - pos)
+                got = handle.pread_into(pos, buf[:n])
+                if got != n:
+                    raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                observe(pos, buf[:n])
+        if failed:
+            raise failed[0]
+        if spans:
+            raise SizeMismatchError("file ended before the tensors its manifest lists", path=fp, key=spans[0][0].key)
 
     def open_data_file(self, pe: PartEntry, index: int) -> ReadHandle:
         """Check data file ``index``'s safetensors header (if it is one) and open it

@@ -210,6 +210,12 @@ def test_a_flipped_bit_in_a_packed_span_is_a_checksum_error_not_a_decoding_one(t
     assert isinstance(ei.value.__context__, FormatError) or ei.value.__context__ is None
     with pytest.raises(ckpt.errors.ChecksumMismatchError):
         r.verify()
+    with pytest.raises(ckpt.errors.ChecksumMismatchError):
+        ckpt.open(info.path).state()  # the one-pass decode of the whole packed file
+    target = {"m": {"w": torch.zeros(1 << 16)}}
+    with pytest.raises(ckpt.errors.ChecksumMismatchError):
+        ckpt.load(info.path, target, exactness="off")
+    assert not target["m"]["w"].any()  # all or nothing: the target was not written
 
 
 def test_hostile_planes_are_refused_before_allocation() -> None:
