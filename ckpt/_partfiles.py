@@ -266,13 +266,27 @@ def write_packed(
 def reuse_from(path: str | os.PathLike[str], part: str, *, storage: Storage | None = None) -> Reuse | None:
     """The part ``part`` of the committed checkpoint at ``path``, as a dedup source; None
     when there is none to share from (not committed, no such part, unreadable): the save
-    then writes everything, which is always correct."""
-    from .reader import CheckpointReader  # lazy: the reader imports the codecs, not the writer
+    then writes everything, which is always correct.
+
+    Reads the MANIFEST and this part's own detail only (one part manifest), not the whole
+    checkpoint: every rank of a large job asks for its own part; the files to share are
+    checked one by one before they are linked (:func:`_shareable`)."""
+    from .format.manifest import MANIFEST_NAME, PartRef, decode_manifest, decode_part_manifest
+    from .storage import resolve
 
     try:
-        r = CheckpointReader(path, storage=storage)
-        if part not in r.manifest.parts.names:
+        storage, root = resolve(path, storage)
+        mpath = os.path.join(root, MANIFEST_NAME)
+        st = storage.lstat(mpath)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > knobs().max_manifest_bytes + 64:
             return None
-        return Reuse(r.path, r.part(part))
+        m = decode_manifest(storage.read(mpath, 0, st.st_size), path=mpath)
+        if part not in m.parts.names:
+            return None
+        entry = m.parts.listed()[m.parts.index(part)]
+        if isinstance(entry, PartRef):
+            ppath = os.path.join(root, entry.manifest)
+            entry = decode_part_manifest(storage.read(ppath, 0, entry.manifest_size), entry, m.version, path=ppath)
+        return Reuse(root, entry)
     except (CkptError, OSError):
         return None
