@@ -221,12 +221,13 @@ class PartList(Sequence[PartEntry]):
     the loader a reader binds. Counting parts, naming them and listing their files'
     names and sizes never reads a part manifest."""
 
-    __slots__ = ("_items", "_loader", "_refs")
+    __slots__ = ("_items", "_loader", "_refs", "_index")
 
     def __init__(self, items: Sequence[PartEntry | PartRef] = (), loader: Callable[[PartRef], PartEntry] | None = None) -> None:
         self._items: list[PartEntry | PartRef] = list(items)
         self._loader = loader
         self._refs = tuple(x for x in self._items if isinstance(x, PartRef))
+        self._index = {x.name: i for i, x in enumerate(self._items)}  # a lookup per part must not scan N parts
 
     def bind(self, loader: Callable[[PartRef], PartEntry]) -> None:
         self._loader = loader
@@ -276,10 +277,10 @@ class PartList(Sequence[PartEntry]):
         return tuple(x.name for x in self._items)
 
     def index(self, name: str, *args: Any) -> int:  # type: ignore[override]
-        for i, x in enumerate(self._items):
-            if x.name == name:
-                return i
-        raise ValueError(name)
+        try:
+            return self._index[name]
+        except KeyError:
+            raise ValueError(name) from None
 
     def file_sizes(self) -> list[tuple[str, int, bool]]:
         """(name, size, is a part manifest) of every file of every part, reading nothing."""
@@ -598,44 +599,63 @@ def _validate_part(
     _need(isinstance(raw_tensors, list), "tensors must be a list", path, where)
     seen_keys: set[str] = set()
     tensors = []
+    # The checks of every tensor entry, each message built only when it fails: a part of
+    # thousands of tensors, or thousands of parts, is validated on every open.
+    arity = 8 if v2 else 6
+    rank_max, dim_max, file_max, last_file = k.max_tensor_rank, 2**62, k.max_file_bytes, len(files) - 1
+    known_dtypes, itemsize = dtypes.DTYPES, dtypes.itemsize
     for ti, rt in enumerate(raw_tensors):
-        tw = f"{where}.tensors[{ti}]"
-        _need(isinstance(rt, list) and len(rt) == (8 if v2 else 6), f"tensor entry must have {8 if v2 else 6} fields", path, tw)
+        def bad(msg: str) -> None:
+            raise FormatError(f"invalid manifest: {msg}", path=path, key=f"{where}.tensors[{ti}]")
+
+        if type(rt) is not list or len(rt) != arity:
+            bad(f"tensor entry must have {arity} fields")
         key, dt, shape, fidx, off, nbytes = rt[:6]
         digest, enc = (rt[6], rt[7]) if v2 else (None, None)
-        _need(isinstance(key, str) and 0 < len(key) <= 4096, "bad tensor key", path, tw)
-        _need(key not in seen_keys, f"duplicate tensor key {key!r}", path, tw)
+        if type(key) is not str or not 0 < len(key) <= 4096:
+            bad("bad tensor key")
+        if key in seen_keys:
+            bad(f"duplicate tensor key {key!r}")
         seen_keys.add(key)
-        _need(isinstance(dt, str) and dt in dtypes.DTYPES, f"unknown dtype {dt!r}", path, tw)
-        _need(
-            isinstance(shape, list) and len(shape) <= k.max_tensor_rank and all(_int(s, 0, 2**62) for s in shape),
-            "bad shape",
-            path,
-            tw,
-        )
+        if type(dt) is not str or dt not in known_dtypes:
+            bad(f"unknown dtype {dt!r}")
+        if type(shape) is not list or len(shape) > rank_max:
+            bad("bad shape")
         numel = 1
         span = 1  # product of max(d, 1): an empty tensor's strides still multiply out
-        for s in shape:
-            numel *= s
-            span *= max(s, 1)
-        _need(span <= 2**62, "shape's element count overflows (product of the nonzero dimensions above 2^62)", path, tw)
-        _need(nbytes == numel * dtypes.itemsize(dt), "nbytes does not match dtype and shape", path, tw)
-        _need(digest is None or (isinstance(digest, bytes) and len(digest) == DIGEST_SIZE), "digest must be nil or 16 bytes", path, tw)
+        for d in shape:
+            if type(d) is not int or not 0 <= d <= dim_max:
+                bad("bad shape")
+            numel *= d
+            span *= d if d > 1 else 1
+        if span > dim_max:
+            bad("shape's element count overflows (product of the nonzero dimensions above 2^62)")
+        if nbytes != numel * itemsize(dt) or type(nbytes) is not int:
+            bad("nbytes does not match dtype and shape")
+        if digest is not None and (type(digest) is not bytes or len(digest) != DIGEST_SIZE):
+            bad("digest must be nil or 16 bytes")
         stored = None
         encoding = None
         if enc is not None:
-            _need(isinstance(enc, list) and len(enc) == 2 and isinstance(enc[0], str), "encoding must be [name, stored]", path, tw)
+            if type(enc) is not list or len(enc) != 2 or type(enc[0]) is not str:
+                bad("encoding must be [name, stored]")
             encoding, stored = enc
-            _need(encoding in ENCODINGS, f"unknown encoding {encoding!r}", path, tw)
-            _need(_int(stored, 16, k.max_file_bytes), f"stored length {stored!r} out of range", path, tw)
-            _need(nbytes >= 1, "an encoded tensor holds at least one byte of values", path, tw)
-            _need(nbytes <= MAX_EXPANSION * stored,
-                  f"{nbytes} values cannot come from {stored} stored bytes (expansion above {MAX_EXPANSION})", path, tw)
+            if encoding not in ENCODINGS:
+                bad(f"unknown encoding {encoding!r}")
+            if not _int(stored, 16, file_max):
+                bad(f"stored length {stored!r} out of range")
+            if nbytes < 1:
+                bad("an encoded tensor holds at least one byte of values")
+            if nbytes > MAX_EXPANSION * stored:
+                bad(f"{nbytes} values cannot come from {stored} stored bytes (expansion above {MAX_EXPANSION})")
         role = "tensors" if encoding is None else "packed"
-        _need(_int(fidx, 0, len(files) - 1) and files[fidx].role == role, f"bad file index (needs a {role} file)", path, tw)
+        if not _int(fidx, 0, last_file) or files[fidx].role != role:
+            bad(f"bad file index (needs a {role} file)")
         extent = nbytes if encoding is None else stored
-        _need(_int(off, 0, k.max_file_bytes) and off + extent <= files[fidx].size, "tensor outside its file", path, tw)
-        _need(files[fidx].origin is None or digest is not None, "a tensor in a shared file needs a digest", path, tw)
+        if not _int(off, 0, file_max) or off + extent > files[fidx].size:
+            bad("tensor outside its file")
+        if files[fidx].origin is not None and digest is None:
+            bad("a tensor in a shared file needs a digest")
         tensors.append(TensorEntry(key, dt, tuple(shape), fidx, off, nbytes, digest, encoding, stored))
     if v2:
         _check_data_files(files, tensors, path, where)
