@@ -468,7 +468,9 @@ def prepare_load(
                 if not wanted:
                     continue
                 f = p.files[index]
-                handle = reader.open_data_file(p, index)
+                # Read twice (pass 1 hashes, pass 2 copies) when bytes land in targets.
+                twice = verify and any((p.name, k) in plan.targets for k in wanted)
+                handle = reader.open_data_file(p, index, reread=True) if twice else reader.open_data_file(p, index)
                 r = _Read(p, index, handle, f, wanted, whole=len(wanted) == len(entries))
                 prepared.reads.append(r)
                 if not any((p.name, k) in plan.targets for k in wanted):

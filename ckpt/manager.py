@@ -150,6 +150,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
+from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
 from .storage import Storage, commits_by_manifest, is_space_error, resolve
@@ -245,7 +246,11 @@ def list_checkpoints(
         metrics = None
         if with_metrics and committed:
             try:
-                man = decode_manifest(storage.read_all(os.path.join(path, MANIFEST_NAME)), path=path)
+                mpath = os.path.join(path, MANIFEST_NAME)
+                size = storage.lstat(mpath).st_size
+                if size > knobs().max_manifest_bytes + 64:  # never read more than a reader would
+                    raise CkptError("MANIFEST above the size limit", path=mpath)
+                man = decode_manifest(storage.read(mpath, 0, size), path=path)
                 got = man.meta.get("metrics")
                 metrics = dict(got) if isinstance(got, dict) else None
             except (OSError, CkptError):
@@ -422,7 +427,7 @@ class CheckpointManager:
 
         # One writer per run directory: rank 0 holds the lock for the whole job, taken
         # before orphan cleanup (which would otherwise delete a live writer's saves).
-        self._lock: RunLock | None = None
+        self._lock: Any = None  # RunLock, or an object store's lock object
         self.removed_orphans: tuple[str, ...] = ()
         #: (temporary name, step name) of complete copies put back after a crash
         self.restored_orphans: tuple[tuple[str, str], ...] = ()
@@ -430,7 +435,11 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 self._storage.makedirs(self.run_dir)
-                self._lock = RunLock.acquire(self.run_dir, owner={"run_id": self.run_id, "world_size": self.world_size})
+                owner = {"run_id": self.run_id, "world_size": self.world_size}
+                if commits_by_manifest(self._storage):  # an object store: a lock object (§O.6)
+                    self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
+                else:
+                    self._lock = RunLock.acquire(self.run_dir, owner=owner)
                 rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
                 self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
             except BaseException as e:  # noqa: BLE001 - every rank must hear about it
@@ -520,7 +529,12 @@ class CheckpointManager:
         from .ledger import ENV_DIR, Ledger
 
         root = os.environ.get(ENV_DIR)
-        directory = os.path.join(root, os.path.basename(self.run_dir)) if root else os.path.join(self.run_dir, "ledger")
+        if root:
+            directory = os.path.join(root, os.path.basename(self.run_dir))
+        elif commits_by_manifest(self._storage):  # an append-only tape needs a local file
+            directory = self._storage.ledger_dir(self.run_dir)  # type: ignore[attr-defined]
+        else:
+            directory = os.path.join(self.run_dir, "ledger")
         if self.world_size > 1:
             directory = os.path.join(directory, f"rank-{self.rank:05d}")
         modules = {k: v for k, v in self.state.items() if hasattr(v, "named_parameters")}

@@ -218,6 +218,7 @@ class CheckpointReader:
         # The one resolver: a plain path is local, s3://... the object-store backend,
         # any other URL a clear UnsupportedSchemeError (never a local folder "s3:").
         self._storage, self.path = resolve(path, storage)
+        self._manifest_bytes = b""
         self.manifest: Manifest = self._open()
         self._trees: dict[str, Any] = {}
         self._headers: dict[tuple[str, int], tuple[int, dict]] = {}  # (part, file index) -> safetensors header
@@ -255,6 +256,7 @@ class CheckpointReader:
             raise LimitExceededError(f"MANIFEST is {mst.st_size} bytes, above the limit", path=mpath)
         try:
             data = self._storage.read(mpath, 0, mst.st_size)
+            self._manifest_bytes = data
         except FileNotFoundError:
             raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
         manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
@@ -270,12 +272,18 @@ class CheckpointReader:
     def _raise_if_vanished(self) -> None:
         """Retention and replacement rename a checkpoint away before deleting it, so a
         path that stops existing under a reader means "removed", not "corrupt"."""
+        mpath = os.path.join(self.path, MANIFEST_NAME)
         try:
-            self._storage.lstat(os.path.join(self.path, MANIFEST_NAME))
+            self._storage.lstat(mpath)
+            now = self._storage.read(mpath, 0, len(self._manifest_bytes) + 1)
         except FileNotFoundError:
             raise CheckpointVanishedError(
                 "the checkpoint was removed while it was being read (e.g. by retention)", path=self.path
             ) from None
+        if now != self._manifest_bytes:
+            # Replaced by another save of the same name (overwrite): the files this
+            # reader opened belong to the old one.
+            raise CheckpointVanishedError("the checkpoint was replaced while it was being read", path=self.path)
 
     def _load_part(self, ref: PartRef, m: Manifest) -> PartEntry:
         fp = os.path.join(self.path, ref.manifest)
@@ -300,6 +308,11 @@ class CheckpointReader:
                 raise SizeMismatchError(
                     f"file is {st.st_size} bytes, manifest says {f.size}", path=fp, offset=min(st.st_size, f.size)
                 )
+        if not getattr(self._storage, "strict_listing", True):
+            # An object store: objects a committed MANIFEST does not name are leftovers
+            # of other saves (a lost race, a crash, a replaced checkpoint); they are
+            # never read, and orphan cleanup removes them (spec/object-storage.md §O.4).
+            return
         try:
             listing = self._storage.listdir(self.path)
         except FileNotFoundError:
@@ -334,9 +347,9 @@ class CheckpointReader:
         """The backend this checkpoint is read through (``ckpt.storage``)."""
         return self._storage
 
-    def _open_handle(self, fp: str) -> ReadHandle:
+    def _open_handle(self, fp: str, *, reread: bool = False) -> ReadHandle:
         try:
-            return self._storage.open_read(fp)
+            return self._storage.open_read(fp, reread=True) if reread else self._storage.open_read(fp)
         except FileNotFoundError:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
@@ -672,7 +685,7 @@ class CheckpointReader:
         if spans:
             raise SizeMismatchError("file ended before the tensors its manifest lists", path=fp, key=spans[0][0].key)
 
-    def open_data_file(self, pe: PartEntry, index: int) -> ReadHandle:
+    def open_data_file(self, pe: PartEntry, index: int, *, reread: bool = False) -> ReadHandle:
         """Check data file ``index``'s safetensors header (if it is one) and open it
         (caller closes it).
 
@@ -680,12 +693,13 @@ class CheckpointReader:
         renamed or deleted meanwhile (retention renames before it deletes); an object
         store handle pins the object's version, so a replaced or deleted object fails
         the read instead. An in-place load verifies and then copies through one handle
-        per file.
+        per file. ``reread``: the caller reads the bytes twice (verify, then copy); an
+        object store keeps the first pass's bytes locally instead of downloading twice.
         """
         self._header(pe, index)
-        return self._open_handle(self._fp(pe.files[index]))
+        return self._open_handle(self._fp(pe.files[index]), reread=reread)
 
-    def open_tensor_file(self, pe: PartEntry) -> tuple[ReadHandle, FileEntry] | None:
+    def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[ReadHandle, FileEntry] | None:
         """The part's one safetensors file, checked and opened (None if it has none); see
         :meth:`open_data_file` for parts with several data files."""
         files = pe.data_files()
@@ -693,7 +707,7 @@ class CheckpointReader:
             return None
         if len(files) > 1 or pe.files[files[0]].role != "tensors":
             raise ValueError(f"part {pe.name!r} has {len(files)} data files; open them with open_data_file")
-        return self.open_data_file(pe, files[0]), pe.files[files[0]]
+        return self.open_data_file(pe, files[0], reread=reread), pe.files[files[0]]
 
     def verify_bytes(self, f: FileEntry, data: Any) -> None:
         """Check the whole content of file ``f``, already in memory, against its digests."""

@@ -174,7 +174,8 @@ class LocalStorage:
     def create(self, path: str, chunk_size: int, *, durable: bool = True) -> _LocalSink:
         return _LocalSink(path, chunk_size, durable)
 
-    def open_read(self, path: str) -> LocalFile:
+    def open_read(self, path: str, *, reread: bool = False) -> LocalFile:
+        # ``reread`` (an in-place load's two passes) needs nothing here: the page cache.
         return LocalFile(path)
 
     def pread_into(self, path: str, offset: int, buf: memoryview) -> int:
@@ -204,10 +205,6 @@ class LocalStorage:
 
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
-
-    def read_all(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
 
     def mkdir(self, path: str) -> None:
         os.mkdir(path, 0o755)
