@@ -212,9 +212,10 @@ def link_shared(
     are named after their final content."""
     done: list[tuple[FileEntry, list[TensorEntry]]] = []
     keep: list[Shared] = []
+    link = getattr(storage, "link", None)  # a backend without it writes the bytes (§V.4.5)
     for s in layout.shared:
         dst = os.path.join(tmp_dir, s.entry.name)
-        if storage.link(s.source, dst):
+        if link is not None and link(s.source, dst):
             keep.append(s)
             origin = s.entry.origin or os.path.basename(os.path.dirname(s.source))
             done.append((FileEntry(s.entry.name, s.entry.role, s.entry.size, s.entry.chunk_size, s.entry.digests,
