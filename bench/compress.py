@@ -16,7 +16,10 @@ shared 2-core VMs swing several-fold; only ratios are comparable).
 The trained-like state is an MLP trained for a few AdamW steps on a synthetic regression: its
 weights, both Adam moments, and a bfloat16 copy of the weights.
 
-Usage: python bench/compress.py [--rounds 7] [--model-mib 96] [--dir DIR] [--json OUT]
+- the same save and load against a local S3-compatible server (``--s3``: moto, one request at a
+  time), where the sink is slower than the encoder and compression is meant to pay.
+
+Usage: python bench/compress.py [--rounds 7] [--model-mib 96] [--dir DIR] [--json OUT] [--s3]
 """
 
 from __future__ import annotations
@@ -105,10 +108,20 @@ def _load(path: str) -> float:
     return time.perf_counter() - t0
 
 
+def _remove(path: str) -> None:
+    if "://" in path:
+        from ckpt.storage import resolve
+
+        storage, p = resolve(path)
+        storage.remove_tree(p)
+    else:
+        shutil.rmtree(path)
+
+
 def timings(state: dict, d: str, rounds: int) -> dict:
     save, aa, load = [], [], []
     for i in range(rounds):
-        paths = {k: os.path.join(d, f"{k}-{i}") for k in ("plain", "plain2", "packed")}
+        paths = {k: f"{d}/{k}-{i}" for k in ("plain", "plain2", "packed")}
         order = ["plain", "packed", "plain2"] if i % 2 == 0 else ["packed", "plain2", "plain"]
         t = {k: _durable_save(paths[k], state, k == "packed") for k in order}
         save.append(t["plain"] / t["packed"])  # > 1: compressed saves faster
@@ -116,7 +129,7 @@ def timings(state: dict, d: str, rounds: int) -> dict:
         lt = {k: _load(paths[k]) for k in (("plain", "packed") if i % 2 == 0 else ("packed", "plain"))}
         load.append(lt["plain"] / lt["packed"])
         for p in paths.values():
-            shutil.rmtree(p)
+            _remove(p)
     return {
         "save_throughput_vs_uncompressed": statistics.median(save),
         "save_aa_control": statistics.median(aa),
@@ -131,8 +144,11 @@ def main() -> int:
     ap.add_argument("--model-mib", type=int, default=96)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--s3", action="store_true",
+                    help="also time saves to a local S3-compatible server (moto, tests/s3server.py; needs the s3 extra)")
     args = ap.parse_args()
     d = tempfile.mkdtemp(prefix="bench-compress-", dir=args.dir)
+    server = None
     try:
         model, opt = trained_mlp(args.model_mib)
         rows = sizes(model, opt, d)
@@ -146,10 +162,27 @@ def main() -> int:
         print(f"  compressed save throughput / uncompressed: {t['save_throughput_vs_uncompressed']:.2f}x "
               f"(target >= 0.8x; A/A control {t['save_aa_control']:.2f}x)")
         print(f"  fresh load, uncompressed time / compressed time: {t['fresh_load_speed_vs_uncompressed']:.2f}x")
+        out = {"sizes": rows, "timings": t, "state_mib": mib, "rounds": args.rounds}
+        if args.s3:
+            # An object store through its HTTP API: moto serves one request at a time (a
+            # slow sink, as remote stores are per writer); the same interleaved pairs.
+            sys.path.insert(0, os.path.join(ROOT, "tests"))
+            from s3server import start
+
+            server = start()
+            os.environ.update(server.env())
+            server.create_bucket("bench-compress")
+            ts = timings(state, "s3://bench-compress/run", args.rounds)
+            out["s3"] = ts
+            print(f"  to the S3-compatible server (moto): compressed save throughput / uncompressed "
+                  f"{ts['save_throughput_vs_uncompressed']:.2f}x (A/A control {ts['save_aa_control']:.2f}x); "
+                  f"load {ts['fresh_load_speed_vs_uncompressed']:.2f}x")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"sizes": rows, "timings": t, "state_mib": mib, "rounds": args.rounds}, f, indent=1)
+                json.dump(out, f, indent=1)
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(d, ignore_errors=True)
     return 0
 
