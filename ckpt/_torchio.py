@@ -238,13 +238,14 @@ def _reaches_live(module: torch.nn.Module, cur: Mapping[str, Any]) -> bool:
 
 @dataclass(slots=True)
 class _Read:
-    """One part's tensor file: what pass 2 still has to read, through which handle."""
+    """One data file of a part: what pass 2 still has to read, through which handle."""
 
     pe: PartEntry
+    index: int  # the file's index in the part (format 2.0: a part may have several)
     handle: Any  # ckpt.storage.ReadHandle
     file: FileEntry
     wanted: set[str]
-    whole: bool  # every tensor of the part is wanted: stream the file in order
+    whole: bool  # every tensor of the file is wanted: stream the file in order
     done: bool = False  # read in pass 1 (nothing in it lands in a target)
 
 
@@ -293,11 +294,11 @@ class PreparedLoad:
                 continue
             try:
                 if r.whole:
-                    self.reader.stream_part_into(
-                        r.pe, plan.dest(r.pe.name), verify=self.verify, handle=r.handle
+                    self.reader.stream_file_into(
+                        r.pe, r.index, plan.dest(r.pe.name), verify=self.verify, handle=r.handle
                     )
                 else:
-                    for t in r.pe.tensors:
+                    for t in r.pe.tensors_in(r.index):
                         if t.key in r.wanted:
                             self.reader.read_tensor_bytes_into(
                                 r.pe, t, plan.dest(r.pe.name)(t), verify=self.verify, handle=r.handle
@@ -466,29 +467,29 @@ def prepare_load(
     prepared = PreparedLoad(reader, pe, ctx, plan, entries, [], data, generators, restore_rng_state, verify, diffs)
     try:
         for p in parts.values():
-            wanted = {t.key for t in p.tensors if (p.name, t.key) in plan.cpu_dest}
-            if not wanted:
-                continue
-            # Read twice (pass 1 hashes, pass 2 copies) when bytes land in targets.
-            twice = verify and any((p.name, k) in plan.targets for k in wanted)
-            opened = reader.open_tensor_file(p, reread=True) if twice else reader.open_tensor_file(p)
-            if opened is None:
-                continue
-            handle, f = opened
-            r = _Read(p, handle, f, wanted, whole=len(wanted) == len(p.tensors))
-            prepared.reads.append(r)
-            if not any((p.name, k) in plan.targets for k in wanted):
-                # Nothing here lands in a target: read it (verified) now, once.
-                _read_now(reader, r, plan, verify)
-                r.done = True
-            elif verify:
-                # Pass 1: hash every chunk that pass 2 will copy, nothing written.
-                if r.whole:
-                    reader.verify_file(f, handle=handle)
-                else:
-                    for t in p.tensors:
-                        if t.key in wanted:
-                            reader.verify_file(f, handle=handle, span=(t.offset, t.offset + t.nbytes))
+            for index in p.data_files():
+                entries = p.tensors_in(index)
+                wanted = {t.key for t in entries if (p.name, t.key) in plan.cpu_dest}
+                if not wanted:
+                    continue
+                f = p.files[index]
+                # Read twice (pass 1 hashes, pass 2 copies) when bytes land in targets.
+                twice = verify and any((p.name, k) in plan.targets for k in wanted)
+                handle = reader.open_data_file(p, index, reread=True) if twice else reader.open_data_file(p, index)
+                r = _Read(p, index, handle, f, wanted, whole=len(wanted) == len(entries))
+                prepared.reads.append(r)
+                if not any((p.name, k) in plan.targets for k in wanted):
+                    # Nothing here lands in a target: read it (verified) now, once.
+                    _read_now(reader, r, plan, verify)
+                    r.done = True
+                elif verify:
+                    # Pass 1: hash every chunk that pass 2 will copy, nothing written.
+                    if r.whole:
+                        reader.verify_file(f, handle=handle)
+                    else:
+                        for t in entries:
+                            if t.key in wanted:
+                                reader.verify_file(f, handle=handle, span=(t.offset, t.offset + t.stored_nbytes))
     except BaseException:
         prepared.close()
         raise
@@ -497,9 +498,9 @@ def prepare_load(
 
 def _read_now(reader: TensorSource, r: _Read, plan: _Plan, verify: bool) -> None:
     if r.whole:
-        reader.stream_part_into(r.pe, plan.dest(r.pe.name), verify=verify, handle=r.handle)
+        reader.stream_file_into(r.pe, r.index, plan.dest(r.pe.name), verify=verify, handle=r.handle)
         return
-    for t in r.pe.tensors:
+    for t in r.pe.tensors_in(r.index):
         if t.key in r.wanted:
             reader.read_tensor_bytes_into(r.pe, t, plan.dest(r.pe.name)(t), verify=verify, handle=r.handle)
 
