@@ -348,10 +348,10 @@ def test_verify_refuses_what_load_cannot_load(tmp_path: Path, what: str, edit: A
 
 def test_cli_verify_exits_nonzero_on_a_resigned_unloadable_checkpoint(tmp_path: Path) -> None:
     p = _save(tmp_path / "c", _state_with_device(0))
-    ok = subprocess.run([sys.executable, "-m", "cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     _craft_state(p, _unknown_tensor_key)
-    res = subprocess.run([sys.executable, "-m", "cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 3, (res.stdout, res.stderr)
     assert "not-in-the-table" in res.stderr and "Traceback" not in res.stderr
 

@@ -116,7 +116,7 @@ def test_diff_identical_and_changed(run_dir):
 
 def _subprocess(*args: str, **kw):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, **kw)
+    return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, **kw)
 
 
 def test_real_subprocess_inspect_verify_without_torch(run_dir):
