@@ -28,6 +28,8 @@ keeps working for callers who do not know this package::
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
     ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
     ├── DistributedUsageError        (RuntimeError)       single-process API under a process group
+    ├── UnsupportedSchemeError       (ValueError)         a URL no installed storage backend serves
+    ├── StorageError                 (OSError)            an object store refused or failed a request
     ├── TapeDataError                (FormatError)        tape bytes (ckpt.tape framing)
     │   ├── TapeCorruptError / TapeTruncatedError / TapeFormatError / TapeLimitError
     └── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
@@ -69,6 +71,8 @@ __all__ = [
     "ResumeDivergedError",
     "RunDirLockedError",
     "DistributedUsageError",
+    "UnsupportedSchemeError",
+    "StorageError",
 ]
 
 
@@ -218,6 +222,18 @@ class RunDirLockedError(CkptError, BlockingIOError):
 
 class DistributedUsageError(CkptError, RuntimeError):
     """A single-process API called under a multi-rank process group; use the distributed one."""
+
+
+class UnsupportedSchemeError(CkptError, ValueError):
+    """A URL whose scheme no installed storage backend serves (``scheme`` and the
+    ``extra`` to install are in the message). A URL is never taken for a local path."""
+
+    exit_code = 2
+
+
+class StorageError(CkptError, OSError):
+    """An object store refused or failed a request (credentials, network, throttling):
+    the URL and the store's own message are named. Not a statement about the bytes."""
 
 
 class TapeDataError(FormatError):

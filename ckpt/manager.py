@@ -139,9 +139,10 @@ from .errors import (
     UnsupportedValueError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
+from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
-from .storage import Storage, is_space_error, local
+from .storage import Storage, commits_by_manifest, is_space_error, resolve
 from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
@@ -213,11 +214,15 @@ class SaveReport:
     deleted: tuple[str, ...] = ()
 
 
-def list_checkpoints(run_dir: str | os.PathLike[str], *, with_metrics: bool = False) -> list[CheckpointRecord]:
+def list_checkpoints(
+    run_dir: str | os.PathLike[str], *, with_metrics: bool = False, storage: Storage | None = None
+) -> list[CheckpointRecord]:
     """``step-*`` directories of a run, oldest first. Temporary dirs are never listed."""
-    root = os.fspath(run_dir)
+    storage, root = resolve(run_dir, storage)
+    if not commits_by_manifest(storage):
+        root = os.fspath(run_dir)  # as given: records name paths the way the caller did
     try:
-        names = os.listdir(root)
+        names = storage.listdir(root)
     except FileNotFoundError:
         return []
     out = []
@@ -226,12 +231,15 @@ def list_checkpoints(run_dir: str | os.PathLike[str], *, with_metrics: bool = Fa
         if not m:
             continue
         path = os.path.join(root, name)
-        committed = os.path.isfile(os.path.join(path, MANIFEST_NAME))
+        committed = storage.isfile(os.path.join(path, MANIFEST_NAME))
         metrics = None
         if with_metrics and committed:
             try:
-                with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-                    man = decode_manifest(f.read(), path=path)
+                mpath = os.path.join(path, MANIFEST_NAME)
+                size = storage.lstat(mpath).st_size
+                if size > knobs().max_manifest_bytes + 64:  # never read more than a reader would
+                    raise CkptError("MANIFEST above the size limit", path=mpath)
+                man = decode_manifest(storage.read(mpath, 0, size), path=path)
                 got = man.meta.get("metrics")
                 metrics = dict(got) if isinstance(got, dict) else None
             except (OSError, CkptError):
@@ -323,7 +331,7 @@ class CheckpointManager:
         pin_memory: bool | None = None,
         code_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
-        storage: Storage = local,
+        storage: Storage | None = None,
         ledger: bool = True,
         ledger_params_every: int = 10,
         verify_resume: Literal["strict", "warn", "off"] = "warn",
@@ -335,7 +343,8 @@ class CheckpointManager:
         if exactness not in ("strict", "warn", "off"):
             raise ValueError(f"exactness must be 'strict', 'warn' or 'off', not {exactness!r}")
         _check_data_source(data)
-        self.run_dir = os.path.abspath(os.fspath(run_dir))
+        # The one resolver: a local directory, or an object-store prefix (s3://...).
+        self._storage, self.run_dir = resolve(run_dir, storage)
         self.state = dict(state)
         self.data = data
         self.generators = dict(generators or {})
@@ -348,7 +357,6 @@ class CheckpointManager:
         self.exactness = exactness
         self.code_dir = code_dir
         self._clock = clock
-        self._storage = storage
         self.run_id = run_id or uuid.uuid4().hex[:16]
         self.resumed_from: dict[str, Any] | None = None
         self._start_step = 0
@@ -395,15 +403,19 @@ class CheckpointManager:
 
         # One writer per run directory: rank 0 holds the lock for the whole job, taken
         # before orphan cleanup (which would otherwise delete a live writer's saves).
-        self._lock: RunLock | None = None
+        self._lock: Any = None  # RunLock, or an object store's lock object
         self.removed_orphans: tuple[str, ...] = ()
         #: (temporary name, step name) of complete copies put back after a crash
         self.restored_orphans: tuple[tuple[str, str], ...] = ()
         refusal: BaseException | None = None
         if self.rank == 0:
             try:
-                os.makedirs(self.run_dir, exist_ok=True)
-                self._lock = RunLock.acquire(self.run_dir, owner={"run_id": self.run_id, "world_size": self.world_size})
+                self._storage.makedirs(self.run_dir)
+                owner = {"run_id": self.run_id, "world_size": self.world_size}
+                if commits_by_manifest(self._storage):  # an object store: a lock object (§O.6)
+                    self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
+                else:
+                    self._lock = RunLock.acquire(self.run_dir, owner=owner)
                 rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
                 self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
             except BaseException as e:  # noqa: BLE001 - every rank must hear about it
@@ -450,7 +462,7 @@ class CheckpointManager:
         return 0 if self._staging is None else self._staging.nbytes
 
     def checkpoints(self) -> list[CheckpointRecord]:
-        return list_checkpoints(self.run_dir, with_metrics=True)
+        return list_checkpoints(self.run_dir, with_metrics=True, storage=self._storage)
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -493,7 +505,12 @@ class CheckpointManager:
         from .ledger import ENV_DIR, Ledger
 
         root = os.environ.get(ENV_DIR)
-        directory = os.path.join(root, os.path.basename(self.run_dir)) if root else os.path.join(self.run_dir, "ledger")
+        if root:
+            directory = os.path.join(root, os.path.basename(self.run_dir))
+        elif commits_by_manifest(self._storage):  # an append-only tape needs a local file
+            directory = self._storage.ledger_dir(self.run_dir)  # type: ignore[attr-defined]
+        else:
+            directory = os.path.join(self.run_dir, "ledger")
         if self.world_size > 1:
             directory = os.path.join(directory, f"rank-{self.rank:05d}")
         modules = {k: v for k, v in self.state.items() if hasattr(v, "named_parameters")}
@@ -586,7 +603,7 @@ class CheckpointManager:
 
         names: list[str] = []
         if self.rank == 0:
-            for rec in reversed(list_checkpoints(self.run_dir)):
+            for rec in reversed(list_checkpoints(self.run_dir, storage=self._storage)):
                 if not rec.committed:
                     warnings.warn(f"skipping {rec.path}: no MANIFEST, the save never committed", ResumeFallbackWarning, stacklevel=2)
                     continue
@@ -882,7 +899,7 @@ class CheckpointManager:
         newest checkpoint that verifies: if the save fails, that is the resume point."""
         protect: set[str] = set()
         if upcoming is not None:
-            protect = self._newest_valid(list_checkpoints(self.run_dir))
+            protect = self._newest_valid(list_checkpoints(self.run_dir, storage=self._storage))
         return apply_retention(self.run_dir, self.retention, storage=self._storage,
                                protect=protect, upcoming=upcoming)
 
@@ -900,17 +917,21 @@ class CheckpointManager:
         return out
 
 
-def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage = local,
+def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage | None = None,
                     protect: Iterable[str] = (), upcoming: int | None = None) -> tuple[str, ...]:
     """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
     (:func:`plan_retention`); returns their names. The manager runs this after each
     commit; anything else that commits checkpoints into a directory (a snapshotter) runs
     it too, so that there is one retention routine. Names in ``protect`` are never
     deleted; ``upcoming`` plans as if that step had already committed (freeing space
-    before a save on a full disk) and is itself never deleted."""
-    run_dir = os.fspath(run_dir)
+    before a save on a full disk) and is itself never deleted. On an object store a
+    checkpoint is deleted MANIFEST first (it is uncommitted from that instant), then
+    its objects (spec/object-storage.md)."""
+    storage, normal = resolve(run_dir, storage)
+    by_manifest = commits_by_manifest(storage)
+    run_dir = normal if by_manifest else os.fspath(run_dir)
     protected = set(protect)
-    records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best))
+    records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best), storage=storage)
     if upcoming is not None and not any(r.step == upcoming for r in records):
         name = checkpoint_name(upcoming)
         records = sorted([*records, CheckpointRecord(name, os.path.join(run_dir, name), upcoming, True)],
@@ -920,6 +941,10 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
     for r in records:
         if not r.committed or r.name in keep or r.name in protected or r.step == upcoming:
             continue
+        if by_manifest:
+            if storage.remove_checkpoint(r.path):  # type: ignore[attr-defined]
+                deleted.append(r.name)
+            continue
         # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
         trash = os.path.join(run_dir, tmp_name(r.name, DEL_SUFFIX))
         try:
@@ -928,7 +953,7 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
             continue
         storage.remove_tree(trash)
         deleted.append(r.name)
-    if deleted:
+    if deleted and not by_manifest:
         storage.fsync_dir(run_dir)
     return tuple(deleted)
 

@@ -339,6 +339,50 @@ KINDS: tuple[Kind, ...] = (
     Kind(24, "resume_check", (("verdict", "str"), ("first", "i64"), ("last", "i64"), ("report", "str")),
          "The verification of a resume against the ledger: verdict exact, diverged or skipped over steps "
          "first..last, with the full report text."),
+    # -- 32-47: replica fault tolerance and SDC (runs/replicas, replay.sdc) --
+    Kind(32, "step_commit", (("quorum", "str"), ("committed", "u32"), ("participants", "u32"), ("params", "d128"),
+                             ("state", "d128")),
+         "A replica's commit verdict for one attempt of the step (the step field) under quorum `quorum`; params and "
+         "state digest its parameters and its whole replicated state after the step (zero when not committed); "
+         "invariant: a committed step follows this actor's quorum event of that key, which lists it."),
+    Kind(33, "recovery_sent", (("peer", "str"), ("stream", "d128"), ("state", "d128"), ("nbytes", "u64")),
+         "This replica streamed its state at the step (the step field) to the recovering replica peer: the "
+         "checkpoint stream's digest, the state digest and the data bytes."),
+    Kind(34, "recovery_loaded", (("source", "str"), ("stream", "d128"), ("state", "d128")),
+         "This replica loaded the state streamed by source for the step; invariant: state equals the digest of the "
+         "source's recovery_sent to this actor for the same step."),
+    Kind(35, "membership", (("quorum", "str"), ("joined", "strs"), ("left", "strs"), ("members", "strs")),
+         "The replica groups of quorum `quorum` as this replica sees them, against its previous quorum."),
+    Kind(36, "data_reassign", (("policy", "str"), ("lost", "strs"), ("sample_ids", "u64s")),
+         "The samples of a step attempt that was not committed (lost: the groups that failed in it) go back to "
+         "the global stream (policy redistribute: the retry splits them over the surviving groups) or are skipped "
+         "(policy drop)."),
+    Kind(37, "sdc_digests", (("kind", "str"), ("buckets", "digests")),
+         "xxh3-128 of each gradient bucket of this replica at the step's accumulation boundary: kind local (its "
+         "own gradient, before the all-reduce) or reduced (after it)."),
+    Kind(38, "sdc_verdict", (("check", "str"), ("ok", "u32"), ("odd", "strs"), ("buckets", "strs"),
+                             ("detail", "msgpack")),
+         "An SDC check at the step: check cross-replica (reduced-bucket digests compared across replicas), "
+         "reexec (the step re-executed and its digests compared) or stream (bytes checked on receipt); odd names "
+         "the replicas found wrong, buckets the buckets that differ."),
+    # 56-71: pipeline stages (runs/stages, spec/stages.md)
+    Kind(56, "stage_down", (("first", "u64"), ("until", "u64")),
+         "This pipeline stage goes offline for global steps first..until-1; it sends nothing until its stage_up."),
+    Kind(57, "stage_up", (("source", "str"), ("channel", "str"), ("chan_seq", "u64"), ("digest", "d128")),
+         "This stage rejoined with the state of source, recovered through the message channel#chan_seq; digest is "
+         "the state digest of what it loaded."),
+    Kind(58, "recovery_source", (("target", "str"), ("channel", "str"), ("chan_seq", "u64"), ("digest", "d128")),
+         "This stage sent its state to target for a peer recovery, as the message channel#chan_seq; digest is the "
+         "state digest of what it saved."),
+    Kind(59, "bypass", (("offline", "str"), ("src", "str"), ("dst", "str"), ("direction", "str")),
+         "This step's activations (direction fwd, taped by the upstream stage) or gradients (bwd, by the downstream "
+         "stage) go from src to dst around the offline stage."),
+    Kind(60, "ef_residual", (("key", "str"), ("digest", "d128"), ("kept", "u64"), ("total", "u64"),
+                             ("nbytes", "u64")),
+         "After the compressed replica exchange key: the digest of the error-feedback residual left, the values "
+         "sent and in total, and the payload bytes sent to each peer."),
+    Kind(61, "stage_stall", (("reason", "str"),),
+         "This stage is live but idles this step (its replica waits: reason wait or edge-down)."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}

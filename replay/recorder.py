@@ -52,7 +52,7 @@ from replay.tape.writer import TapeWriter
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["Recorder", "Actor", "Stamp", "ReplayStop", "MODES", "event_from_body"]
+__all__ = ["Recorder", "Actor", "Stamp", "ReplayStop", "MODES", "RUN_CODES", "event_from_body"]
 
 MODES = ("record", "verify", "force")
 
@@ -63,6 +63,7 @@ _SEND, _RECV, _DECISION, _QUORUM, _MERGE = (_K[n] for n in ("send", "recv", "dec
 _FINJ, _FDET, _FREC, _CKPT, _SNAP, _NOTE = (
     _K[n] for n in ("fault_injected", "fault_detected", "fault_recovered", "checkpoint", "snapshot", "note"))
 _SNAPCH, _SNAPOUT = _K["snapshot_channels"], _K["snapshot_outcome"]
+RUN_CODES = (25, 95)  # the reference runs' own kinds (replay/events.py, the ranges above KINDS)
 _ONE = struct.Struct("<qHHHQ")  # event head with a one-entry clock: the common case, packed in one call
 _F64 = struct.Struct("<d")
 
@@ -302,6 +303,21 @@ class Actor:
 
     def note(self, text: str) -> None:
         self._emit(_NOTE.code, _NOTE.pack(text))
+
+    def event(self, kind: str, *values: Any) -> None:
+        """Tape one event of a reference run's own kind (codes 25-95 of the table in
+        ``replay/events.py``, e.g. the pipeline stages' ``bypass``), its fields in table
+        order. The generic kinds have their own methods, and decision kinds are refused:
+        they go through :meth:`decide` and friends, which force mode answers from the tape."""
+        k = KIND_BY_NAME.get(kind)
+        if k is None:
+            raise ValueError(f"unknown event kind {kind!r}")
+        if not RUN_CODES[0] <= k.code <= RUN_CODES[1]:
+            raise ValueError(f"kind {kind!r} (code {k.code}) has its own recorder method; event() tapes the reference "
+                             f"runs' kinds, codes {RUN_CODES[0]}-{RUN_CODES[1]}")
+        if k.decision:
+            raise ValueError(f"kind {kind!r} is a decision: tape it with decide() so that force mode can answer it")
+        self._emit(k.code, k.pack(*values))
 
     # -- messages ---------------------------------------------------------------------------------
     def send(self, channel: str, payload: Any = None, *, peer: str, digest: bytes | None = None,

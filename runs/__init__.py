@@ -30,4 +30,6 @@ DEMOS: dict[str, Demo] = {
                    "runs.diloco.demo:main"),
     "basic": Demo("single process: checkpoint a tiny transformer, inspect, verify, resume bit for bit",
                   "runs.basic.demo:main"),
+    "replicas": Demo("replica groups on torchft: SIGKILL, replacement recovers from a live peer, SDC checks, replay",
+                     "runs.replicas.demo:main"),
 }

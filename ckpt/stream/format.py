@@ -58,9 +58,23 @@ class StreamInfo:
     wire_bytes: int = 0
 
 
+def _local_only(path: str | os.PathLike[str]) -> str:
+    """Streams read and write local checkpoint directories: a URL is refused (never a
+    local folder named ``s3:``); an object store is written with ``ckpt.save(url)``."""
+    from ..errors import UnsupportedSchemeError
+    from ..storage import url_scheme
+
+    p = os.fspath(path)
+    scheme = url_scheme(p) if isinstance(p, str) else None
+    if scheme is not None:
+        raise UnsupportedSchemeError(f"checkpoint streams read and write local directories, not {scheme}:// URLs",
+                                     path=p, scheme=scheme)
+    return p
+
+
 def stream_files(directory: str | os.PathLike[str]) -> list[tuple[str, int]]:
     """The files of a committed checkpoint in stream order: part files by name, MANIFEST last."""
-    d = os.fspath(directory)
+    d = _local_only(directory)
     names = sorted(os.listdir(d))
     if MANIFEST_NAME not in names:
         raise FormatError("not a committed checkpoint: no MANIFEST", path=d)
@@ -195,7 +209,7 @@ def read_stream(read: Read, dest: str | os.PathLike[str], *, max_bytes: int = DE
     opened as a committed checkpoint. On any error nothing is left behind."""
     from ..reader import CheckpointReader
 
-    final = os.fspath(dest)
+    final = _local_only(dest)
     if os.path.lexists(final):
         raise FileExistsError(f"{final} exists: a stream is received into a new directory")
     r = _Reader(read)

@@ -290,11 +290,13 @@ class SnapshotAgent:
             t.join(timeout)
 
     # -- restore --------------------------------------------------------------------------
-    def restore(self, name: str) -> RestoreInfo:
+    def restore(self, name: str, *, announce: bool = True) -> RestoreInfo:
         """Reload this process's part and queue its recorded in-flight messages.
 
         Must run before the endpoint delivers anything. A snapshot restores only at the
-        process count (and the actor names) it was taken at.
+        process count (and the actor names) it was taken at. ``announce`` tapes a
+        ``snapshot.restore`` note; a run continued under its original tape (force mode
+        with ``align_snapshot``), whose history holds no such event, passes False.
         """
         meta = self.store.read_meta(name)
         if meta.get("format") != SNAPSHOT_FORMAT:
@@ -330,7 +332,8 @@ class SnapshotAgent:
                                      MessageKind.DATA, m["meta"], tuple(m["tensors"])) for m in msgs]
         self.ep.restore(ep_state, inflight)
         cut = VectorClock.decode(extra["cut_clock"])
-        self.ep.record("snapshot.restore", {"snapshot": name, "inflight": {k: len(v) for k, v in inflight.items()}})
+        if announce:
+            self.ep.record("snapshot.restore", {"snapshot": name, "inflight": {k: len(v) for k, v in inflight.items()}})
         return RestoreInfo(name, self.actor, cut, {k: len(v) for k, v in inflight.items()})
 
     # -- the protocol -------------------------------------------------------------------

@@ -43,6 +43,19 @@ SAMPLES = {
     "ledger_open": ("0123456789abcdef", 40, "step-00000040", [("python", D), ("torch_cpu", D[::-1])]),
     "ledger_step": (3, D, -0.0, [("torch_cpu", D)], bytes(16)),
     "resume_check": ("exact", 41, 47, "resume verified exact over steps 41..47"),
+    "step_commit": ("q-7", 1, 3, D, D[::-1]),
+    "recovery_sent": ("g2.0", D, D[::-1], 4096),
+    "recovery_loaded": ("g1.0", D, D[::-1]),
+    "membership": ("q-7", ["g2"], ["g3"], ["g1", "g2"]),
+    "data_reassign": ("redistribute", ["g3"], [5, 6, 2**64 - 1]),
+    "sdc_digests": ("reduced", [("bucket-0", D), ("bucket-1", D[::-1])]),
+    "sdc_verdict": ("cross-replica", 0, ["g2"], ["bucket-1"], {"step": 4}),
+    "stage_down": (10, 16),
+    "stage_up": ("r1.s2", "r1.s2->r0.s2", 3, D),
+    "recovery_source": ("r0.s2", "r1.s2->r0.s2", 3, D),
+    "bypass": ("r0.s2", "r0.s1", "r0.s3", "fwd"),
+    "ef_residual": ("s2@h4", D, 12, 4096, 96),
+    "stage_stall": ("wait",),
 }
 
 
@@ -152,6 +165,9 @@ def test_recorder_writes_every_kind_and_reader_decodes_it(tmp_path: Path) -> Non
             rec.snapshot_outcome("s0", committed=True, path="/s0", parts=["main"], excluded=["learner-1"])
             rec.checkpoint("ck0", "/x")
             rec.note("done")
+            for name, values in SAMPLES.items():  # the reference runs' own kinds, through Actor.event
+                if KIND_BY_NAME[name].code >= 25:
+                    learner.event(name, *values)
     r = TapeReader(path)
     evs = list(r.events())
     names = [e.kind.name for e in evs]
