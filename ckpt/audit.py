@@ -94,10 +94,7 @@ def verify_paths(
     todo: list[tuple[str, PathKind | Outcome]] = []
     for p in paths:
         s = os.fspath(p)
-        try:
-            _collect(s, probe_path(s), True, todo)
-        except CkptError as e:  # e.g. a URL scheme no backend serves: this path's outcome, not the run's end
-            todo.append((s, Outcome(s, "error", e.exit_code, "missing", message=str(e))))
+        _collect(s, probe_path(s), True, todo)  # a URL scheme no backend serves: UnsupportedSchemeError (exit 2)
     readers: dict[str, CheckpointReader | Outcome] = {}
     for path, what in todo:
         if isinstance(what, PathKind):
