@@ -28,7 +28,8 @@ The convention, for every section of the README (a block that does not follow it
                       the tests start (``s3_server`` in tests/conftest.py), its
                       ``AWS_*`` variables set for the block, bucket ``ckpt-readme`` made
   ``timeout=S``       seconds per command (default 900)
-  ``no-run=REASON``   the block does not run (a reviewer reads REASON)
+  ``no-run="REASON"`` the block does not run (a reviewer reads REASON: say where what it
+                      shows is checked instead)
   ==================  ===================================================================
 
 - Normalised always: trailing spaces; ``/tmp/`` in a console command stands for the scratch
@@ -44,6 +45,7 @@ import difflib
 import io
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -102,7 +104,7 @@ def parse(text: str) -> list[Block]:
         line = lines[i]
         m = re.match(r"^<!-- example: (.*) -->\s*$", line)
         if m:
-            for item in m.group(1).split():
+            for item in shlex.split(m.group(1)):  # no-run="a reason with spaces"
                 k, _, v = item.partition("=")
                 pending_opts[k] = v
             i += 1
