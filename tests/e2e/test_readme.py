@@ -61,12 +61,12 @@ BIN = Path(sys.executable).parent
 
 #: ``vary=`` names: each turns a kind of token of the expected output into a pattern
 VARY: dict[str, tuple[str, str]] = {
-    # name: (what it matches in the expected text, the pattern it becomes)
-    "numbers": (r"-?\d+(?:\.\d+)?", r"-?\d+(?:\.\d+)?"),  # any number (counts, steps, losses); spaces stretch too
-    "hex": (r"\b[0-9a-f]{8,}\b", r"[0-9a-f]+"),  # ids and digests
-    "sizes": (r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)\b", r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)"),
-    "times": (r"\d+(?:\.\d+)? s\b", r"\d+(?:\.\d+)? s"),  # durations
+    # name: (what it matches in the expected text, the pattern it becomes); tried in this order
     "direction": (r"\b(?:better|worse)\b", r"(?:better|worse)"),  # which side of a comparison won
+    "hex": (r"\b[0-9a-f]{8,}\b", r"[0-9a-f]+"),  # ids and digests
+    "sizes": (r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)\b", r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)"),  # any size, any unit
+    "times": (r"\d+(?:\.\d+)? s\b", r"\d+(?:\.\d+)? s"),  # durations
+    "numbers": (r"-?\d+(?:\.\d+)?", r"-?\d+(?:\.\d+)?"),  # any number (counts, steps, losses); spaces stretch too
 }
 _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
 
@@ -143,7 +143,8 @@ def expected_pattern(expected: str, vary: set[str]) -> str:
     """The expected text as a regex, with the always-on and the ``vary`` normalisations."""
     unknown = vary - set(VARY)
     assert not unknown, f"unknown vary= names {sorted(unknown)}; known: {sorted(VARY)}"
-    tokens = [_STAMP] + [VARY[v][0] for v in sorted(vary)]
+    order = [v for v in VARY if v in vary]  # VARY's order: a size or a time before a bare number
+    tokens = [_STAMP] + [VARY[v][0] for v in order]
     finder = re.compile("|".join(f"({t})" for t in tokens))
     out: list[str] = []
     for line in expected.rstrip("\n").split("\n"):
@@ -160,7 +161,7 @@ def expected_pattern(expected: str, vary: set[str]) -> str:
             for m in finder.finditer(piece):
                 pat.append(_lit(piece[pos:m.start()], vary))
                 group = next(g for g in range(1, len(tokens) + 1) if m.group(g) is not None)
-                pat.append(_STAMP if group == 1 else VARY[sorted(vary)[group - 2]][1])
+                pat.append(_STAMP if group == 1 else VARY[order[group - 2]][1])
                 pos = m.end()
             pat.append(_lit(piece[pos:], vary))
         out.append("".join(pat) + r"\n")
@@ -350,6 +351,7 @@ def test_the_harness_normalises_as_documented() -> None:
     assert re.fullmatch(expected_pattern("id e9179ee9f035f8cc\n", {"hex"}), "id 0123456789abcdef\n")
     assert not re.fullmatch(expected_pattern("id e9179ee9f035f8cc\n", set()), "id 0123456789abcdef\n")
     assert re.fullmatch(expected_pattern("chaos better by 7.9%\n", {"direction"}), "chaos worse by 7.9%\n")
+    assert re.fullmatch(expected_pattern("size  1.6 MiB ok\n", {"numbers", "sizes"}), "size  941.1 KiB ok\n")
     assert normalise("at /x/y/run  \n\n", Path("/x/y")) == "at /tmp/run\n"
     blocks = parse("```bash\nmake\n```\n<!-- example: id=a vary=hex -->\n```python\nprint(1)\n```\n<!-- output -->\n"
                    "```text\n1\n```\n")
