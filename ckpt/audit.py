@@ -94,7 +94,7 @@ def verify_paths(
     todo: list[tuple[str, PathKind | Outcome]] = []
     for p in paths:
         s = os.fspath(p)
-        _collect(s, probe_path(s), True, todo)
+        _collect(s, probe_path(s), True, todo)  # a URL scheme no backend serves: UnsupportedSchemeError (exit 2)
     readers: dict[str, CheckpointReader | Outcome] = {}
     for path, what in todo:
         if isinstance(what, PathKind):

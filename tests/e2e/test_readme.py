@@ -28,7 +28,8 @@ The convention, for every section of the README (a block that does not follow it
                       the tests start (``s3_server`` in tests/conftest.py), its
                       ``AWS_*`` variables set for the block, bucket ``ckpt-readme`` made
   ``timeout=S``       seconds per command (default 900)
-  ``no-run=REASON``   the block does not run (a reviewer reads REASON)
+  ``no-run="REASON"`` the block does not run (a reviewer reads REASON: say where what it
+                      shows is checked instead)
   ==================  ===================================================================
 
 - Normalised always: trailing spaces; ``/tmp/`` in a console command stands for the scratch
@@ -44,6 +45,7 @@ import difflib
 import io
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -59,19 +61,22 @@ BIN = Path(sys.executable).parent
 
 #: ``vary=`` names: each turns a kind of token of the expected output into a pattern
 VARY: dict[str, tuple[str, str]] = {
-    # name: (what it matches in the expected text, the pattern it becomes)
-    "numbers": (r"-?\d+(?:\.\d+)?", r"-?\d+(?:\.\d+)?"),  # any number (counts, steps, losses); spaces stretch too
-    "hex": (r"\b[0-9a-f]{8,}\b", r"[0-9a-f]+"),  # ids and digests
-    "sizes": (r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)\b", r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)"),
-    "times": (r"\d+(?:\.\d+)? s\b", r"\d+(?:\.\d+)? s"),  # durations
+    # name: (what it matches in the expected text, the pattern it becomes); tried in this order
     "direction": (r"\b(?:better|worse)\b", r"(?:better|worse)"),  # which side of a comparison won
+    "hex": (r"\b[0-9a-f]{8,}\b", r"[0-9a-f]+"),  # ids and digests
+    "sizes": (r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)\b", r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)"),  # any size, any unit
+    "times": (r"\d+(?:\.\d+)? s\b", r"\d+(?:\.\d+)? s"),  # durations
+    "numbers": (r"-?\d+(?:\.\d+)?", r"-?\d+(?:\.\d+)?"),  # any number (counts, steps, losses); spaces stretch too
 }
 _STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
 
 
 def _need_s3(request: pytest.FixtureRequest) -> dict[str, str]:
     server = request.getfixturevalue("s3_server")
-    server.create_bucket("ckpt-readme")
+    try:
+        server.create_bucket("ckpt-readme")
+    except Exception:  # noqa: BLE001 - made by an earlier example of this session
+        pass
     return dict(server.env())
 
 
@@ -99,7 +104,7 @@ def parse(text: str) -> list[Block]:
         line = lines[i]
         m = re.match(r"^<!-- example: (.*) -->\s*$", line)
         if m:
-            for item in m.group(1).split():
+            for item in shlex.split(m.group(1)):  # no-run="a reason with spaces"
                 k, _, v = item.partition("=")
                 pending_opts[k] = v
             i += 1
@@ -138,7 +143,8 @@ def expected_pattern(expected: str, vary: set[str]) -> str:
     """The expected text as a regex, with the always-on and the ``vary`` normalisations."""
     unknown = vary - set(VARY)
     assert not unknown, f"unknown vary= names {sorted(unknown)}; known: {sorted(VARY)}"
-    tokens = [_STAMP] + [VARY[v][0] for v in sorted(vary)]
+    order = [v for v in VARY if v in vary]  # VARY's order: a size or a time before a bare number
+    tokens = [_STAMP] + [VARY[v][0] for v in order]
     finder = re.compile("|".join(f"({t})" for t in tokens))
     out: list[str] = []
     for line in expected.rstrip("\n").split("\n"):
@@ -155,7 +161,7 @@ def expected_pattern(expected: str, vary: set[str]) -> str:
             for m in finder.finditer(piece):
                 pat.append(_lit(piece[pos:m.start()], vary))
                 group = next(g for g in range(1, len(tokens) + 1) if m.group(g) is not None)
-                pat.append(_STAMP if group == 1 else VARY[sorted(vary)[group - 2]][1])
+                pat.append(_STAMP if group == 1 else VARY[order[group - 2]][1])
                 pos = m.end()
             pat.append(_lit(piece[pos:], vary))
         out.append("".join(pat) + r"\n")
@@ -277,6 +283,8 @@ def _exec(code: str, scratch: Path, where: str, env: dict[str, str] | None = Non
     old = os.getcwd()
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
+    if env:
+        _forget_backends()  # storage backends made before read their environment (AWS_*) again
     os.chdir(scratch)
     try:
         with contextlib.redirect_stdout(buf):
@@ -288,7 +296,17 @@ def _exec(code: str, scratch: Path, where: str, env: dict[str, str] | None = Non
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        if env:
+            _forget_backends()
     return buf.getvalue()
+
+
+def _forget_backends() -> None:
+    try:
+        from ckpt.storage import forget_backends
+    except ImportError:  # no object-store backends in this tree
+        return
+    forget_backends()
 
 
 # -- the tests ------------------------------------------------------------------------------------
@@ -333,6 +351,7 @@ def test_the_harness_normalises_as_documented() -> None:
     assert re.fullmatch(expected_pattern("id e9179ee9f035f8cc\n", {"hex"}), "id 0123456789abcdef\n")
     assert not re.fullmatch(expected_pattern("id e9179ee9f035f8cc\n", set()), "id 0123456789abcdef\n")
     assert re.fullmatch(expected_pattern("chaos better by 7.9%\n", {"direction"}), "chaos worse by 7.9%\n")
+    assert re.fullmatch(expected_pattern("size  1.6 MiB ok\n", {"numbers", "sizes"}), "size  941.1 KiB ok\n")
     assert normalise("at /x/y/run  \n\n", Path("/x/y")) == "at /tmp/run\n"
     blocks = parse("```bash\nmake\n```\n<!-- example: id=a vary=hex -->\n```python\nprint(1)\n```\n<!-- output -->\n"
                    "```text\n1\n```\n")
