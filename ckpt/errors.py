@@ -30,7 +30,11 @@ keeps working for callers who do not know this package::
     ├── StorageError                 (OSError)            an object store refused or failed a request
     ├── TapeDataError                (FormatError)        tape bytes (ckpt.tape framing)
     │   ├── TapeCorruptError / TapeTruncatedError / TapeFormatError / TapeLimitError
-    └── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
+    ├── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
+    ├── GuardError                   (RuntimeError)       the loss-spike guard could not roll back
+    │   ├── NoRollbackTargetError                        no checkpoint before the anomaly
+    │   └── RollbackLimitError                           the rollback budget is spent
+    └── GuardConfigError             (ValueError)         a GuardConfig field breaks its rule
 
 Every instance carries ``path`` (the file), and where known ``offset`` (a byte offset
 in that file) or ``key`` (a key path in the state tree); ``str(err)`` names them.
@@ -70,6 +74,10 @@ __all__ = [
     "DistributedUsageError",
     "UnsupportedSchemeError",
     "StorageError",
+    "GuardError",
+    "NoRollbackTargetError",
+    "RollbackLimitError",
+    "GuardConfigError",
 ]
 
 
@@ -250,3 +258,19 @@ class ResumeDivergedError(CkptError, RuntimeError):
     """A resumed run re-executed a step differently from the step ledger (policy ``strict``)."""
 
     exit_code = 6
+
+
+class GuardError(CkptError, RuntimeError):
+    """The loss-spike guard (``ckpt.guard``) detected an anomaly it could not handle."""
+
+
+class NoRollbackTargetError(GuardError):
+    """A spike was detected but no committed checkpoint precedes it (``on_no_checkpoint="raise"``)."""
+
+
+class RollbackLimitError(GuardError):
+    """A spike was detected after ``max_rollbacks`` episodes: the run stops rather than loop."""
+
+
+class GuardConfigError(CkptError, ValueError):
+    """A ``GuardConfig`` field breaks its rule (the message names the field and the rule)."""

@@ -34,6 +34,10 @@ recovery-digest-mismatch   a stage_up whose recovery message has no recovery_sou
 commit-without-quorum      a step committed under a quorum this actor never taped, or one without it
 recovery-without-source    a replica loaded a recovery state nobody sent it
 recovery-state-mismatch    a recovered replica's state digest differs from what its source sent
+rollback-not-before-detection  a rollback's target step is not below its event's step
+rollback-without-spike     a rollback has no spike event of its actor and step before it
+routing-replay-uncached    a routing replay has no earlier routing event for its layer and batch
+routing-replay-mismatch    a routing replay's digest differs from the cached routing's
 =========================  ==============================================================
 
 The pipeline-stage rules (spec/stages.md §9) read each stage's outage windows from its own
@@ -70,7 +74,8 @@ RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-aft
          "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious",
          "snapshot-channels-early", "snapshot-part-missing", "stage-send-while-offline", "stage-up-mismatch",
          "bypass-outside-outage", "bypass-window", "recovery-digest-mismatch", "commit-without-quorum",
-         "recovery-without-source", "recovery-state-mismatch")
+         "recovery-without-source", "recovery-state-mismatch", "rollback-not-before-detection",
+         "rollback-without-spike", "routing-replay-uncached", "routing-replay-mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +106,8 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
     stages = _Stages()
     quorums: dict[tuple[str, str], Event] = {}  # (actor, key) -> its quorum event
     sent_state: dict[tuple[str, str, int], Event] = {}  # (source, peer, step) -> recovery_sent
+    spikes: dict[tuple[str, int], Event] = {}
+    routed: dict[tuple[str, str, int, int], Event] = {}
 
     def v(rule: str, msg: str, *evs: Event) -> None:
         out.append(Violation(rule, msg, tuple(evs)))
@@ -215,6 +222,28 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
                   f"cut", ev)
             else:
                 mine[ev.actor] = ev
+        elif k == "spike":
+            spikes[(ev.actor, ev.step)] = ev
+        elif k == "rollback":
+            p = ev.payload
+            if p["to_step"] >= ev.step:
+                v("rollback-not-before-detection", f"rollback at step {ev.step} goes to step {p['to_step']}, not "
+                  "before it", ev)
+            if (ev.actor, ev.step) not in spikes:
+                v("rollback-without-spike", f"rollback at step {ev.step} has no spike event of {ev.actor} before it",
+                  ev)
+        elif k == "routing":
+            p = ev.payload
+            routed[(ev.actor, p["layer"], p["epoch"], p["batch"])] = ev
+        elif k == "routing_replay":
+            p = ev.payload
+            cached = routed.get((ev.actor, p["layer"], p["epoch"], p["batch"]))
+            if cached is None:
+                v("routing-replay-uncached", f"{p['layer']} replayed a routing for epoch {p['epoch']} batch "
+                  f"{p['batch']} that was never cached", ev)
+            elif cached.payload["digest"] != p["digest"]:
+                v("routing-replay-mismatch", f"{p['layer']} trained epoch {p['epoch']} batch {p['batch']} with "
+                  "experts other than the cached ones", cached, ev)
         elif k == "snapshot_outcome":
             sid = ev.payload["snapshot_id"]
             if sid in outcomes:

@@ -161,9 +161,9 @@ def test_event_tapes_a_runs_kind_and_refuses_the_others(tmp_path: Path) -> None:
     with Recorder.open(str(tmp_path / "e.tape"), actor="r0s0", rng_every=0) as rec:
         rec.current_step = 4
         rec.event("bypass", "r0s1", "r0s0", "r0s2", "fwd")
-        with pytest.raises(ValueError, match="has its own recorder method"):
+        with pytest.raises(ValueError, match="not a run's own record kind: use its Actor method"):
             rec.event("send", "c", 1, "p", D1)
-        with pytest.raises(ValueError, match="unknown event kind"):
+        with pytest.raises(KeyError, match="unknown event kind"):
             rec.event("nope")
         with pytest.raises(TypeError, match="takes 4 fields"):
             rec.event("bypass", "r0s1")
@@ -267,3 +267,20 @@ def test_restore_without_announcing_tapes_nothing(tmp_path: Path) -> None:
     rec2.close()
     assert torch.equal(states2["a"]["w"], torch.full((2,), 3.0))
     assert {e.kind.name for e in TapeReader(tmp_path / "2.tape").events()} == {"actor"}  # declarations only
+
+
+def test_ckpt_tape_merge(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ckpt_cli.main import cli
+
+    paths = _two_process_job(tmp_path)
+    out = tmp_path / "job.tape"
+    r = CliRunner().invoke(cli, ["tape", "merge", *map(str, paths), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    n = sum(1 for e in TapeReader(out).events() if e.kind.name != "actor")
+    assert r.output == f"merged 2 tapes ({n} events) into {out}\n"
+    assert CliRunner().invoke(cli, ["tape", "check", str(out)]).exit_code == 0
+    again = CliRunner().invoke(cli, ["tape", "merge", *map(str, paths), "-o", str(out)])  # never overwrites
+    assert again.exit_code != 0 and "exists" in again.output
+    assert "Write one job tape" in CliRunner().invoke(cli, ["tape", "merge", "--help"]).output
