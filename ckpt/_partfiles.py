@@ -213,6 +213,8 @@ def link_shared(
     done: list[tuple[FileEntry, list[TensorEntry]]] = []
     keep: list[Shared] = []
     link = getattr(storage, "link", None)  # a backend without it writes the bytes (§V.4.5)
+    if layout.shared and _parent(_parent(layout.shared[0].source)) != _parent(tmp_dir):
+        link = None  # §V.4.2 rule 1: only from a checkpoint of the same run directory
     for s in layout.shared:
         dst = os.path.join(tmp_dir, s.entry.name)
         if link is not None and link(s.source, dst):
@@ -227,6 +229,11 @@ def link_shared(
         layout.shared = keep
         _name_files(part, layout, file_name or _plain_name)
     return done
+
+
+def _parent(path: str) -> str:
+    """The directory holding ``path`` (a local path or an object-store URL)."""
+    return path.rstrip("/").rsplit("/", 1)[0]
 
 
 def write_packed(

@@ -250,3 +250,12 @@ def test_compression_and_dedup_on_an_object_store(s3: Any) -> None:
     assert torch.equal(got["base"]["w"], state["base"]["w"]) and torch.equal(got["head"]["w"], state["head"]["w"])
     shared = [f for f in r.manifest.files if f.origin]
     assert bool(shared) == callable(getattr(s3.storage(), "link", None))
+
+
+def test_files_are_shared_only_within_one_run_directory(tmp_path: Path) -> None:
+    state = {"m": {"w": torch.randn(30000)}}
+    ckpt.save(tmp_path / "a" / "s1", state, dedup=True)
+    info = ckpt.save(tmp_path / "b" / "s2", state, dedup_from=tmp_path / "a" / "s1")  # another run: written
+    assert not any(f.origin for f in info.manifest.files)
+    same = ckpt.save(tmp_path / "a" / "s2", state, dedup_from=tmp_path / "a" / "s1")
+    assert [f.origin for f in same.manifest.files if f.origin] == ["s1"]
