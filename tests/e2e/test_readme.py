@@ -335,7 +335,14 @@ def test_every_block_follows_the_convention() -> None:
 RUNNABLE = [b for b in BLOCKS[1:] if b.lang in ("python", "console") and "no-run" not in b.options]
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=[f"line{b.line}-{b.lang}" for b in RUNNABLE])
+def _param(b: Block) -> Any:
+    # a block's own timeout= bounds the whole test too (pytest-timeout's default is 300 s),
+    # with room for the blocks that run before its commands (after=)
+    marks = [pytest.mark.timeout(int(float(b.options["timeout"])) + 300)] if "timeout" in b.options else []
+    return pytest.param(b, id=f"line{b.line}-{b.lang}", marks=marks)
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in RUNNABLE])
 def test_readme_example(block: Block, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
     run_block(block, tmp_path_factory, request)
 
