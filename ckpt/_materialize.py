@@ -19,17 +19,27 @@ from .errors import FormatError, SizeMismatchError
 from .format import dtypes
 from .format.manifest import FileEntry, PartEntry, TensorEntry
 from .format.tree import DeviceRef, DtypeRef, TensorRef
-from .writer import tensor_memoryview
+from ._tensorbytes import tensor_memoryview
 
-__all__ = ["read_tensor", "materialize_state", "fresh_tensors", "resolve", "empty_for", "place", "TensorSource"]
+__all__ = ["read_tensor", "materialize_state", "materialize_entry", "fresh_tensors", "resolve_lazily", "resolve", "empty_for", "place", "TensorSource"]
 
 
 class TensorSource(PartSource, Protocol):
     """The reading half of ``CheckpointReader`` that materialisation uses."""
 
-    def read_tensor_bytes_into(self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True) -> None: ...
+    def read_tensor_bytes_into(
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, fd: int | None = None
+    ) -> None: ...
+
+    def read_tensors_into(self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True) -> None: ...
 
     def stream_part_into(self, pe: PartEntry, destinations: Any, *, verify: bool = True, handle: Any = None) -> None: ...
+
+    def stream_file_into(
+        self, pe: PartEntry, index: int, destinations: Any, *, verify: bool = True, handle: Any = None
+    ) -> None: ...
+
+    def open_data_file(self, pe: PartEntry, index: int, *, reread: bool = False) -> Any: ...
 
     def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[Any, FileEntry] | None: ...
 
@@ -82,7 +92,8 @@ def resolve(obj: Any, tensors: Mapping[str, torch.Tensor], path: str) -> Any:
     return obj
 
 
-def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str, torch.Tensor]:
+def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool, index: int | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the part (or of its data file ``index``) read into fresh memory."""
     fresh: dict[str, torch.Tensor] = {}
 
     def dest(t: TensorEntry) -> memoryview:
@@ -90,60 +101,66 @@ def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str
         fresh[t.key] = out
         return tensor_memoryview(out)
 
-    reader.stream_part_into(pe, dest, verify=verify)
+    if index is None:
+        reader.stream_part_into(pe, dest, verify=verify)
+    else:
+        reader.stream_file_into(pe, index, dest, verify=verify)
     return fresh
 
 
-def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool | None) -> dict[str, torch.Tensor] | None:
-    """Tensors backed by a private (copy-on-write) mapping of the part's tensor file,
-    or ``None`` where no mapping fits (the caller reads into fresh memory instead).
+def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool | None) -> dict[str, torch.Tensor]:
+    """Tensors backed by private (copy-on-write) mappings of the part's safetensors files.
 
     No copy and no first touch of anonymous memory: the tensors use the page-cache
     pages that already hold the bytes, and a page is copied only when it is written.
     Verification hashes every byte, on two threads, before anything is returned.
 
-    ``mode=None`` (the default load) maps only under a read lease, which keeps a
+    ``mode=None`` (the default load) maps a file only under a read lease, which keeps a
     truncation of the file from ever reaching the tensors (``ckpt.storage._lease``,
-    spec §11.1). ``mode=True`` maps even where no lease can be taken (the old opt-in:
-    do not truncate the file while the tensors live, or the process gets SIGBUS).
+    spec §11.1); a file no lease can be taken on is read into fresh memory instead.
+    ``mode=True`` maps even where no lease can be taken (the old opt-in: do not truncate
+    the file while the tensors live, or the process gets SIGBUS). Packed tensors (format
+    2.0) are decoded into fresh memory: there are no values to map; so is a file that is
+    not local (an object store).
     """
-    f = pe.file("tensors")
-    if f is None:
-        return {}
-    if f.codec is not None or not f.size:
-        return None  # a packed file has no tensor bytes to map as they are
-    opened = reader.open_tensor_file(pe)  # checks the safetensors header against the manifest
-    assert opened is not None
-    handle, f = opened
-    path = os.path.join(reader.path, f.name)
-    try:
-        mapper = getattr(handle, "map_private", None)
-        if mapper is None:
-            return None  # not a local file (an object store): nothing to map
-        size = handle.size()
-        if size != f.size:
-            raise SizeMismatchError(f"file is {size} bytes, manifest says {f.size}", path=path, offset=min(size, f.size))
-        mm = mapper(f.size, require_lease=mode is not True)
-    finally:
-        handle.close()
-    if mm is None:
-        return None
-    mv = memoryview(mm)
-    if verify:
-        _verify_parallel(reader, f, mv)
     out: dict[str, torch.Tensor] = {}
-    for t in pe.tensors:
-        dt = dtypes.torch_dtype(t.dtype)
-        item = dtypes.itemsize(t.dtype)
-        if t.nbytes and t.offset % item == 0:
-            # Each tensor gets its own storage of exactly its bytes (torch.save of one
-            # of them writes that tensor, not the whole file); all keep the mapping alive.
-            out[t.key] = torch.frombuffer(mm, dtype=dt, count=t.nbytes // item, offset=t.offset).view(t.shape)
+    for index in pe.data_files():
+        f = pe.files[index]
+        entries = pe.tensors_in(index)
+        if f.role == "packed":
+            for t in entries:
+                out[t.key] = read_tensor(reader, pe, t, map_location=None, verify=verify)
             continue
-        view = empty_for(t)
-        if t.nbytes:  # not aligned for its dtype (not written by us): a copy
-            tensor_memoryview(view)[:] = mv[t.offset : t.offset + t.nbytes]
-        out[t.key] = view
+        handle = reader.open_data_file(pe, index)  # checks the safetensors header against the manifest
+        path = os.path.join(reader.path, f.name)
+        mm = None
+        try:
+            mapper = getattr(handle, "map_private", None)
+            if mapper is not None and f.size:
+                size = handle.size()
+                if size != f.size:
+                    raise SizeMismatchError(f"file is {size} bytes, manifest says {f.size}", path=path, offset=min(size, f.size))
+                mm = mapper(f.size, require_lease=mode is not True)
+        finally:
+            handle.close()
+        if mm is None:
+            out.update(_stream_fresh(reader, pe, verify, index))
+            continue
+        mv = memoryview(mm)
+        if verify:
+            _verify_parallel(reader, f, mv)
+        for t in entries:
+            dt = dtypes.torch_dtype(t.dtype)
+            item = dtypes.itemsize(t.dtype)
+            if t.nbytes and t.offset % item == 0:
+                # Each tensor gets its own storage of exactly its bytes (torch.save of one
+                # of them writes that tensor, not the whole file); all keep the mapping alive.
+                out[t.key] = torch.frombuffer(mm, dtype=dt, count=t.nbytes // item, offset=t.offset).view(t.shape)
+                continue
+            view = empty_for(t)
+            if t.nbytes:  # not aligned for its dtype (not written by us): a copy
+                tensor_memoryview(view)[:] = mv[t.offset : t.offset + t.nbytes]
+            out[t.key] = view
     return out
 
 
@@ -185,11 +202,9 @@ def fresh_tensors(reader: TensorSource, pe: PartEntry, *, verify: bool, mmap: bo
     mapping even without a lease. Either way every chunk is verified unless ``verify``
     is false, and nothing is returned before it is.
     """
-    if mmap is not False:
-        got = _mapped_fresh(reader, pe, verify, mmap)
-        if got is not None:
-            return got
-    return _stream_fresh(reader, pe, verify)
+    if mmap is False:
+        return _stream_fresh(reader, pe, verify)
+    return _mapped_fresh(reader, pe, verify, mmap)
 
 
 def materialize_state(
@@ -215,3 +230,49 @@ def _materialize_state(reader: TensorSource, pe: PartEntry, *, map_location: Any
         src, saved = replica_target(reader, pe, name, saved, verify=verify)
         out[name] = resolve(saved, tensors_of(src), reader.path)
     return out
+
+
+def _refs(obj: Any) -> list[str]:
+    """The tensor keys a saved subtree refers to, in document order (duplicates once)."""
+    seen: dict[str, None] = {}
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, TensorRef):
+            seen.setdefault(v.key)
+        elif isinstance(v, dict):
+            stack.extend(reversed(list(v.values())))
+        elif isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+    return list(seen)
+
+
+def resolve_lazily(reader: TensorSource, pe: PartEntry, saved: Any, *, map_location: Any = None, verify: bool = True) -> Any:
+    """``saved`` with its tensors read one by one (only the chunks each overlaps)."""
+    by_key = {t.key: t for t in pe.tensors}
+    tensors: dict[str, torch.Tensor] = {}
+    items = []
+    for key in _refs(saved):
+        t = by_key.get(key)
+        if t is None:
+            raise FormatError("structure refers to a tensor the manifest does not list", path=reader.path, key=key)
+        tensors[key] = empty_for(t)
+        items.append((t, tensor_memoryview(tensors[key])))
+    reader.read_tensors_into(pe, items, verify=verify)  # each chunk read and hashed once
+    return resolve(saved, {k: place(v, map_location) for k, v in tensors.items()}, reader.path)
+
+
+def materialize_entry(
+    reader: TensorSource, pe: PartEntry, name: str, *, map_location: Any, verify: bool, mmap: bool | None = None
+) -> Any:
+    """One top-level entry as saved (a module's plain ``state_dict``): only its tensors are read."""
+    state = reader.tree(pe.name, verify=verify)["state"]
+    if name not in state:
+        raise FormatError(f"no entry {name!r} in this checkpoint (it has {sorted(state)})", path=reader.path, key=name)
+    src, saved = replica_target(reader, pe, name, state[name], verify=verify)
+    keys = _refs(saved)
+    if mmap or (keys and len(keys) == len(src.tensors)):
+        # the entry is the whole tensor file (or a mapping was asked for): one pass
+        got = fresh_tensors(reader, src, verify=verify, mmap=mmap)
+        return resolve(saved, {k: place(v, map_location) for k, v in got.items()}, reader.path)
+    return resolve_lazily(reader, src, saved, map_location=map_location, verify=verify)

@@ -18,14 +18,14 @@ every instant at least one complete copy of the checkpoint exists.
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import os
 import re
 import secrets
 import stat
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
@@ -40,22 +40,32 @@ from .context.topology import capture_topology
 from .errors import CheckpointExistsError, CkptError, DistributedUsageError, UnsupportedValueError
 from .format import dtypes
 from .format.codec import packb, zstd_compress
+from .format.digest import digest_bytes
 from .format.manifest import (
     MANIFEST_NAME,
     TMP_PREFIX,
+    V1,
+    V2,
     FileEntry,
     Manifest,
     PartEntry,
+    PartRef,
     TensorEntry,
     check_name,
     content_id,
     decode_manifest,
     encode_manifest,
+    encode_part_manifest,
+    part_record,
+    uses_v2,
 )
 from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import Storage, commits_by_manifest, resolve
+from . import _partfiles
+from ._partfiles import Compress, Reuse, reuse_from
+from ._tensorbytes import tensor_memoryview
 
 __all__ = [
     "PendingCheckpoint",
@@ -68,6 +78,8 @@ __all__ = [
     "part_name_for_rank",
     "recover",
     "Recovery",
+    "Reuse",
+    "reuse_from",
 ]
 
 #: suffix of a replaced checkpoint moved aside (fallback overwrite, §10)
@@ -90,6 +102,8 @@ class PendingCheckpoint:
     tmp_dir: str
     overwrite: bool = False
     tag: str = ""
+    #: format 2.0: each part writes a part manifest and returns a PartRef (many ranks)
+    part_manifests: bool = False
 
     def file_name(self, part: str, suffix: str) -> str:
         """The name of a part's file in this save: ``<part><tag><suffix>``."""
@@ -112,12 +126,18 @@ def part_name_for_rank(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def begin(path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage | None = None) -> PendingCheckpoint:
+def begin(
+    path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage | None = None, part_manifests: bool = False
+) -> PendingCheckpoint:
+    """Create the temporary directory of a save. ``part_manifests``: every part is written
+    with a part manifest and listed by reference in the MANIFEST (format 2.0 §V.5: a job
+    of many ranks keeps its MANIFEST small and its commit cheap)."""
     storage, final = resolve(path, storage)
     parent, name = os.path.split(final)
     check_name(name, what="checkpoint directory", path=final)
     if commits_by_manifest(storage):  # an object store: no temporary directory (§10.6)
-        return storage.begin(final, overwrite=overwrite)  # type: ignore[attr-defined]
+        pending = storage.begin(final, overwrite=overwrite)  # type: ignore[attr-defined]
+        return dataclasses.replace(pending, part_manifests=True) if part_manifests else pending
     storage.makedirs(parent)
     if storage.exists(final) and not overwrite:
         # Early refusal only; commit() enforces it atomically (another writer may
@@ -125,7 +145,7 @@ def begin(path: str | os.PathLike[str], *, overwrite: bool = False, storage: Sto
         raise CheckpointExistsError("a checkpoint already exists here; pass overwrite=True to replace it", path=final)
     tmp = os.path.join(parent, tmp_name(name))
     storage.mkdir(tmp)
-    return PendingCheckpoint(final=final, tmp_dir=tmp, overwrite=overwrite)
+    return PendingCheckpoint(final=final, tmp_dir=tmp, overwrite=overwrite, part_manifests=part_manifests)
 
 
 def abort(pending: PendingCheckpoint, *, storage: Storage | None = None) -> None:
@@ -161,11 +181,14 @@ class _Collector:
         self._torch = torch
         self._strided = torch.strided
         self.prefix = prefix
-        #: one record per stored tensor, in the order met
-        self.tensors: list[_TensorRecord] = []
+        #: (key, cpu contiguous tensor) per stored tensor, in the order met
+        self.tensors: list[tuple[str, Any]] = []
+        #: key -> (dtype name, shape, nbytes, itemsize), read from the tensor once
+        self.meta: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         self._by_view: dict[tuple, str] = {}
         self._keys: set[str] = set()
         self.counts: dict[str, list[int]] = {}  # top-level entry -> [n tensors, bytes]
+        self.tops: dict[str, str] = {}  # tensor key -> its top-level entry (compress= by entry)
 
     def __call__(self, obj: Any, path: tuple[Any, ...]) -> msgpack.ExtType | None:
         torch = self._torch
@@ -223,20 +246,18 @@ class _Collector:
             src = src.contiguous()
         itemsize = dtypes.itemsize(dname)
         nbytes = numel * itemsize
-        self.tensors.append((key, src, dname, shape, nbytes, itemsize))
+        self.tensors.append((key, src))
+        self.meta[key] = (dname, shape, nbytes, itemsize)
         if numel > 0:
             self._by_view[view] = key
         top = str(path[0]) if path else ""
+        self.tops[key] = top
         c = self.counts.get(top)
         if c is None:
             c = self.counts[top] = [0, 0]
         c[0] += 1
         c[1] += nbytes
         return key
-
-
-#: (key, cpu contiguous tensor, dtype name, shape, nbytes, itemsize)
-_TensorRecord = tuple[str, Any, str, tuple[int, ...], int, int]
 
 
 def tensor_view_key(t: Any) -> tuple[Any, ...]:
@@ -248,18 +269,6 @@ def tensor_view_key(t: Any) -> tuple[Any, ...]:
     inline.)
     """
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg())
-
-
-def _neg_itemsize(rec: _TensorRecord) -> int:
-    return -rec[5]
-
-
-def tensor_memoryview(t: Any, nbytes: int | None = None) -> memoryview:
-    """Zero-copy view of a CPU contiguous tensor's bytes (no numpy needed)."""
-    n = t.numel() * t.element_size() if nbytes is None else nbytes
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _stateful(obj: Any) -> bool:
@@ -285,8 +294,19 @@ def write_part(
     lineage: Mapping[str, Any] | None = None,
     code_dir: str | None = None,
     storage: Storage | None = None,
+    compress: Compress = None,
+    reuse: Reuse | None = None,
+    dedup: bool = False,
 ) -> PartEntry:
-    """Write one part (a process's share) into ``pending.tmp_dir``; durable on return."""
+    """Write one part (a process's share) into ``pending.tmp_dir``; durable on return.
+
+    ``compress``: encode tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
+    float tensor of at least 64 KiB, a list of top-level entry names, or a callable
+    ``(key, dtype name, nbytes) -> bool``. ``reuse``: the same part of the previous
+    checkpoint of the run, whose unchanged files are shared by hard link instead of written
+    (format 2.0 dedup; implies ``dedup``). ``dedup``: record a digest of every tensor so a
+    later save can share this one's files.
+    """
     storage, _ = resolve(pending.final, storage)
     check_name(name, what="part")
     if not isinstance(state, Mapping):
@@ -333,32 +353,48 @@ def write_part(
         }
     k = knobs()
     files: list[FileEntry] = []
-    tensors: list[TensorEntry] = []
+    placed: list[tuple[str, TensorEntry]] = []  # (file name, entry): indices are set at the end
+    layout = _partfiles.plan(name, collector.tensors, collector.tops, compress=compress, reuse=reuse, dedup=dedup,
+                             storage=storage, file_name=pending.file_name)
+    # Shared files first (format-2.md §V.4): a file that cannot be linked is written below.
+    for fe, entries in _partfiles.link_shared(name, layout, pending.tmp_dir, storage, file_name=pending.file_name):
+        files.append(fe)
+        placed.extend((fe.name, e) for e in entries)
+    plain = layout.plain
     closing: _Background | None = None
-    if collector.tensors:
+    if plain:
         # Largest element size first (stable): every tensor then starts at a multiple of
         # its element size, as stock safetensors lays files out, so readers can map it.
-        recs = collector.tensors
-        recs.sort(key=_neg_itemsize)
-        fname = pending.file_name(name, ".safetensors")
+        meta = collector.meta
+        plain.sort(key=lambda kt: -meta[kt[0]][3])
+        fname = layout.plain_name
         header, offsets = build_header_rows(
-            [(r[0], r[2], r[3], r[4]) for r in recs], {"format": "pt", "writer": f"ckpt-replay {__version__}"}
+            [(key, *meta[key][:3]) for key, _ in plain], {"format": "pt", "writer": f"ckpt-replay {__version__}"}
         )
+        at = len(files) + 1  # its index once the state file is listed first (below)
+        digests_of = layout.digests
         tsink = storage.create(os.path.join(pending.tmp_dir, fname), k.chunk_size)
         try:
             tsink.write(header)
             write = tsink.write
-            # File index 1: the state file is listed first (below).
-            for (key, t, dname, shape, nbytes, _), off in zip(recs, offsets):
+            for (key, t), off in zip(plain, offsets):
+                dname, shape, nbytes, _ = meta[key]
                 write(tensor_memoryview(t, nbytes))
-                tensors.append(TensorEntry(key, dname, shape, 1, off, nbytes))
+                placed.append((fname, TensorEntry(key, dname, shape, at, off, nbytes, digests_of.get(key))))
         except BaseException:
             tsink.discard()
             raise
-        # The tensor file's last digests and fsync run on a helper thread while this one
-        # writes the state file; both are durable before this function returns (§10.7).
+        # Its last digests and its fsync run on a helper thread while this one writes the
+        # next files; all are durable before this function returns (§10.7).
         closing = _Background(tsink.close)
+        files.append(FileEntry(fname, "tensors", 0, k.chunk_size, b""))  # filled in once closed
     try:
+        packed = _partfiles.write_packed(layout, pending.tmp_dir, storage)
+        if packed is not None:
+            files.append(packed[0])
+            placed.extend((packed[0].name, e) for e in packed[1])
+        # the layout holds staging copies alive until here; drop them now.
+        del layout, plain
         raw = packb({"state": wire_state, "context": context})
         if len(raw) > k.max_state_raw_bytes:
             raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
@@ -379,13 +415,15 @@ def write_part(
                 tsink.discard()
                 raise
     if closing is not None:
-        files.append(FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests))
-        # collector.tensors holds staging copies alive until here; drop them now.
+        i = next(i for i, f in enumerate(files) if f.name == fname)
+        files[i] = FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests)
     # The state file comes first so readers can find the structure without scanning.
     files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
+    index = {f.name: i for i, f in enumerate(files)}
+    tensors = [e if e.file == index[fn] else dataclasses.replace(e, file=index[fn]) for fn, e in placed]
     summary = {
         "step": step,
-        "entries": {key: {"type": entry_types[key], "tensors": collector.counts.get(key, [0, 0])[0], "bytes": collector.counts.get(key, [0, 0])[1]} for key in wire_state},
+        "entries": {key: _entry_summary(state[key], entry_types[key], collector.counts.get(key, [0, 0])) for key in wire_state},
         "rng": rng_kinds(rng_state) if rng_state else [],
         "data": None if data is None else {"type": context["data_type"], "state": _preview(data_state)},
         "config_hash": context["config"]["hash"] if context["config"] else None,
@@ -394,7 +432,37 @@ def write_part(
         "env": {key: env.get(key) for key in ("python", "torch", "cuda", "cudnn", "deterministic_algorithms", "num_threads", "ckpt_replay")},
         "lineage": context["lineage"],
     }
-    return PartEntry(name, tuple(files), tuple(tensors), summary)
+    part = PartEntry(name, tuple(files), tuple(tensors), summary)
+    if pending.part_manifests:
+        return _write_part_manifest(pending, part, storage)  # type: ignore[return-value]
+    return part
+
+
+def _write_part_manifest(pending: PendingCheckpoint, part: PartEntry, storage: Storage) -> PartRef:
+    """The part's detail in its own file (format-2.md §V.5.1), durable; the committer gets
+    only the short reference."""
+    blob = encode_part_manifest(part, V2)
+    mname = pending.file_name(part.name, ".part")
+    _write_whole(storage, os.path.join(pending.tmp_dir, mname), blob)
+    return PartRef(part.name, mname, len(blob), digest_bytes(blob), tuple((f.name, f.size) for f in part.files))
+
+
+def _write_whole(storage: Storage, path: str, blob: bytes) -> tuple[int, bytes]:
+    """One small file in one write, durable (fsync) on return: (size, chunk digests)."""
+    sink = storage.create(path, max(knobs().chunk_size, 4096))
+    try:
+        sink.write(blob)
+        return sink.close()
+    except BaseException:
+        sink.discard()
+        raise
+
+
+def _entry_summary(obj: Any, type_name: str, counts: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": type_name, "tensors": counts[0], "bytes": counts[1]}
+    if isinstance(obj, Replicated):
+        out["replica_of"] = obj.part  # its bytes (and its type) are in that part (spec §4.6)
+    return out
 
 
 def _preview(wire: Any) -> Any:
@@ -410,7 +478,7 @@ def _preview(wire: Any) -> Any:
 
 def commit(
     pending: PendingCheckpoint,
-    parts: Sequence[PartEntry | Mapping[str, Any]],
+    parts: Sequence[PartEntry | PartRef | Mapping[str, Any]],
     *,
     kind: str = "checkpoint",
     step: int | None = None,
@@ -421,13 +489,14 @@ def commit(
     object store: put MANIFEST last, conditionally, spec/object-storage.md).
 
     ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
-    crosses process boundaries as plain data)."""
+    crosses process boundaries as plain data). The MANIFEST is format 1.0 unless a part
+    uses a 2.0 feature (packed or shared files, tensor digests, a part reference)."""
     storage, _ = resolve(pending.final, storage)
-    parts = [p if isinstance(p, PartEntry) else PartEntry.from_dict(dict(p)) for p in parts]
+    parts = [p if isinstance(p, (PartEntry, PartRef)) else part_record(dict(p)) for p in parts]
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
         raise CkptError(f"duplicate part names {names}", path=pending.final)
-    if step is None and parts:
+    if step is None and parts and isinstance(parts[0], PartEntry):
         step = parts[0].summary.get("step")
     # Sorting parts by name makes the manifest independent of arrival order.
     ordered = tuple(sorted(parts, key=lambda p: p.name))
@@ -439,6 +508,7 @@ def commit(
         package_version=__version__,
         parts=ordered,
         meta=dict(meta or {}),
+        version=V2 if uses_v2(ordered) else V1,
     )
     with gc_paused():
         blob = encode_manifest(manifest)
@@ -497,6 +567,8 @@ class _Background:
         if self.error is not None:
             raise self.error
         return self.result
+
+
 
 
 def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
@@ -565,9 +637,9 @@ def is_complete(path: str, *, storage: Storage | None = None) -> bool:
         if not stat.S_ISREG(st.st_mode) or st.st_size > knobs().max_manifest_bytes + 64:
             return False
         man = decode_manifest(storage.read(mpath, 0, st.st_size), path=mpath)
-        for f in man.files:
-            fst = storage.lstat(os.path.join(path, f.name))
-            if not stat.S_ISREG(fst.st_mode) or fst.st_size != f.size:
+        for fname, fsize, _ in man.parts.file_sizes():
+            fst = storage.lstat(os.path.join(path, fname))
+            if not stat.S_ISREG(fst.st_mode) or fst.st_size != fsize:
                 return False
     except (OSError, CkptError):
         return False
@@ -640,11 +712,13 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
 
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
+    """A committed checkpoint (what ``save`` returns); the manifest is left out of its repr."""
+
     path: str
     id: str
     step: int | None
     bytes: int
-    manifest: Manifest
+    manifest: Manifest = field(repr=False)
 
 
 def save(
@@ -663,6 +737,9 @@ def save(
     meta: Mapping[str, Any] | None = None,
     this_rank_only: bool = False,
     storage: Storage | None = None,
+    compress: Compress = None,
+    dedup_from: str | os.PathLike[str] | None = None,
+    dedup: bool = False,
 ) -> CheckpointInfo:
     """Save all seven fields of one process's training state, atomically.
 
@@ -671,16 +748,26 @@ def save(
     ``rank-00000`` to one path. Use ``ckpt.distributed.DistributedCheckpointer.save``
     (every rank calls it) or ``CheckpointManager``; a deliberate single-writer save
     from one rank passes ``this_rank_only=True``.
+
+    ``compress``: store tensors encoded (format 2.0; see :func:`write_part`). Stock
+    safetensors cannot read encoded tensors; uncompressed is the default.
+    ``dedup_from``: an earlier checkpoint of the same run directory: files whose tensors
+    are unchanged are shared by hard link, not written (format 2.0 §V.4). ``dedup``:
+    record tensor digests so that a later save can share this one's files.
     """
     if not this_rank_only:
         _refuse_under_process_group(path)
     storage, path = resolve(path, storage)
     pending = begin(path, overwrite=overwrite, storage=storage)
     try:
+        reuse = reuse_from(dedup_from, part_name_for_rank(0), storage=storage) if dedup_from is not None else None
         part = write_part(
             pending,
             part_name_for_rank(0),
             state,
+            compress=compress,
+            reuse=reuse,
+            dedup=dedup or dedup_from is not None,
             step=step,
             config=config,
             data=data,
