@@ -7,12 +7,13 @@ it lazily without an import cycle; the in-place load (``_torchio``) builds on it
 
 from __future__ import annotations
 
-import mmap
 import os
+import threading
 from typing import Any, Mapping, Protocol
 
 import torch
 
+from ._gc import paused as gc_paused
 from ._statecheck import PartSource, replica_target
 from .errors import FormatError, SizeMismatchError
 from .format import dtypes
@@ -20,7 +21,7 @@ from .format.manifest import FileEntry, PartEntry, TensorEntry
 from .format.tree import DeviceRef, DtypeRef, TensorRef
 from ._tensorbytes import tensor_memoryview
 
-__all__ = ["read_tensor", "materialize_state", "materialize_entry", "resolve_lazily", "resolve", "empty_for", "place", "TensorSource"]
+__all__ = ["read_tensor", "materialize_state", "materialize_entry", "fresh_tensors", "resolve_lazily", "resolve", "empty_for", "place", "TensorSource"]
 
 
 class TensorSource(PartSource, Protocol):
@@ -42,7 +43,7 @@ class TensorSource(PartSource, Protocol):
 
     def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[Any, FileEntry] | None: ...
 
-    def verify_bytes(self, f: FileEntry, data: Any) -> None: ...
+    def verify_bytes(self, f: FileEntry, data: Any, *, first: int = 0) -> None: ...
 
 
 def empty_for(t: TensorEntry) -> torch.Tensor:
@@ -107,15 +108,20 @@ def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool, index: int 
     return fresh
 
 
-def _mmap_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str, torch.Tensor]:
-    """Tensors backed by a private (copy-on-write) mapping of each safetensors file.
+def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool | None) -> dict[str, torch.Tensor]:
+    """Tensors backed by private (copy-on-write) mappings of the part's safetensors files.
 
-    No copy and no first-touch of anonymous memory: pages come from the page cache as
-    they are used. Verification still hashes every byte before anything is returned.
-    Writes to the tensors stay private to this process. The caller must not truncate
-    or rewrite the file while the tensors live (ckpt never rewrites a committed file);
-    a truncated mapping faults with SIGBUS, which is why this path is opt-in. Packed
-    tensors (format 2.0) are decoded into fresh memory: there are no values to map.
+    No copy and no first touch of anonymous memory: the tensors use the page-cache
+    pages that already hold the bytes, and a page is copied only when it is written.
+    Verification hashes every byte, on two threads, before anything is returned.
+
+    ``mode=None`` (the default load) maps a file only under a read lease, which keeps a
+    truncation of the file from ever reaching the tensors (``ckpt.storage._lease``,
+    spec §11.1); a file no lease can be taken on is read into fresh memory instead.
+    ``mode=True`` maps even where no lease can be taken (the old opt-in: do not truncate
+    the file while the tensors live, or the process gets SIGBUS). Packed tensors (format
+    2.0) are decoded into fresh memory: there are no values to map; so is a file that is
+    not local (an object store).
     """
     out: dict[str, torch.Tensor] = {}
     for index in pe.data_files():
@@ -126,56 +132,97 @@ def _mmap_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str, 
                 out[t.key] = read_tensor(reader, pe, t, map_location=None, verify=verify)
             continue
         handle = reader.open_data_file(pe, index)  # checks the safetensors header against the manifest
-        fileno = getattr(handle, "fileno", None)
-        if fileno is None:
-            # Not a local file (an object store): nothing to map; read it into memory.
-            handle.close()
-            out.update(_stream_fresh(reader, pe, verify, index))
-            continue
+        path = os.path.join(reader.path, f.name)
+        mm = None
         try:
-            fd = fileno()
-            size = os.fstat(fd).st_size
-            if size != f.size:
-                raise SizeMismatchError(
-                    f"file is {size} bytes, manifest says {f.size}", path=os.path.join(reader.path, f.name),
-                    offset=min(size, f.size)
-                )
-            mm = mmap.mmap(fd, f.size, access=mmap.ACCESS_COPY) if f.size else None
+            mapper = getattr(handle, "map_private", None)
+            if mapper is not None and f.size:
+                size = handle.size()
+                if size != f.size:
+                    raise SizeMismatchError(f"file is {size} bytes, manifest says {f.size}", path=path, offset=min(size, f.size))
+                mm = mapper(f.size, require_lease=mode is not True)
         finally:
             handle.close()
         if mm is None:
-            out.update({t.key: empty_for(t) for t in entries})
+            out.update(_stream_fresh(reader, pe, verify, index))
             continue
+        mv = memoryview(mm)
         if verify:
-            reader.verify_bytes(f, memoryview(mm))
-        base = torch.frombuffer(mm, dtype=torch.uint8)
+            _verify_parallel(reader, f, mv)
         for t in entries:
             dt = dtypes.torch_dtype(t.dtype)
-            size_ = dtypes.itemsize(t.dtype)
-            view = None
-            if t.nbytes and t.offset % size_ == 0:
-                try:
-                    view = base[t.offset : t.offset + t.nbytes].view(dt).view(t.shape)
-                except RuntimeError:
-                    view = None  # a dtype torch cannot view bytes as: copy instead
-            if view is None:
-                view = empty_for(t)
-                if t.nbytes:
-                    tensor_memoryview(view)[:] = memoryview(mm)[t.offset : t.offset + t.nbytes]
+            item = dtypes.itemsize(t.dtype)
+            if t.nbytes and t.offset % item == 0:
+                # Each tensor gets its own storage of exactly its bytes (torch.save of one
+                # of them writes that tensor, not the whole file); all keep the mapping alive.
+                out[t.key] = torch.frombuffer(mm, dtype=dt, count=t.nbytes // item, offset=t.offset).view(t.shape)
+                continue
+            view = empty_for(t)
+            if t.nbytes:  # not aligned for its dtype (not written by us): a copy
+                tensor_memoryview(view)[:] = mv[t.offset : t.offset + t.nbytes]
             out[t.key] = view
     return out
 
 
+_PARALLEL_VERIFY_MIN = 32 << 20
+
+
+def _verify_parallel(reader: TensorSource, f: FileEntry, mv: memoryview) -> None:
+    """Check every chunk of ``mv`` (the whole file), the two halves on two threads: xxh3
+    releases the GIL, and the first touch of each mapped page is paid on both cores."""
+    cs = f.chunk_size
+    nchunks = (f.size + cs - 1) // cs
+    if f.size < _PARALLEL_VERIFY_MIN or nchunks < 2:
+        reader.verify_bytes(f, mv)
+        return
+    mid = nchunks // 2
+    errors: list[BaseException] = []
+
+    def second_half() -> None:
+        try:
+            reader.verify_bytes(f, mv[mid * cs :], first=mid)
+        except BaseException as e:  # re-raised below, after the first half's own error
+            errors.append(e)
+
+    helper = threading.Thread(target=second_half, name="ckpt-verify", daemon=True)
+    helper.start()
+    try:
+        reader.verify_bytes(f, mv[: mid * cs])
+    finally:
+        helper.join()
+    if errors:
+        raise errors[0]
+
+
+def fresh_tensors(reader: TensorSource, pe: PartEntry, *, verify: bool, mmap: bool | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of part ``pe`` in new memory of this process, by key.
+
+    ``mmap``: ``None`` (default) a lease-protected private mapping where one can be
+    taken, else a read into fresh tensors; ``False`` always the read; ``True`` a
+    mapping even without a lease. Either way every chunk is verified unless ``verify``
+    is false, and nothing is returned before it is.
+    """
+    if mmap is False:
+        return _stream_fresh(reader, pe, verify)
+    return _mapped_fresh(reader, pe, verify, mmap)
+
+
 def materialize_state(
-    reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool = False
+    reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool | None = None
 ) -> dict[str, Any]:
+    with gc_paused():  # thousands of small objects, no cycles (ckpt._gc)
+        return _materialize_state(reader, pe, map_location=map_location, verify=verify, mmap=mmap)
+
+
+def _materialize_state(reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool | None) -> dict[str, Any]:
     tree = reader.tree(pe.name, verify=verify)
     cache: dict[str, dict[str, torch.Tensor]] = {}
-    fetch = _mmap_fresh if mmap else _stream_fresh
 
     def tensors_of(p: PartEntry) -> dict[str, torch.Tensor]:
+        # (A mapping is also the cheapest source for a map_location that copies the
+        # tensors elsewhere: the copy reads the page cache, allocating nothing here.)
         if p.name not in cache:
-            cache[p.name] = {k: place(v, map_location) for k, v in fetch(reader, p, verify).items()}
+            cache[p.name] = {k: place(v, map_location) for k, v in fresh_tensors(reader, p, verify=verify, mmap=mmap).items()}
         return cache[p.name]
 
     out = {}
@@ -216,7 +263,7 @@ def resolve_lazily(reader: TensorSource, pe: PartEntry, saved: Any, *, map_locat
 
 
 def materialize_entry(
-    reader: TensorSource, pe: PartEntry, name: str, *, map_location: Any, verify: bool, mmap: bool = False
+    reader: TensorSource, pe: PartEntry, name: str, *, map_location: Any, verify: bool, mmap: bool | None = None
 ) -> Any:
     """One top-level entry as saved (a module's plain ``state_dict``): only its tensors are read."""
     state = reader.tree(pe.name, verify=verify)["state"]
@@ -226,6 +273,6 @@ def materialize_entry(
     keys = _refs(saved)
     if mmap or (keys and len(keys) == len(src.tensors)):
         # the entry is the whole tensor file (or a mapping was asked for): one pass
-        fetch = _mmap_fresh if mmap else _stream_fresh
-        return resolve(saved, {k: place(v, map_location) for k, v in fetch(reader, src, verify).items()}, reader.path)
+        got = fresh_tensors(reader, src, verify=verify, mmap=mmap)
+        return resolve(saved, {k: place(v, map_location) for k, v in got.items()}, reader.path)
     return resolve_lazily(reader, src, saved, map_location=map_location, verify=verify)

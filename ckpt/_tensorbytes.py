@@ -8,9 +8,10 @@ from typing import Any
 __all__ = ["tensor_memoryview"]
 
 
-def tensor_memoryview(t: Any) -> memoryview:
-    """Zero-copy view of a CPU contiguous tensor's bytes (no numpy needed)."""
-    n = t.numel() * t.element_size()
+def tensor_memoryview(t: Any, nbytes: int | None = None) -> memoryview:
+    """Zero-copy view of a CPU contiguous tensor's bytes (no numpy needed). ``nbytes``:
+    the byte count when the caller knows it already (one torch call less per tensor)."""
+    n = t.numel() * t.element_size() if nbytes is None else nbytes
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")

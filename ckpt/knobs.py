@@ -32,6 +32,12 @@ class Knobs:
     zstd_level: int = _env_int("CKPT_ZSTD_LEVEL", 3)
     #: request size for reads straight into tensor memory.
     read_request: int = _env_int("CKPT_READ_REQUEST", 16 * MiB)
+    #: a durable file being written starts writeback every this many bytes
+    #: (sync_file_range), so its closing fsync waits for the tail only; 0 disables.
+    writeback_bytes: int = _env_int("CKPT_WRITEBACK_BYTES", 8 * MiB)
+    #: how much nicer (lower CPU priority) an asynchronous save's thread runs than the
+    #: training loop (bench/async_save.py measures the step slowdown); 0 keeps it equal.
+    save_thread_nice: int = _env_int("CKPT_SAVE_NICE", 10)
     # --- format 2.0 writers (spec/format-2.md §V.7): none of these changes what readers accept ---
     #: raw bytes per BPZ1 block: a block is the unit a thread encodes and a reader decodes.
     bpz_block: int = _env_int("CKPT_BPZ_BLOCK", 4 * MiB)

@@ -133,6 +133,7 @@ resumable mid-epoch; use ``ckpt.data``.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import threading
@@ -404,7 +405,7 @@ class CheckpointManager:
         self._signal: int | None = None
         self._stop = False
         self._inflight: _Job | None = None
-        self._thread: threading.Thread | None = None
+        self._worker: _SaveWorker | None = None
         self._failed: _Job | None = None
         self._deferred_rng: dict[str, Any] | None = None
         self._closed = False
@@ -629,6 +630,9 @@ class CheckpointManager:
                         signal.signal(sig, old)
                 except (ValueError, TypeError):  # pragma: no cover - not main thread
                     pass
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
             if self._staging is not None:
                 self._staging.release()
             self._release_lock()
@@ -841,9 +845,6 @@ class CheckpointManager:
         if job is None:
             return
         job.done.wait()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
         self._inflight = None
         if job.error is not None:
             self._failed = job
@@ -913,8 +914,9 @@ class CheckpointManager:
             return
         job.stall_s = time.perf_counter() - t0
         self._inflight = job
-        self._thread = threading.Thread(target=self._run, args=(job,), name=f"ckpt-save-{step}", daemon=False)
-        self._thread.start()
+        if self._worker is None:
+            self._worker = _SaveWorker(self._run)
+        self._worker.submit(job)
 
     def _run(self, job: _Job) -> None:
         from .writer import abort, begin, commit, write_part
@@ -1078,6 +1080,75 @@ class CheckpointManager:
         return out
 
 
+class _SaveWorker:
+    """The one long-lived thread that runs a manager's asynchronous saves, in order.
+
+    A thread started per save made ``save`` wait until the new thread had been
+    scheduled and had run (``Thread.start`` blocks for that): on a busy 2-core machine,
+    milliseconds of stall beyond the staging copy. This thread is started once, at the
+    first async save, at a lower CPU priority, and is handed each job through a queue,
+    which does not wait. Interpreter exit still waits for a save in flight, as it did:
+    the thread is not a daemon, and once the main thread has ended it finishes what it
+    was given and stops (an idle one notices within ``_POLL_S``).
+    """
+
+    _POLL_S = 0.5
+
+    def __init__(self, run: Callable[[Any], None]) -> None:
+        self._run = run
+        self._start()
+
+    def _start(self) -> None:
+        self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, args=(self._jobs,), name="ckpt-save", daemon=False)
+        self._thread.start()
+
+    def _loop(self, jobs: "queue.SimpleQueue[Any]") -> None:
+        _lower_thread_priority(knobs().save_thread_nice)
+        main = threading.main_thread()
+        while True:
+            try:
+                job = jobs.get(timeout=self._POLL_S)
+            except queue.Empty:
+                if not main.is_alive():
+                    return
+                continue
+            if job is None:
+                return
+            self._run(job)
+
+    def submit(self, job: Any) -> None:
+        if not self._thread.is_alive():  # a forked child, or a worker that saw the main thread end
+            self._start()
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread() and self._thread.is_alive():
+            self._thread.join()
+
+
+def _lower_thread_priority(nice: int) -> None:
+    """Make the calling (background save) thread yield the CPU to the training loop.
+
+    On two cores the loop's intra-op threads use both; a save thread at the same
+    priority takes one of them for its write copies and hashing, and every parallel
+    operation of the step then waits for its slowest thread. With a higher nice value
+    the scheduler runs the save in the gaps of the step (its Python parts, its waits)
+    and the step keeps both cores; the save takes longer but finishes long before the
+    next one is due (bench/async_save.py). Linux applies nice per thread, and threads
+    this one starts (the digest thread) inherit it. Never lowers the loop's own thread:
+    only an asynchronous save's thread calls this.
+    """
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except (OSError, AttributeError):  # not Linux, or not permitted: run at the loop's priority
+        pass
+
+
 def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage | None = None,
                     protect: Iterable[str] = (), upcoming: int | None = None) -> tuple[str, ...]:
     """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
@@ -1100,20 +1171,28 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
     keep = plan_retention(records, policy)
     doomed = [r for r in records
               if r.committed and r.name not in keep and r.name not in protected and r.step != upcoming]
-    return delete_checkpoints(run_dir, doomed, storage=storage)
+    # Older than every kept one: an undone deletion is redone next time (no fsync, §10.7).
+    return delete_checkpoints(run_dir, doomed, storage=storage, durable=False)
 
 
 def delete_checkpoints(run_dir: str | os.PathLike[str], records: Iterable[CheckpointRecord], *,
-                       storage: Storage | None = None) -> tuple[str, ...]:
+                       storage: Storage | None = None, durable: bool = True) -> tuple[str, ...]:
     """Delete these checkpoints of ``run_dir`` (the one deletion routine: retention's and
     a rewind's); returns the names deleted. On a filesystem each is renamed into a
     ``.tmp-`` name first, so a crash mid-delete leaves a directory no reader accepts,
     never a torn ``step-*``; on an object store its MANIFEST goes first (it is
-    uncommitted from that instant), then its objects (spec/object-storage.md)."""
+    uncommitted from that instant), then its objects (spec/object-storage.md).
+
+    ``durable``: fsync the directory once the renames are done, before anything is
+    removed, so that no crash can bring a deleted checkpoint back. A rewind needs that
+    (it deletes *newer* checkpoints: one brought back would be the next resume's pick);
+    retention does not (spec/checkpoint-format.md §10.7: what it deletes is older than
+    what it keeps, and the next retention deletes it again), so it passes False."""
     storage, normal = resolve(run_dir, storage)
     by_manifest = commits_by_manifest(storage)
     run_dir = normal if by_manifest else os.fspath(run_dir)
     deleted = []
+    trashed: list[str] = []
     for r in records:
         if by_manifest:
             if storage.remove_checkpoint(r.path):  # type: ignore[attr-defined]
@@ -1124,10 +1203,12 @@ def delete_checkpoints(run_dir: str | os.PathLike[str], records: Iterable[Checkp
             storage.rename_dir(r.path, trash)
         except FileNotFoundError:
             continue
-        storage.remove_tree(trash)
+        trashed.append(trash)
         deleted.append(r.name)
-    if deleted and not by_manifest:
-        storage.fsync_dir(run_dir)
+    if durable and trashed:
+        storage.fsync_dir(run_dir)  # the renames: the removals below need no durability
+    for trash in trashed:
+        storage.remove_tree(trash)
     return tuple(deleted)
 
 

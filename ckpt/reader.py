@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from ._gc import paused as gc_paused
 from ._pipeline import OrderedFeeder
 from ._statecheck import check_part
 from .errors import (
@@ -260,7 +261,8 @@ class CheckpointReader:
             self._manifest_bytes = data
         except FileNotFoundError:
             raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
-        manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
+        with gc_paused():
+            manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
         # Part references (format 2.0 §V.5) are read when their part is first needed.
         manifest.parts.bind(lambda ref: self._load_part(ref, manifest))
         try:
@@ -382,11 +384,12 @@ class CheckpointReader:
             raw = self._read_verified(f, verify)
             if f.codec == "zstd":
                 raw = zstd_decompress(raw, f.raw_size or 0, path=self._fp(f))
-            tree = decode_tree(raw, path=self._fp(f))
-            if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
-                raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
-            check_entry_names(tree["state"], path=self._fp(f))
-            check_context(tree["context"], path=self._fp(f))
+            with gc_paused():
+                tree = decode_tree(raw, path=self._fp(f))
+                if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
+                    raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
+                check_entry_names(tree["state"], path=self._fp(f))
+                check_context(tree["context"], path=self._fp(f))
             self._trees[pe.name] = tree
         return self._trees[pe.name]
 
@@ -432,8 +435,9 @@ class CheckpointReader:
             prefix = self._read(fp, 0, 8)
             n, _ = parse_header(prefix, f.size, path=fp)
             full = self._read(fp, 0, 8 + n)
-            n, header = parse_header(full, f.size, path=fp)
-            check_against_manifest(header, n, f.size, pe.tensors_in(i), path=fp, shared=f.origin is not None)
+            with gc_paused():
+                n, header = parse_header(full, f.size, path=fp)
+                check_against_manifest(header, n, f.size, pe.tensors_in(i), path=fp, shared=f.origin is not None)
             self._headers[(pe.name, i)] = (n, header)
 
     def _entry(self, key: str, part: str | None) -> tuple[PartEntry, TensorEntry]:
@@ -796,9 +800,11 @@ class CheckpointReader:
             raise ValueError(f"part {pe.name!r} has {len(files)} data files; open them with open_data_file")
         return self.open_data_file(pe, files[0], reread=reread), pe.files[files[0]]
 
-    def verify_bytes(self, f: FileEntry, data: Any) -> None:
-        """Check the whole content of file ``f``, already in memory, against its digests."""
-        v = _ChunkVerifier(self._fp(f), f)
+    def verify_bytes(self, f: FileEntry, data: Any, *, first: int = 0) -> None:
+        """Check content of file ``f``, already in memory, against its digests: the
+        whole file, or (``first``) the chunks from number ``first`` on that ``data``
+        covers, starting at that chunk's first byte (a share of a parallel check)."""
+        v = _ChunkVerifier(self._fp(f), f, first=first)
         v.update(data)
         v.finish()
 
@@ -930,7 +936,7 @@ class CheckpointReader:
         part: str | None = None,
         map_location: Any = None,
         verify: bool = True,
-        mmap: bool = False,
+        mmap: bool | None = None,
     ) -> Any:
         """The saved state of a part as plain trees of fresh tensors: every entry, or one.
 
@@ -938,9 +944,19 @@ class CheckpointReader:
         ``state_dict`` with the entry prefix stripped (``{"0.weight": ...}``), ready for
         ``module.load_state_dict(sd, strict=True)``; only its own tensors are read (an
         optimizer in the same file is not). ``state()`` maps every entry name to that.
-        ``mmap=True`` backs the tensors by a private copy-on-write mapping of the file
-        instead of reading them into new memory (faster; see ``_materialize._mmap_fresh``
-        for the one caveat: do not truncate the file while the tensors are alive).
+
+        Every chunk is verified before anything is returned (unless ``verify=False``).
+        Where a file is local, its tensors are backed by a private copy-on-write mapping
+        of it, protected by a read lease: no copy and no fresh memory until a tensor is
+        written, and a truncation of the file by anyone waits until this process has
+        copied the bytes away (spec §11.1), so it never faults the tensors. Where no
+        lease can be taken (another user's file, NFS, the first load off the main
+        thread), the bytes are read into fresh tensors instead.
+
+        ``mmap=False`` always reads into fresh tensors (resizable storages, nothing
+        shared with the page cache). ``mmap=True`` maps even where no lease can be
+        taken; then the one caveat is yours: do not truncate the file while the tensors
+        live (the process would get SIGBUS).
         """
         from ._materialize import materialize_entry, materialize_state
 

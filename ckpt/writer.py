@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 import msgpack
 
 from . import __version__
+from ._gc import paused as gc_paused
 from .context.config import canonical_config, config_hash
 from .context.env import capture_env
 from .context.provenance import capture_commit
@@ -57,7 +59,7 @@ from .format.manifest import (
     part_record,
     uses_v2,
 )
-from .format.safetensors import TensorSlot, build_header
+from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import Storage, commits_by_manifest, resolve
@@ -159,18 +161,30 @@ def abort(pending: PendingCheckpoint, *, storage: Storage | None = None) -> None
 
 def _escape(seg: Any) -> str:
     # '/' separates key segments; escape it (and '%') so distinct paths stay distinct.
-    return str(seg).replace("%", "%25").replace("/", "%2F")
+    s = seg if type(seg) is str else str(seg)
+    if "%" in s or "/" in s:
+        return s.replace("%", "%25").replace("/", "%2F")
+    return s
 
 
 class _Collector:
-    """Hook for ``to_wire``: assigns tensor keys and de-duplicates aliased tensors."""
+    """Hook for ``to_wire``: assigns tensor keys and de-duplicates aliased tensors.
+
+    Runs once per tensor, so a state of thousands of small tensors pays for every
+    attribute read here: each record keeps what the writer needs later (dtype name,
+    shape, byte count), read from the tensor once.
+    """
 
     def __init__(self, prefix: str) -> None:
         import torch
 
         self._torch = torch
+        self._strided = torch.strided
         self.prefix = prefix
-        self.tensors: list[tuple[str, Any]] = []  # (key, cpu contiguous tensor)
+        #: (key, cpu contiguous tensor) per stored tensor, in the order met
+        self.tensors: list[tuple[str, Any]] = []
+        #: key -> (dtype name, shape, nbytes, itemsize), read from the tensor once
+        self.meta: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         self._by_view: dict[tuple, str] = {}
         self._keys: set[str] = set()
         self.counts: dict[str, list[int]] = {}  # top-level entry -> [n tensors, bytes]
@@ -193,65 +207,68 @@ class _Collector:
         return None
 
     def _add(self, t: Any, path: tuple[Any, ...]) -> str:
-        torch = self._torch
-        where = render_path(path)
-        if t.layout != torch.strided:
-            raise UnsupportedValueError(f"tensor layout {t.layout} is not supported", key=where)
-        if t.is_quantized or t.device.type == "meta":
-            raise UnsupportedValueError("quantized and meta tensors cannot be stored", key=where)
+        if t.layout != self._strided:
+            raise UnsupportedValueError(f"tensor layout {t.layout} is not supported", key=render_path(path))
+        device = t.device
+        if t.is_quantized or device.type == "meta":
+            raise UnsupportedValueError("quantized and meta tensors cannot be stored", key=render_path(path))
         try:
             dname = dtypes.dtype_name(t.dtype)
         except KeyError:
-            raise UnsupportedValueError(f"tensor dtype {t.dtype} cannot be stored", key=where) from None
+            raise UnsupportedValueError(f"tensor dtype {t.dtype} cannot be stored", key=render_path(path)) from None
+        shape = tuple(t.shape)
+        numel = t.numel()
+        conj, neg = t.is_conj(), t.is_neg()
         # The same view reached twice (tied weights, an optimizer aliasing a param) is
         # stored once and restored as one tensor object.
-        view = tensor_view_key(t)
-        if t.numel() > 0 and view in self._by_view:
-            return self._by_view[view]
-        key = "/".join([self.prefix, *(_escape(p) for p in path)]) if self.prefix else "/".join(_escape(p) for p in path)
+        view = (device, t.data_ptr(), shape, t.stride(), t.dtype, conj, neg)
+        if numel > 0:
+            hit = self._by_view.get(view)
+            if hit is not None:
+                return hit
+        key = "/".join([self.prefix, *map(_escape, path)]) if self.prefix else "/".join(map(_escape, path))
         # Distinct paths can render alike (int key 1 and str key "1"); keys must be
         # unique in the manifest, and the tree refers to them by name, so suffix.
-        base, n = key, 0
-        while key in self._keys:
-            n += 1
-            key = f"{base}~{n}"
+        if key in self._keys:
+            base, n = key, 0
+            while key in self._keys:
+                n += 1
+                key = f"{base}~{n}"
         self._keys.add(key)
-        src = t.detach()
-        if src.is_conj():
+        src = t
+        if conj:
             src = src.resolve_conj()
-        if src.is_neg():
+        if neg:
             src = src.resolve_neg()
-        if src.device.type != "cpu":
+        if device.type != "cpu":
             src = src.to("cpu")
         if not src.is_contiguous():
             src = src.contiguous()
+        itemsize = dtypes.itemsize(dname)
+        nbytes = numel * itemsize
         self.tensors.append((key, src))
-        if t.numel() > 0:
+        self.meta[key] = (dname, shape, nbytes, itemsize)
+        if numel > 0:
             self._by_view[view] = key
         top = str(path[0]) if path else ""
         self.tops[key] = top
-        c = self.counts.setdefault(top, [0, 0])
+        c = self.counts.get(top)
+        if c is None:
+            c = self.counts[top] = [0, 0]
         c[0] += 1
-        c[1] += src.numel() * src.element_size()
+        c[1] += nbytes
         return key
 
 
 def tensor_view_key(t: Any) -> tuple[Any, ...]:
     """Identity of a tensor *view*: equal keys hold the same values in the same memory.
 
-    is_conj/is_neg are part of it: x and x.conj() share storage, offset and strides
-    but hold different values.
+    The address of the first element with shape, strides and dtype fixes the memory a
+    view covers; is_conj/is_neg are part of it: x and x.conj() share memory and
+    strides but hold different values. (The writer's collector builds the same tuple
+    inline.)
     """
-    return (
-        t.device,
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-        t.is_conj(),
-        t.is_neg(),
-    )
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
 
 def _stateful(obj: Any) -> bool:
@@ -294,44 +311,46 @@ def write_part(
     check_name(name, what="part")
     if not isinstance(state, Mapping):
         raise UnsupportedValueError("state must be a mapping of name -> Stateful or tree", key="<root>")
-    collector = _Collector("")
-    wire_state: dict[str, Any] = {}
-    entry_types: dict[str, str] = {}
-    for key, obj in state.items():
-        if not isinstance(key, str) or not key or key.startswith("@"):
-            raise UnsupportedValueError("top-level state keys must be non-empty str not starting with '@'", key=str(key))
-        if _stateful(obj):
-            sd = obj.state_dict()
-            entry_types[key] = _type_name(obj)
-        else:
-            sd = obj
-            entry_types[key] = "tree"
-        wire_state[key] = to_wire(sd, collector, (key,))
-    data_state = None
-    if data is not None:
-        if not callable(getattr(data, "state_dict", None)):
-            raise UnsupportedValueError("data must have state_dict()", key="@data")
-        data_state = to_wire(data.state_dict(), collector, ("@data",))
-    cfg_bytes = canonical_config(config) if config is not None else None
-    # A Mapping is a state captured earlier by capture_rng: an async save snapshots the
-    # RNG at the step boundary and writes it later, while the loop draws on.
-    rng_state = dict(rng) if isinstance(rng, Mapping) else (capture_rng(generators) if rng else None)
-    topo = capture_topology()
-    commit_info = capture_commit(code_dir)
-    env = capture_env()
-    context = {
-        "step": step,
-        "rng": rng_state,
-        "data": data_state,
-        "data_type": _type_name(data) if data is not None else None,
-        "config": None if cfg_bytes is None else {"canonical": cfg_bytes, "hash": config_hash(config)},
-        "topology": topo,
-        "commit": commit_info,
-        "env": env,
-        "lineage": dict(lineage or {}),
-        "extra": to_wire(extra, collector, ("@extra",)) if extra is not None else None,
-        "entry_types": entry_types,
-    }
+    # Walking the state builds thousands of small objects: no cyclic GC meanwhile (ckpt._gc).
+    with gc_paused():
+        collector = _Collector("")
+        wire_state: dict[str, Any] = {}
+        entry_types: dict[str, str] = {}
+        for key, obj in state.items():
+            if not isinstance(key, str) or not key or key.startswith("@"):
+                raise UnsupportedValueError("top-level state keys must be non-empty str not starting with '@'", key=str(key))
+            if _stateful(obj):
+                sd = obj.state_dict()
+                entry_types[key] = _type_name(obj)
+            else:
+                sd = obj
+                entry_types[key] = "tree"
+            wire_state[key] = to_wire(sd, collector, (key,))
+        data_state = None
+        if data is not None:
+            if not callable(getattr(data, "state_dict", None)):
+                raise UnsupportedValueError("data must have state_dict()", key="@data")
+            data_state = to_wire(data.state_dict(), collector, ("@data",))
+        cfg_bytes = canonical_config(config) if config is not None else None
+        # A Mapping is a state captured earlier by capture_rng: an async save snapshots the
+        # RNG at the step boundary and writes it later, while the loop draws on.
+        rng_state = dict(rng) if isinstance(rng, Mapping) else (capture_rng(generators) if rng else None)
+        topo = capture_topology()
+        commit_info = capture_commit(code_dir)
+        env = capture_env()
+        context = {
+            "step": step,
+            "rng": rng_state,
+            "data": data_state,
+            "data_type": _type_name(data) if data is not None else None,
+            "config": None if cfg_bytes is None else {"canonical": cfg_bytes, "hash": config_hash(config)},
+            "topology": topo,
+            "commit": commit_info,
+            "env": env,
+            "lineage": dict(lineage or {}),
+            "extra": to_wire(extra, collector, ("@extra",)) if extra is not None else None,
+            "entry_types": entry_types,
+        }
     k = knobs()
     files: list[FileEntry] = []
     placed: list[tuple[str, TensorEntry]] = []  # (file name, entry): indices are set at the end
@@ -342,46 +361,66 @@ def write_part(
         files.append(fe)
         placed.extend((fe.name, e) for e in entries)
     plain = layout.plain
+    closing: _Background | None = None
     if plain:
         # Largest element size first (stable): every tensor then starts at a multiple of
         # its element size, as stock safetensors lays files out, so readers can map it.
-        plain.sort(key=lambda kt: -kt[1].element_size())
+        meta = collector.meta
+        plain.sort(key=lambda kt: -meta[kt[0]][3])
         fname = layout.plain_name
-        slots = [TensorSlot(key, dtypes.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for key, t in plain]
-        header, offsets = build_header(slots, {"format": "pt", "writer": f"ckpt-replay {__version__}"})
-        sink = storage.create(os.path.join(pending.tmp_dir, fname), k.chunk_size)
+        header, offsets = build_header_rows(
+            [(key, *meta[key][:3]) for key, _ in plain], {"format": "pt", "writer": f"ckpt-replay {__version__}"}
+        )
+        at = len(files) + 1  # its index once the state file is listed first (below)
+        digests_of = layout.digests
+        tsink = storage.create(os.path.join(pending.tmp_dir, fname), k.chunk_size)
         try:
-            sink.write(header)
-            for (key, t), slot, off in zip(plain, slots, offsets):
-                sink.write(tensor_memoryview(t))
-                placed.append((fname, TensorEntry(key, slot.dtype, slot.shape, -1, off, slot.nbytes, layout.digests.get(key))))
+            tsink.write(header)
+            write = tsink.write
+            for (key, t), off in zip(plain, offsets):
+                dname, shape, nbytes, _ = meta[key]
+                write(tensor_memoryview(t, nbytes))
+                placed.append((fname, TensorEntry(key, dname, shape, at, off, nbytes, digests_of.get(key))))
+        except BaseException:
+            tsink.discard()
+            raise
+        # Its last digests and its fsync run on a helper thread while this one writes the
+        # next files; all are durable before this function returns (§10.7).
+        closing = _Background(tsink.close)
+        files.append(FileEntry(fname, "tensors", 0, k.chunk_size, b""))  # filled in once closed
+    try:
+        packed = _partfiles.write_packed(layout, pending.tmp_dir, storage)
+        if packed is not None:
+            files.append(packed[0])
+            placed.extend((packed[0].name, e) for e in packed[1])
+        # the layout holds staging copies alive until here; drop them now.
+        del layout, plain
+        raw = packb({"state": wire_state, "context": context})
+        if len(raw) > k.max_state_raw_bytes:
+            raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
+        comp = zstd_compress(raw)
+        sname = pending.file_name(name, ".state.msgpack.zst")
+        sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
+        try:
+            sink.write(comp)
             size, digests = sink.close()
         except BaseException:
             sink.discard()
             raise
-        files.append(FileEntry(fname, "tensors", size, k.chunk_size, digests))
-    packed = _partfiles.write_packed(layout, pending.tmp_dir, storage)
-    if packed is not None:
-        files.append(packed[0])
-        placed.extend((packed[0].name, e) for e in packed[1])
-    # the layout holds staging copies alive until here; drop them now.
-    del layout, plain
-    raw = packb({"state": wire_state, "context": context})
-    if len(raw) > k.max_state_raw_bytes:
-        raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
-    comp = zstd_compress(raw)
-    sname = pending.file_name(name, ".state.msgpack.zst")
-    sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
-    try:
-        sink.write(comp)
-        size, digests = sink.close()
-    except BaseException:
-        sink.discard()
-        raise
+    finally:
+        if closing is not None:
+            try:
+                tsize, tdigests = closing.join()
+            except BaseException:
+                tsink.discard()
+                raise
+    if closing is not None:
+        i = next(i for i, f in enumerate(files) if f.name == fname)
+        files[i] = FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests)
     # The state file comes first so readers can find the structure without scanning.
     files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
     index = {f.name: i for i, f in enumerate(files)}
-    tensors = [dataclasses.replace(e, file=index[fname]) for fname, e in placed]
+    tensors = [e if e.file == index[fn] else dataclasses.replace(e, file=index[fn]) for fn, e in placed]
     summary = {
         "step": step,
         "entries": {key: _entry_summary(state[key], entry_types[key], collector.counts.get(key, [0, 0])) for key in wire_state},
@@ -471,14 +510,65 @@ def commit(
         meta=dict(meta or {}),
         version=V2 if uses_v2(ordered) else V1,
     )
-    blob = encode_manifest(manifest)
+    with gc_paused():
+        blob = encode_manifest(manifest)
     if commits_by_manifest(storage):
         storage.publish(pending, blob)  # type: ignore[attr-defined]
         return manifest
-    _write_whole(storage, os.path.join(pending.tmp_dir, MANIFEST_NAME), blob)
-    storage.fsync_dir(pending.tmp_dir)
+    sink = storage.create(os.path.join(pending.tmp_dir, MANIFEST_NAME), max(knobs().chunk_size, 4096))
+    try:
+        sink.write(blob)
+        # Hand MANIFEST's bytes to the kernel now (a local sink gathers small writes
+        # until close): from here on, a process killed at any point leaves a complete
+        # temporary copy that recovery can publish (§10.3).
+        flush = getattr(sink, "flush", None)
+        if flush is not None:
+            flush()
+        # MANIFEST's fsync and the directory's (which now lists every file, MANIFEST
+        # included) have no order between them, only both before the rename (§10.7):
+        # issued together they wait for one journal commit, not two.
+        names = _Background(storage.fsync_dir, pending.tmp_dir)
+        try:
+            sink.close()
+        finally:
+            names.join()
+    except BaseException:
+        sink.discard()
+        raise
     _publish(pending, storage)
     return manifest
+
+
+class _Background:
+    """``fn(*args)`` on a helper thread; ``join`` waits and re-raises its error.
+
+    Used to overlap two waits that have no order between them (two fsyncs, or an fsync
+    and the next file's writes): fsync, write and xxh3 release the GIL, and on a
+    journaling filesystem two fsyncs issued together are served by one journal commit.
+    """
+
+    __slots__ = ("_fn", "_args", "_thread", "result", "error")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._fn, self._args = fn, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckpt-sync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._fn(*self._args)
+        except BaseException as e:  # re-raised by join() on the caller's thread
+            self.error = e
+
+    def join(self) -> Any:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 
 
 def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
@@ -500,8 +590,10 @@ def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
     if storage.exchange(tmp, final):
         # One atomic swap: the final name always holds a complete copy (old, then new).
         storage.fsync_dir(parent)
+        # The removal needs no fsync of its own (§10.7): if a crash undoes it, the old
+        # copy is back under a temporary name, beside a committed final name, and
+        # recovery removes it as redundant.
         storage.remove_tree(tmp)  # now the old checkpoint
-        storage.fsync_dir(parent)
         return
     # No exchange on this filesystem: move the old aside, then the new into place. A
     # crash in between leaves both complete under temporary names; recover() renames
@@ -518,8 +610,7 @@ def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
             pass
         raise
     storage.fsync_dir(parent)
-    storage.remove_tree(aside)
-    storage.fsync_dir(parent)
+    storage.remove_tree(aside)  # no fsync needed: see the exchange case above
 
 
 # --- crash recovery -------------------------------------------------------------------
@@ -614,8 +705,8 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
             continue
         storage.remove_tree(os.path.join(root, t))
         removed.append(t)
-    if removed:
-        storage.fsync_dir(root)
+    # No fsync for the removals (§10.7): a removal a crash undoes leaves a temporary
+    # name, which no reader accepts and the next recovery removes again.
     return Recovery(tuple(restored), tuple(removed))
 
 

@@ -35,9 +35,18 @@ class ChunkHasher:
         self._on_chunk = on_chunk
 
     def update(self, data: bytes | memoryview) -> None:
-        mv = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        if type(data) is memoryview and data.format == "B" and data.ndim == 1:
+            mv = data
+        else:
+            mv = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         pos, n = 0, len(mv)
         cs = self.chunk_size
+        if 0 < n < cs - self._fill:
+            # A piece inside the current chunk (many small tensors): one call, no loop.
+            self._h.update(mv)
+            self._fill += n
+            self.size += n
+            return
         while pos < n:
             take = min(cs - self._fill, n - pos)
             if take == cs and self._fill == 0:

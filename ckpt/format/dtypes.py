@@ -55,12 +55,23 @@ def is_raw(name: str) -> bool:
     return DTYPES[name][0] == "U8" and name != "uint8"
 
 
+_NAMES: dict[Any, str] = {}  # torch.dtype -> name, filled on first use (str(dtype) per tensor adds up)
+
+
 def dtype_name(dtype: Any) -> str:
     """torch.dtype -> persisted name; raises KeyError for dtypes we cannot store."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        pass
     text = str(dtype)
     name = text[len("torch.") :] if text.startswith("torch.") else text
     if name not in DTYPES:
         raise KeyError(name)
+    try:
+        _NAMES[dtype] = name
+    except TypeError:  # an unhashable stand-in: just do not cache it
+        pass
     return name
 
 

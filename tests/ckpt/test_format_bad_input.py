@@ -767,16 +767,21 @@ def test_sigkill_at_random_moments_leaves_previous_checkpoints_loadable(tmp_path
 def test_write_error_mid_save_leaves_nothing_half_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
     run = tmp_path / "run"
     first = make_ckpt(run / "step-00001", big_state(1.0))
-    real_write = os.write
+    real_write, real_writev = os.write, os.writev
     calls = [0]
 
-    def failing_write(fd: int, data: Any) -> int:
-        calls[0] += 1
-        if calls[0] == fail_at:
-            raise OSError(errno.ENOSPC, "No space left on device (injected)")
-        return real_write(fd, data)
+    def failing(real: Any) -> Any:
+        # write and writev (small pieces are gathered into one writev) share one count
+        def call(fd: int, data: Any) -> int:
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real(fd, data)
 
-    monkeypatch.setattr(os, "write", failing_write)
+        return call
+
+    monkeypatch.setattr(os, "write", failing(real_write))
+    monkeypatch.setattr(os, "writev", failing(real_writev))
     with pytest.raises(OSError, match="injected"):
         make_ckpt(run / "step-00002", big_state(2.0))
     monkeypatch.undo()
