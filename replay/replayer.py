@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import xxhash
 
-from ckpt.context.env import capture_env
+from ckpt.context.env import capture_env, env_diff
 from replay import digest as dg
 from replay.clock import VectorClock
 from replay.errors import DivergenceError, ReplayError
@@ -532,7 +532,7 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
     if not ep:
         raise ReplayError("the tape records no entry point; pass entry_point=", path=str(tape))
     config = dict(meta.get("config") or {})
-    env = dg.env_diff(meta.get("env") or {}, capture_env())
+    env = env_diff(meta.get("env") or {}, capture_env())
     if mode == "fork":
         if entry is not None or align_snapshot is not None:
             raise ValueError("entry= and align_snapshot= re-execute a tape: mode verify or force")
