@@ -28,9 +28,9 @@ from replay import Message
 from runs.diloco.chaos import Fault
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
-from runs.diloco.link import Link, ref_of
+from replay import Inbox, ref_of
 from runs.diloco.model import LearnerShards, build_model, learner_corpus, weighted_loss
-from runs.diloco.tapeio import RemoteTape, message_digest
+from replay import RemoteTape, meta_digest
 
 __all__ = ["LearnerCore", "LearnerCtx", "LearnerOutcome", "LearnerLoop", "Learner", "run_learner"]
 
@@ -151,7 +151,7 @@ class LearnerCtx:
     cfg: DiLoCoConfig
     actor: str  # tape identity, e.g. "learner-2"
     incarnation: int
-    link: Link
+    link: Inbox
     theta0: Mapping[str, torch.Tensor]
     faults: Sequence[Fault]
     die: Callable[[], None]  # drop the transport (threads) / SIGKILL (processes)
@@ -247,7 +247,7 @@ class Learner:
         link = self.link
         ref = (self.me, SYNCER, link.ep.next_send[SYNCER])
         if taped:
-            self.tape.send(ref, SYNCER, message_digest(meta, tensors))
+            self.tape.send(ref, SYNCER, meta_digest(meta, tensors))
         extra, log_tensors = self.ship()
         if timing:
             extra["timing"] = dict(timing)

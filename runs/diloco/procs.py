@@ -7,8 +7,8 @@ start and idles until the syncer activates it: a hot spare, as production fleets
 The killed process really is gone (SIGKILL, exit -9); its replacement starts with no
 state and recovers it from a healthy peer.
 
-Learners record through :class:`~runs.diloco.tapeio.RemoteTape`; their logs ride on
-their messages to the syncer, whose :class:`~runs.diloco.tapeio.LogApplier` puts them
+Learners record through :class:`~replay.RemoteTape`; their logs ride on
+their messages to the syncer, whose :class:`~replay.LogApplier` puts them
 on the one tape. A learner about to be killed flushes its log and waits for the
 syncer's acknowledgement first (the kill point is a logical step, so that a replay can
 stop the learner at the same point), and a finishing learner does the same.
@@ -30,10 +30,10 @@ from replay import Endpoint
 from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, run_learner, sigkill_self
-from runs.diloco.link import Link
+from replay import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
-from runs.diloco.tapeio import LogApplier, RemoteTape, TapeHub, endpoint_name
+from replay import LogApplier, RemoteTape, TapeHub, endpoint_name
 
 __all__ = ["run_processes"]
 
@@ -73,7 +73,7 @@ def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: di
 
     transport = TorchDistTransport(actors)
     remote = RemoteTape(actor)
-    link = Link(Endpoint(transport), remote, timeout_s=cfg.io_timeout_s * 10)
+    link = Inbox(Endpoint(transport), remote, timeout_s=cfg.io_timeout_s * 10)
     parts = None
     if snap_root is not None:
         from runs.diloco.snapshots import Snapshots
@@ -119,7 +119,7 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         transport = TorchDistTransport(actors)
         if snapshots is not None:
             snapshots.control = _control()
-        link = Link(Endpoint(transport), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
+        link = Inbox(Endpoint(transport), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
         applier = LogApplier(hub)
         byes_acked: set[str] = set()
         by_name = {p.name: p for p in procs}

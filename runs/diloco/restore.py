@@ -16,7 +16,7 @@ from replay.errors import SnapshotError
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.run import open_recorder, run_actors
 from runs.diloco.snapshots import FORMAT_VERSION, SNAPSHOT_FORMAT, Snapshots, join_part
-from runs.diloco.tapeio import TapeHub
+from replay import TapeHub
 
 __all__ = ["RestoreResult", "read_snapshot", "restore_run", "continue_run"]
 

@@ -26,10 +26,10 @@ from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, LearnerOutcome, run_learner
 from runs.diloco.outcome import RunResult, decide_schedule, spares_of
-from runs.diloco.link import Link
+from replay import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
-from runs.diloco.tapeio import TapeHub, endpoint_name
+from replay import TapeHub, endpoint_name
 from replay import Recorder
 
 __all__ = ["RunResult", "record", "main", "run_actors", "ENTRY_POINT", "DELAY_ENV"]
@@ -80,7 +80,7 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     def learner_thread(actor: str, inc: int) -> None:
         ep_name = endpoint_name(actor, inc)
         try:
-            link = Link(Endpoint(net.transport(ep_name)), hub.local(actor), timeout_s=cfg.io_timeout_s)
+            link = Inbox(Endpoint(net.transport(ep_name)), hub.local(actor), timeout_s=cfg.io_timeout_s)
             prev = endpoint_name(actor, inc - 1) if inc > first_inc[actor] else None
             part = restore[actor]["diloco"] if restore is not None and inc == first_inc[actor] else None
             ctx = LearnerCtx(cfg, actor, inc, link, theta0, schedule.for_learner(actor),
@@ -102,7 +102,7 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
         for k in range(first_inc[a]):  # incarnations that died before the cut
             net.kill(endpoint_name(a, k), "dead before the snapshot")
             done[endpoint_name(a, k)].set()
-    link = Link(Endpoint(net.transport("syncer")), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
+    link = Inbox(Endpoint(net.transport("syncer")), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
     syncer_part = None
     if restore is not None:
         from runs.diloco.snapshots import restore_syncer_endpoint

@@ -80,7 +80,7 @@ def _nsem(msg: Message) -> int:
 def snapshot_message(msg: Message, hub: Any) -> dict[str, Any]:
     """A delivered message as a snapshot records it: meta without the shipped tape log
     (already applied), its tensors, and the tape stamp of its send (None if untaped)."""
-    from runs.diloco.tapeio import stamp_to_json
+    from replay import stamp_to_json
 
     st = hub.stamp((msg.src, msg.dst, msg.seq), wait=False)
     return {"src": msg.src, "dst": msg.dst, "seq": msg.seq,
@@ -260,7 +260,7 @@ class Snapshots:
         return "pending"
 
     def ready(self, snap: Mapping[str, Any], *, dead: set[str]) -> bool:
-        from runs.diloco.tapeio import actor_of
+        from replay import actor_of
 
         if snap["name"] in self._adopted:
             return True  # every part is in it: it is the snapshot the run was restored from
@@ -284,7 +284,7 @@ class Snapshots:
 
     def close(self, snap: Mapping[str, Any], *, dead: set[str]) -> dict[str, Any]:
         """Write the syncer's part, commit (or abort), apply retention; the taped outcome."""
-        from runs.diloco.tapeio import actor_of
+        from replay import actor_of
         from replay import CHANNELS_KEY, Pending
 
         name, s = str(snap["name"]), int(snap["s"])
@@ -375,7 +375,7 @@ def restore_syncer_endpoint(link: Any, hub: Any, parts: Mapping[str, Any]) -> di
     recorded channel states and each learner's reply marker queued ahead of anything
     new (the restored syncer records them again, as the original did), and the tape
     stamps of every message sent before the cut and received after it."""
-    from runs.diloco.tapeio import actor_of, stamp_from_json
+    from replay import actor_of, stamp_from_json
     from replay import CHANNELS_KEY
 
     part = dict(parts["syncer"]["diloco"])

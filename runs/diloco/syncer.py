@@ -37,10 +37,10 @@ from replay import Message
 from runs.diloco.chaos import Schedule
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
-from runs.diloco.link import Link
+from replay import Inbox
 from runs.diloco.merge import average
 from runs.diloco.model import build_model, eval_loss
-from runs.diloco.tapeio import LocalTape, LogApplier, MsgRef, actor_of
+from replay import LocalTape, LogApplier, MsgRef, actor_of
 from runs.diloco.snapshots import message_from_snapshot, snapshot_message, snapshot_name
 
 __all__ = ["SyncerCore", "SyncerCtx", "SyncerOutcome", "SyncerBook", "Syncer", "run_syncer", "grace_window"]
@@ -121,7 +121,7 @@ class _Ema:
 @dataclass
 class SyncerCtx:
     cfg: DiLoCoConfig
-    link: Link
+    link: Inbox
     theta0: Mapping[str, torch.Tensor]
     schedule: Schedule
     spares: Mapping[str, Sequence[str]]  # actor -> replacement endpoints, in order

@@ -1,9 +1,17 @@
-"""An actor's message plumbing: taped sends and an inbox addressed by MsgRef.
+"""An actor's message plumbing over the tape hub: taped sends and an inbox addressed by MsgRef.
 
-Every DiLoCo message is one Endpoint DATA message whose meta holds ``kind`` and the
-message's fields; the tape digest covers those fields and the tensors, never the
-``log`` (a remote learner's shipped tape log) or ``timing`` (wall-clock measurements,
-different in every run) entries.
+An application that consumes messages in its own order (through taped decisions, not
+in delivery order) keeps them in an :class:`Inbox`: every message the endpoint delivers
+lands in ``box`` (arrival order, keyed by ``MsgRef``), and the application takes what
+its decision names. Sends are taped before they leave (``send(taped=True)``), so the
+tape is the same whether or not the peer is still alive; a send can also be untaped
+(the application's own control traffic: a shipped tape log, an acknowledgement). The
+tape digest covers the metadata given to ``send`` and the tensors, never ``extra``
+entries (a shipped tape log, wall-clock timings: different in every run).
+
+Snapshot MARKERs (control messages) are put in the box at their FIFO position, so an
+application that takes markers itself (``SnapshotAgent(markers="application")``) sees
+each one after every data message sent before it (spec/snapshot-protocol.md §9a).
 """
 
 from __future__ import annotations
@@ -14,21 +22,21 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from replay import Endpoint, Message
+from replay.channel.base import Endpoint, Message
+from replay.channel.hub import MsgRef, TapeSink, actor_of, meta_digest
 from replay.errors import PeerDiedError, ReceiveTimeoutError
-from runs.diloco.tapeio import MsgRef, TapeSink, actor_of, message_digest
 
-__all__ = ["Link", "ref_of"]
-
-_UNTAPED = ("log", "timing")
+__all__ = ["Inbox", "ref_of"]
 
 
 def ref_of(msg: Message) -> MsgRef:
     return (msg.src, msg.dst, msg.seq)
 
 
-class Link:
-    """One actor's endpoint + tape sink. ``on_dead(endpoint)`` hears of dead peers."""
+class Inbox:
+    """One actor's endpoint + tape sink + inbox. ``on_dead(endpoint)`` hears of dead peers;
+    ``on_arrival(msg)`` sees every delivered message first and returns True when it
+    consumed it (it then never reaches the box)."""
 
     def __init__(self, ep: Endpoint, tape: TapeSink, *, timeout_s: float = 120.0,
                  on_dead: Callable[[str], None] | None = None,
@@ -52,7 +60,7 @@ class Link:
         peer is still alive), then send. Returns the ref, or None if the peer is dead."""
         ref = (self.ep.actor, dst, self.ep.next_send[dst])
         if taped:
-            self.tape.send(ref, actor_of(dst), message_digest(meta, tensors))
+            self.tape.send(ref, actor_of(dst), meta_digest(meta, tensors))
         full = dict(meta)
         if extra:
             full.update(extra)
