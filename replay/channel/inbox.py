@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from replay.channel.base import Endpoint, Message
+from replay.channel.base import Endpoint, Message, MessageKind
 from replay.channel.hub import MsgRef, TapeSink, actor_of, meta_digest
 from replay.errors import PeerDiedError, ReceiveTimeoutError
 
@@ -40,7 +40,7 @@ class Inbox:
 
     def __init__(self, ep: Endpoint, tape: TapeSink, *, timeout_s: float = 120.0,
                  on_dead: Callable[[str], None] | None = None,
-                 on_arrival: Callable[[Message], bool] | None = None) -> None:
+                 on_arrival: Callable[[Message], bool] | None = None, markers: bool = False) -> None:
         self.ep = ep
         self.tape = tape
         self.timeout_s = timeout_s
@@ -48,6 +48,24 @@ class Inbox:
         # on_arrival(msg) -> True when the message was consumed out of band (not buffered)
         self.on_arrival = on_arrival or (lambda m: False)
         self.box: "OrderedDict[MsgRef, Message]" = OrderedDict()
+        self._markers = 0
+        # on_marker(msg) -> True when the marker was taken at once (SnapshotAgent.offer_marker)
+        self.on_marker: Callable[[Message], bool] | None = None
+        if markers:
+            # A MARKER is handed over once every data message sent before it was delivered
+            # (the endpoint's FIFO cut point), so in the box it sits right after them. Its
+            # key has a negative seq: it consumes no data seq (spec §1).
+            ep.on_control(self._marker)
+
+    def _marker(self, msg: Message) -> None:
+        if self.on_marker is not None and self.on_marker(msg):
+            return
+        self._markers += 1
+        self.box[(msg.src, msg.dst, -self._markers)] = msg
+
+    @staticmethod
+    def is_marker(msg: Message) -> bool:
+        return msg.kind is not MessageKind.DATA
 
     @property
     def name(self) -> str:
