@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import xxhash
 
 from replay.channel.base import Endpoint, Message, MessageKind
 from replay.channel.hub import MsgRef, TapeSink, actor_of, meta_digest
@@ -48,20 +49,25 @@ class Inbox:
         # on_arrival(msg) -> True when the message was consumed out of band (not buffered)
         self.on_arrival = on_arrival or (lambda m: False)
         self.box: "OrderedDict[MsgRef, Message]" = OrderedDict()
-        self._markers = 0
         # on_marker(msg) -> True when the marker was taken at once (SnapshotAgent.offer_marker)
         self.on_marker: Callable[[Message], bool] | None = None
         if markers:
             # A MARKER is handed over once every data message sent before it was delivered
-            # (the endpoint's FIFO cut point), so in the box it sits right after them. Its
-            # key has a negative seq: it consumes no data seq (spec §1).
+            # (the endpoint's FIFO cut point), so in the box it sits right after them.
             ep.on_control(self._marker)
+
+    @staticmethod
+    def marker_ref(msg: Message) -> MsgRef:
+        """A MARKER's key in the box: a negative seq (it consumes no data seq, spec §1)
+        derived from its snapshot's name, so the same marker has the same key in every
+        run (a taped decision names it) and two snapshots' markers never share one."""
+        h = xxhash.xxh3_64_intdigest(str(msg.meta.get("snapshot", "")).encode())
+        return (msg.src, msg.dst, -1 - (h >> 2))
 
     def _marker(self, msg: Message) -> None:
         if self.on_marker is not None and self.on_marker(msg):
             return
-        self._markers += 1
-        self.box[(msg.src, msg.dst, -self._markers)] = msg
+        self.box[self.marker_ref(msg)] = msg
 
     @staticmethod
     def is_marker(msg: Message) -> bool:

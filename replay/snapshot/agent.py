@@ -395,7 +395,7 @@ class SnapshotAgent:
 
     # -- restore --------------------------------------------------------------------------
     def restore(self, name: str, *, partial: bool = False, source: SnapshotStore | None = None,
-                announce: bool = True, resume: bool = False) -> RestoreInfo:
+                announce: bool = True, resume: bool = False, into: Mapping[str, Any] | None = None) -> RestoreInfo:
         """Reload this process's part and queue its recorded in-flight messages.
 
         Must run before the endpoint delivers anything. A snapshot restores only at the
@@ -403,7 +403,9 @@ class SnapshotAgent:
         may have left processes out (MANIFEST ``excluded``), the job may have processes
         the snapshot has no part for (they rejoin by the application's own recovery), and
         channels to or from a process outside the snapshot start empty (§9a rule 8).
-        ``source``: the store to read from (default: the agent's own). ``announce``: tape
+        ``source``: the store to read from (default: the agent's own). ``into``: the objects
+        to load the part's entries into (default: the registered state; e.g. loaders for
+        entries registered as plain trees). ``announce``: tape
         a ``snapshot.restore`` note (a run continued under its original tape does not: its
         next event must be the tape's). ``resume``: the process continues right after its
         cut, and the protocol events this process taped after its cut event are taped
@@ -436,7 +438,7 @@ class SnapshotAgent:
         if extra.get("format") != PART_FORMAT or extra.get("snapshot") != name or \
                 self.part_of(str(extra.get("actor"))) != self.part:
             raise SnapshotError("part metadata does not describe this process's part", snapshot=name, part=self.part)
-        store.load_into(name, self.part, self.state, restore_rng=self.capture_rng)
+        store.load_into(name, self.part, dict(into) if into is not None else self.state, restore_rng=self.capture_rng)
         if self.data is not None:
             self.data.load_state_dict(store.read_entry(name, self.part, "@data"))
         chans = store.read_entry(name, self.part, CHANNELS_KEY)
@@ -481,6 +483,7 @@ class SnapshotAgent:
                       (self.actor,))
             s.recorded = s.local_complete = True
             s.closed = {k: list(v) for k, v in inflight.items()}
+            s.excluded = dict(extra.get("policy_excluded", {}))
             s.adopted = {**meta, "@path": s.pending.final}
             self._snaps[name] = s
             return
@@ -514,7 +517,7 @@ class SnapshotAgent:
             sd = obj.state_dict() if callable(getattr(obj, "state_dict", None)) else obj
             s.staged[key] = _typed(obj, _stage(sd, self.pool, key))
         if self.data is not None:
-            s.data = _Held(_stage(self.data.state_dict(), self.pool, "@data"))
+            s.data = _typed(self.data, _stage(self.data.state_dict(), self.pool, "@data"))
         if self.capture_rng:
             from ckpt.context.rng import capture_rng
 
@@ -619,6 +622,7 @@ class SnapshotAgent:
             "channels": {src: {"first_seq": int(s.endpoint_state["next_recv"][src]), "count": len(msgs)}
                          for src, msgs in sorted(s.closed.items())},
             "failed_peers": sorted(s.failed_peers),
+            "policy_excluded": dict(s.excluded),
         }
 
     @staticmethod
@@ -732,7 +736,7 @@ class SnapshotAgent:
                 "snapshot": s.name,
                 "coordinator": s.coordinator,
                 "participants": sorted({*map(name_of, s.participants), *s.excluded}),
-                "parts": sorted(name_of(a) for a in parts),
+                "parts": _first(name_of(s.coordinator), sorted(name_of(a) for a in parts), self.manual),
                 "excluded": sorted({*map(name_of, excluded), *s.excluded}),
                 "cut": {name_of(a): p["summary"]["cut_clock"] for a, p in sorted(parts.items())
                         if p["summary"]["cut_clock"] is not None},
@@ -789,12 +793,15 @@ class SnapshotAgent:
             return False
         return True
 
-    def commit(self, name: str, *, dead: Iterable[str] = (), meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def commit(self, name: str, *, dead: Iterable[str] = (),
+               meta: Mapping[str, Any] | Callable[[list[str], list[str]], Mapping[str, Any]] | None = None
+               ) -> dict[str, Any]:
         """Write this coordinator's part, check the accounting and commit (or abort).
 
         Tapes nothing: the application tapes the returned outcome as its decision and
         passes it to :meth:`finish`. A participant without a durable part is excluded when
-        it is dead (it must be excludable), and fails the snapshot otherwise."""
+        it is dead (it must be excludable), and fails the snapshot otherwise. ``meta``: the
+        application's MANIFEST meta, or a function of the (parts, excluded) part names."""
         s = self._open(name)
         if s.adopted is not None:  # restored from it: committed already, nothing to write
             m = s.adopted
@@ -836,12 +843,12 @@ class SnapshotAgent:
                 reason = f"part write failed: {exc}"
             finally:
                 self.pool.release({k: v for k, v in tree.items() if k != CHANNELS_KEY})
+        inside = _first(self.part, sorted(self.part_of(a) for a in parts), True)
+        out_ = sorted({*(self.part_of(a) for a in excluded), *s.excluded})
         if not reason:
             reason = _check_accounting(parts, excluded)
         if not reason:
-            reason = self._commit(s, parts, excluded, meta)
-        inside = sorted(self.part_of(a) for a in parts)
-        out_ = sorted({*(self.part_of(a) for a in excluded), *s.excluded})
+            reason = self._commit(s, parts, excluded, meta(inside, out_) if callable(meta) else meta)
         if reason:
             self.control.set(f"{key}/outcome", _pack({"committed": False, "reason": reason}))
             self._wait_writers(s, key)
@@ -893,6 +900,14 @@ class SnapshotAgent:
             if not busy:
                 return
             time.sleep(self.poll_s)
+
+
+def _first(coordinator: str, names: list[str], manual: bool) -> list[str]:
+    """Part names in MANIFEST order: a manually coordinated snapshot lists its coordinator's
+    part first (the application's own part, e.g. a syncer's), then the others by name."""
+    if not manual or coordinator not in names:
+        return names
+    return [coordinator, *(n for n in names if n != coordinator)]
 
 
 class _Held:

@@ -62,6 +62,10 @@ class DiLoCoConfig:
     eval_every: int = 2
     snapshot_every: int = 0
     snapshot_keep: int = 2  # retention: the last N snapshots (plus the newest restorable one)
+    # the syncer waits for every part of an open snapshot at the next step (instead of
+    # deciding "not yet"), so one snapshot begins at every step: tests that need a cut at
+    # a given step use it; it costs the part writes' time on the syncer's path
+    snapshot_wait: bool = False
     # processes: "threads" (one process, an in-process transport) or "gloo"
     transport: str = "threads"
     io_timeout_s: float = 120.0

@@ -28,7 +28,7 @@ from replay import Message
 from runs.diloco.chaos import Fault
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
-from replay import Inbox, ref_of
+from replay import Inbox, LocalTape, ref_of
 from runs.diloco.model import LearnerShards, build_model, learner_corpus, weighted_loss
 from replay import RemoteTape, meta_digest
 
@@ -161,8 +161,13 @@ class LearnerCtx:
     step_delay_s: float = 0.0  # an artificial slowdown (replay on a slower machine)
     # snapshots: writes this learner's part (record mode); None writes nothing (replays)
     parts: Any = None
-    # restore: this learner's part of a snapshot (``snapshots.learner_part``): start at its cut
-    restore: Mapping[str, Any] | None = None
+    # restore: the snapshot (``snapshots.Restored``) whose part this incarnation starts from
+    restore: Any = None
+    # restore: this endpoint was left out of the snapshot alive: it starts afresh and waits
+    # for the syncer's activation, as a replacement does (whatever its incarnation)
+    rejoin: bool = False
+    # restore: endpoints that start afresh; their state requests in a restored part are void
+    dropped: Sequence[str] = ()
 
 
 @dataclass
@@ -228,6 +233,13 @@ class Learner:
         # the syncer's first snapshot is taken at the start (syncer.py); its marker is waited
         # for in the first inbox decision, so that every learner's cut is there
         self.first_marker = ctx.incarnation == 0 and ctx.restore is None and bool(self.cfg.snapshot_every)
+        from runs.diloco.chaos import learner_names
+        from runs.diloco.snapshots import PartViews, snapshot_agent
+
+        self.views = PartViews(ctx.actor)
+        self.agent = snapshot_agent(
+            self.link, self.views, participants=sorted({"syncer", self.me, *learner_names(self.cfg)}),
+            snapshots=ctx.parts, coordinator=False, hub=self.tape.hub if isinstance(self.tape, LocalTape) else None)
 
     # -- tape and wire helpers ---------------------------------------------------------------
     def quarantined(self, index: int, shard: Any, reason: str) -> None:
@@ -264,18 +276,21 @@ class Learner:
         """Build the core; False when this spare was told to stop before it was needed."""
         ctx, link, tape = self.ctx, self.link, self.tape
         if ctx.restore is not None:
+            # Before anything is received: the part through the agent, sequence numbers at
+            # the cut. The tape lines this actor up right after its cut (the snapshot
+            # event): the channel state taped with the cut is its first event again.
+            r = ctx.restore
+            self.agent.restore(r.name, source=r.store, announce=False, resume=True, partial=True,
+                               into=self.views.loaders())
             core = self.core = self._new_core()
-            loop = restore_core(core, ctx.restore)
-            # before anything is received: sequence numbers continue from the cut
-            link.ep.restore(loop["endpoint"], {})
+            loop = restore_core(core, self.views.joined())
             self.out.started_at = int(loop["started_at"])
-            # The tape lines this actor up right after its cut (the snapshot event); the
-            # channel state taped with the cut is the restored learner's first event.
-            tape.snapshot_channels(str(loop["snapshot"]), [])
             self.loop = LearnerLoop.from_state(loop)
+            # a requester that starts afresh asks again (over a channel that starts afresh)
+            self.loop.pending = [m for m in self.loop.pending if m.src not in ctx.dropped]
             self.resume_key = str(loop["phase"])
             return True
-        if ctx.incarnation == 0:
+        if ctx.incarnation == 0 and not ctx.rejoin:
             # Start together: process start-up skew would otherwise let one learner run
             # many rounds ahead before the others exist.
             link.pop(ref_of(link.first_from(SYNCER, ("start",))))
@@ -319,10 +334,10 @@ class Learner:
             ref = (str(r[0]), str(r[1]), int(r[2]))
             msg = link.wait_ref(ref)
             link.pop(ref)
-            kind = msg.meta["kind"]
-            if kind == "snap":  # an untaped marker: the cut follows this decision
+            if Inbox.is_marker(msg):  # a snapshot marker (untaped): the cut follows this decision
                 self.marker.append(msg)
                 continue
+            kind = msg.meta["kind"]
             tape.recv(ref)
             if kind == "merged":
                 core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors)
@@ -339,7 +354,7 @@ class Learner:
 
         def compute() -> dict[str, Any]:
             if self.first_marker:
-                link.wait(lambda: any(m.meta.get("kind") == "snap" for m in link.box.values()),
+                link.wait(lambda: any(Inbox.is_marker(m) for m in link.box.values()),
                           "the first snapshot's marker", tick=0.005)
             if final and loop.outbox:
                 pass  # at the end everything held back goes out now
@@ -351,7 +366,7 @@ class Learner:
             flush = len(loop.outbox) if final else sum(1 for _ in _prefix(loop.outbox, now))
             take = [list(r) for r in link.box.keys()]
             for i, r in enumerate(link.box.values()):
-                if r.meta.get("kind") == "snap":
+                if Inbox.is_marker(r):
                     # A snapshot marker ends the decision: what arrived after it was sent
                     # after the syncer's cut and must be taken after this learner's cut.
                     take = take[: i + 1]
@@ -370,35 +385,22 @@ class Learner:
 
     def cut(self, msg: Message, key: str) -> None:
         """This learner's part of a snapshot: at the end of the inbox decision that took
-        the marker, i.e. between two step boundaries; a restore resumes at ``serve()``."""
-        ctx, core, link, tape = self.ctx, self.core, self.link, self.tape
+        the marker, i.e. between two step boundaries; a restore resumes at ``serve()``.
+        Every message the syncer sent before its cut was taken in this decision or earlier
+        (FIFO); what is still boxed was sent after it and is sent again by a restored
+        syncer (the agent rolls the cut back over it). No peer-to-peer message is in
+        flight between participants: the agent checks it (channels out of scope)."""
+        ctx, core = self.ctx, self.core
         assert core is not None
-        name = str(msg.meta["name"])
-        tape.snapshot(name)
-        # every message the syncer sent before its cut was taken in this decision or
-        # earlier (FIFO), and no peer-to-peer message is in flight between participants
-        tape.snapshot_channels(name, [])
         meta, tensors = core.export()
         loop = self.loop.state_dict()
         loop.update(actor=ctx.actor, incarnation=ctx.incarnation, phase=key, started_at=self.out.started_at,
-                    snapshot=name)
-        part = {
+                    snapshot=str(msg.meta["snapshot"]))
+        self.views.refresh({
             "core": {"meta": meta, "tensors": tensors, "c_tokens": list(core.c_tokens), "c_steps": list(core.c_steps),
                      "loader": core.loader.state_dict(), "last_loss": core.last_loss},
-            "loop": loop,
-        }
-        # The reply marker closes this learner's channel to the syncer in the snapshot.
-        self.send_syncer({"kind": "snapmark", "name": name}, [], None, taped=False)
-        ep = link.ep.state_dict()
-        # taken through: what is still boxed (sent after the syncer's cut) is sent again
-        # by a restored syncer with the same seqs
-        for r in link.box:
-            ep["next_recv"][r[0]] = min(ep["next_recv"][r[0]], r[2])
-        part["loop"]["endpoint"] = ep
-        clock = getattr(tape, "clock", None)
-        if ctx.parts is not None and msg.meta.get("pending"):
-            ctx.parts.write(dict(msg.meta["pending"]), ctx.actor, {"diloco": part}, step=core.t,
-                            clock=clock.encode() if clock is not None else None)
+            "loop": loop})
+        self.agent.take_marker(msg, unconsumed=list(self.link.box.values()))
 
     def serve(self) -> None:
         core, loop = self.core, self.loop
@@ -430,7 +432,7 @@ class Learner:
             # writing is durable: otherwise whether the snapshot keeps this learner
             # would depend on disk speed, not on the seeded schedule. (A real crash
             # mid-write leaves the learner out; replay.snapshot's tests cover that.)
-            ctx.parts.flush(actor=ctx.actor)
+            self.agent.flush(60.0)
         ctx.die()
 
     def run(self) -> LearnerOutcome:
@@ -494,6 +496,7 @@ class Learner:
         out.final_t = core.t
         out.state = [(n, t.detach().clone()) for n, t in core.named_state()]
         tape.params(out.state)
+        self.agent.flush(60.0)  # every part this learner took is durable before it says goodbye
         if ctx.remote is not None:
             self.send_syncer({"kind": "bye"}, [], None, taped=False)
         return out

@@ -41,7 +41,9 @@ from replay import Inbox
 from runs.diloco.merge import average
 from runs.diloco.model import build_model, eval_loss
 from replay import LocalTape, LogApplier, MsgRef, actor_of
-from runs.diloco.snapshots import message_from_snapshot, snapshot_message, snapshot_name
+from replay.errors import SnapshotError
+from runs.diloco.snapshots import (STAMP_KEY, PartViews, Restored, message_from_snapshot, snapshot_agent,
+                                   snapshot_message, snapshot_name)
 
 __all__ = ["SyncerCore", "SyncerCtx", "SyncerOutcome", "SyncerBook", "Syncer", "run_syncer", "grace_window"]
 
@@ -138,8 +140,8 @@ class SyncerCtx:
     snapshots: Any = None
     # waits until a dead endpoint's thread has ended (so the tape holds all it received)
     endpoint_gone: Callable[[str], None] | None = None
-    # restore: the syncer's part of a snapshot (start at its cut)
-    restore: Mapping[str, Any] | None = None
+    # restore: the snapshot to start from (at the syncer's cut)
+    restore: Restored | None = None
 
 
 @dataclass
@@ -211,17 +213,21 @@ class Syncer:
         self.xi_step, self.xi_quorum, self.xi_sync = (_Ema(cfg.ema_alpha) for _ in range(3))
         self.detected: list[str] = []  # endpoints reported dead, not yet in a plan (record mode)
         self.first_arrival: dict[int, float] = {}
-        self.snap: dict[str, Any] = {}  # the open snapshot (at most one; see snapshots.py)
+        self.snap: dict[str, Any] = {}  # the open snapshot (at most one): name, participants, refs
         self.s0 = 0
-        if ctx.restore is not None:
-            self.core.theta = [list(ts) for ts in ctx.restore["theta"]]
-            self.core.mom = [list(ms) for ms in ctx.restore["mom"]]
-            self.book = SyncerBook.from_state(ctx.restore["book"])
-            for e, v in zip(self._emas, self.book.ema):
-                e.value = v
-            self.s0 = int(ctx.restore["s"])
+        self._rejoin: list[str] = []  # restore: learners left out alive, activated again at the start
+        self._lost_later: dict[str, list[list[Any]]] = {}  # restore: an endpoint dead at the cut -> its lost
         self.link.on_dead = self.on_dead
         self.link.on_arrival = self.on_arrival
+        # a learner process's tape log is applied on delivery, before the snapshot agent
+        # records the message (a recorded message then knows its send's tape stamp)
+        self.link.ep.on_deliver(self._apply_log)
+        endpoints = [*self.names, *(e for a in self.names for e in ctx.spares.get(a, ()))]
+        self.views = PartViews("syncer")
+        self.agent = snapshot_agent(self.link, self.views, participants=["syncer", *endpoints],
+                                    snapshots=ctx.snapshots, coordinator=True, hub=tape.hub, excludable=endpoints)
+        if ctx.restore is not None:
+            self._restore(ctx.restore)
 
     @property
     def _emas(self) -> tuple[_Ema, _Ema, _Ema]:
@@ -236,19 +242,17 @@ class Syncer:
         if not self.force and endpoint not in self.detected:
             self.detected.append(endpoint)
 
-    def on_arrival(self, msg: Message) -> bool:
-        ctx, b, snap = self.ctx, self.book, self.snap
-        kind = msg.meta.get("kind")
-        if "log" in msg.meta and ctx.applier is not None:
+    def _apply_log(self, msg: Message) -> None:
+        if "log" in msg.meta and self.ctx.applier is not None:
             nlog = int(msg.meta.get("nlog", 0))
-            ctx.applier.add(actor_of(msg.src), list(msg.meta["log"]),
-                            list(msg.tensors[len(msg.tensors) - nlog:]) if nlog else [])
-        rec = snap.get("recording", {}).get(msg.src)
-        if rec is not None and msg.src not in snap["marked"]:
-            if kind == "snapmark":
-                snap["marked"].add(msg.src)  # the channel's state is complete
-                return True
-            rec.append(snapshot_message(msg, self.tape.hub))
+            self.ctx.applier.add(actor_of(msg.src), list(msg.meta["log"]),
+                                 list(msg.tensors[len(msg.tensors) - nlog:]) if nlog else [])
+
+    def on_arrival(self, msg: Message) -> bool:
+        b = self.book
+        kind = msg.meta.get("kind")
+        if STAMP_KEY in msg.meta:  # re-delivered from a restored channel state (its stamp is registered)
+            del msg.meta[STAMP_KEY]  # type: ignore[attr-defined]
         if kind == "dying":
             self.link.send(msg.src, {"kind": "ack"}, taped=False)
             return True
@@ -368,6 +372,9 @@ class Syncer:
                 "quorum_wait_s": (quorum_at or t0) - t0}
 
     # -- snapshots -------------------------------------------------------------------------
+    def _dead(self) -> set[str]:
+        return set(self.detected) | set(self.book.gone)
+
     def snapshot_begin(self, s: int) -> None:
         """The syncer's cut, at the start of syncer step ``s`` (a round boundary), and its
         markers to every participant. Learners that are dead or still recovering (not yet
@@ -386,89 +393,125 @@ class Syncer:
 
         d = tape.decide("snapshot", f"begin:s{s}", compute)
         name = str(d["name"])
-        for a, why in d["excluded"]:
-            tape.detected("snapshot-excluded", str(a), {"snapshot": name, "reason": str(why)})
-        pending = ctx.snapshots.begin(name) if ctx.snapshots is not None else None
-        link.poll()  # everything a dead endpoint sent is in the box (it ended before its death was processed)
-        tape.snapshot(name)
-        clock = tape.clock
-        staged = {"s": s, "theta": [[t.clone() for t in ts] for ts in self.core.theta],
-                  "mom": [[m.clone() for m in ms] for ms in self.core.mom], "book": self.book_state(),
-                  "box": [snapshot_message(m, tape.hub) for m in link.box.values()],
-                  "schedule": ctx.schedule.to_json()}
         parts = [str(e) for e in d["participants"]]
-        for e in parts:
-            link.send(e, {"kind": "snap", "name": name, "pending": pending}, taped=False)
-        staged["endpoint"] = link.ep.state_dict()
+        link.poll()  # everything a dead endpoint sent is in the box (it ended before its death was processed)
+        box = [snapshot_message(m, tape.hub) for m in link.box.values()]
         # what was boxed at the cut from a participant or a dead endpoint (the box of a
         # live non-participant depends on timing, and it is outside the cut anyway)
-        box_refs = [[m["src"], m["stamp"]] for m in staged["box"] if m["stamp"] is not None
+        box_refs = [[m["src"], m["stamp"]] for m in box if m["stamp"] is not None
                     and (m["src"] in parts or m["src"] in b.gone)]
+        info = {"name": name, "participants": parts, "excluded": [list(x) for x in d["excluded"]],
+                "box_refs": box_refs, "lost": [list(x) for x in b.lost]}
+        self.views.refresh({"s": s, "theta": self.core.theta, "mom": self.core.mom, "book": self.book_state(),
+                            "box": box, "schedule": ctx.schedule.to_json(), "snapshot": info})
+        self.agent.initiate(name, participants=["syncer", *parts], exclude={str(a): str(w) for a, w in d["excluded"]})
         self.snap.clear()
-        self.snap.update({"name": name, "s": s, "participants": parts,
-                          "excluded": [list(x) for x in d["excluded"]], "pending": pending, "staged": staged,
-                          "recording": {e: [] for e in parts}, "marked": set(), "box_refs": box_refs,
-                          "lost": [list(x) for x in b.lost], "clock": clock.encode()})
+        self.snap.update({**info, "s": s})
 
     def snapshot_close(self, s: int, final: bool) -> None:
         """One taped decision per syncer step while a snapshot is open: closed or not yet.
         Closing writes the syncer's part (its state at the cut and the recorded channel
         states) and commits the checkpoint once every participant's part is durable."""
-        ctx, snap, tape, link = self.ctx, self.snap, self.tape, self.link
+        ctx, snap, tape, link, agent = self.ctx, self.snap, self.tape, self.link, self.agent
         name = snap["name"]
 
         def ready() -> bool:
-            if ctx.snapshots is None:
-                return True
-            return ctx.snapshots.ready(snap, dead=set(self.detected) | set(self.book.gone))
+            return ctx.snapshots is None or agent.ready(name, dead=self._dead())
 
         def compute() -> dict[str, Any]:
-            if final:
+            if final or self.cfg.snapshot_wait:
                 link.wait(ready, f"snapshot {name}: every participant's marker and part")
             else:
                 link.poll()
             if not ready():
                 return {"close": False}
+            policy = {str(a): str(w) for a, w in snap["excluded"]}
+
+            def exact(excluded: list[str]) -> bool:
+                # restorable: every snapshot (continue_run); exact: also under this run's own
+                # tape (restore_run), i.e. it left out no learner alive (spec §9a)
+                return all(policy.get(a) == "dead" for a in excluded)
+
+            def meta(parts: list[str], excluded: list[str]) -> dict[str, Any]:
+                s_, ok = int(snap["s"]), exact(excluded)
+                return {"syncer_step": s_, "restorable": True, "exact": ok,
+                        "metrics": {"restorable_step": s_, "exact_step": s_ if ok else -1}}
+
+            out = agent.commit(name, dead=self._dead(), meta=meta)
+            out["exact"] = bool(out["committed"]) and exact(list(out["excluded"]))
             assert ctx.snapshots is not None
-            return ctx.snapshots.close(snap, dead=set(self.detected) | set(self.book.gone))
+            ctx.snapshots.committed(out)
+            return {"close": True, **out}
 
         d = tape.decide("snapshot", f"close:{name}:{'end' if final else f's{s}'}", compute)
         if not d["close"]:
             return
         inside = set(d["parts"])
         need = [e for e in snap["participants"] if actor_of(e) in inside]
-        link.wait(lambda: all(e in snap["marked"] for e in need), f"snapshot {name}: markers")
-        for a in d["excluded"]:
-            if a not in {x[0] for x in snap["excluded"]}:
-                tape.detected("snapshot-excluded", str(a), {"snapshot": name, "reason": "failed before its part "
-                                                            "was durable"})
+        link.wait(lambda: agent.markers_in(name, need), f"snapshot {name}: markers")
         # a participant that died before its marker is out of the cut: what was boxed from
-        # it at the cut depends on timing, and is not listed
+        # it at the cut depends on timing, and is not listed; messages to dead incarnations
+        # that they never received stay in flight for ever (their actor lives on)
         refs = {(str(r["channel"]), int(r["chan_seq"])) for src, r in snap["box_refs"]
                 if src in need or src not in snap["participants"]}
         refs |= {(str(c), int(q)) for c, q in snap["lost"]}
-        for e in need:
-            refs |= {(str(m["stamp"]["channel"]), int(m["stamp"]["chan_seq"])) for m in snap["recording"][e]
-                     if m["stamp"] is not None}
-        tape.snapshot_channels(name, sorted(refs))
-        tape.snapshot_outcome(name, committed=bool(d["committed"]), path=str(d["path"]), parts=list(d["parts"]),
-                              excluded=list(d["excluded"]), reason=str(d["reason"]))
+        agent.finish(name, d, inflight=sorted(refs))
         snap.clear()
 
-    def _reopen(self) -> None:
-        """The restored cut: the snapshot it belongs to is open again, recording each
-        participant's channel until its marker; the recorded messages and the markers
-        are re-delivered first (restore_endpoint), so the recording comes out the same."""
-        restore = self.ctx.restore
-        assert restore is not None
-        rs = restore["snapshot"]
-        self.snap.update({"name": rs["name"], "s": self.s0, "participants": list(rs["participants"]),
-                          "excluded": [list(x) for x in rs["excluded"]], "pending": None, "staged": {},
-                          "recording": {e: [] for e in rs["participants"]}, "marked": set(),
-                          "box_refs": list(rs["box_refs"]), "lost": [list(x) for x in rs["lost"]], "clock": None})
-        for m in restore["box"]:
+    def _restore(self, r: Restored) -> None:
+        """Start at the cut of snapshot ``r``: its part loaded through the agent, the
+        endpoint at its cut with the recorded channel states queued first, the snapshot
+        open again (committed already: the syncer closes it again as it did)."""
+        self.agent.restore(r.name, source=r.store, announce=False, resume=True, partial=True,
+                           into=self.views.loaders())
+        tree = self.views.joined()
+        self.core.theta = [list(ts) for ts in tree["theta"]]
+        self.core.mom = [list(ms) for ms in tree["mom"]]
+        self.book = SyncerBook.from_state(tree["book"])
+        for e, v in zip(self._emas, self.book.ema):
+            e.value = v
+        self.s0 = int(tree["s"])
+        info = tree["snapshot"]
+        self.snap.update({"name": info["name"], "s": self.s0, "participants": list(info["participants"]),
+                          "excluded": [list(x) for x in info["excluded"]], "box_refs": list(info["box_refs"]),
+                          "lost": [list(x) for x in info["lost"]]})
+        # Left-out learners (spec §9a): one that was alive starts afresh and is activated
+        # again; what it held or was sent is gone with it (in flight for ever on the tape),
+        # so its inbox messages are dropped and the taped ones join the lost list.
+        self._rejoin = list(r.rejoin)
+        gone_now = {r.endpoint(a) for a in self._rejoin}
+        for a in self._rejoin:
+            self._add_lost([*r.lost_to.get(a, []), *r.lost_from.get(a, [])])
+        for a, why in r.policy.items():
+            e = r.endpoint(a)
+            if why == "dead" and e is not None:  # its death is processed after the cut
+                self._lost_later[e] = list(r.lost_to.get(a, []))
+        for m in tree["box"]:
             msg = message_from_snapshot(m)
-            self.link.box[(msg.src, msg.dst, msg.seq)] = msg
+            if msg.src not in gone_now:
+                self.link.box[(msg.src, msg.dst, msg.seq)] = msg
+
+    def _add_lost(self, refs: Sequence[Sequence[Any]]) -> None:
+        have = {(str(c), int(q)) for c, q in self.book.lost}
+        for c, q in refs:
+            if (str(c), int(q)) not in have:
+                have.add((str(c), int(q)))
+                self.book.lost.append([str(c), int(q)])
+
+    def _reactivate(self) -> None:
+        """Restore: every learner the snapshot left out alive recovers from a healthy peer."""
+        b = self.book
+        for a in self._rejoin:
+            healthy = [x for x in sorted(b.active, key=_order) if x not in b.recovering and x not in self._rejoin]
+            if not healthy:
+                raise SnapshotError(f"{a} cannot rejoin: no learner of the snapshot is healthy", snapshot=self.snap["name"])
+            immortal = [x for x in healthy if x not in self.ctx.schedule.mortal()]
+            peer = (immortal or healthy)[0]
+            self.link.send(b.active[a], {"kind": "activate", "target": self.s0, "peer": b.active[peer],
+                                         "fault": "snapshot-excluded"})
+            b.recovering.add(a)
+            b.joined.pop(a, None)
+            self.out.activations.append((self.s0, a))
 
     # -- one syncer step ---------------------------------------------------------------------
     def process_deaths(self, s: int, plan: Mapping[str, Any]) -> None:
@@ -481,10 +524,12 @@ class Syncer:
                 if ctx.applier is not None:
                     ctx.applier.pump()
                 b.gone.append(e_dead)
+                lost = []
                 for r in tape.hub.unreceived_to(e_dead):
                     st = tape.hub.stamp(r, wait=False)
                     assert st is not None
-                    b.lost.append([st.channel, st.chan_seq])
+                    lost.append([st.channel, st.chan_seq])
+                self._add_lost([*lost, *self._lost_later.pop(e_dead, [])])
             b.deaths_seen[a] = b.deaths_seen.get(a, 0) + 1
             kind = _death_kind(ctx.schedule, a, b.deaths_seen[a])
             tape.detected(kind, a, {"syncer_step": s, "endpoint": b.active.get(a)})
@@ -565,7 +610,7 @@ class Syncer:
 
     def start(self) -> None:
         if self.ctx.restore is not None:
-            self._reopen()
+            self._reactivate()  # otherwise at the restored cut (__init__)
             return
         for a in self.names:
             self.link.send(a, {"kind": "start"}, taped=False)
