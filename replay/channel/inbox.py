@@ -51,6 +51,10 @@ class Inbox:
         self.box: "OrderedDict[MsgRef, Message]" = OrderedDict()
         # on_marker(msg) -> True when the marker was taken at once (SnapshotAgent.offer_marker)
         self.on_marker: Callable[[Message], bool] | None = None
+        # gone(endpoint) -> True when its process is known to have ended (an orchestrator
+        # sees an exit code before a transport sees the connection close): a send to it is
+        # taped and skipped, exactly as one that fails on a dead peer
+        self.gone: Callable[[str], bool] | None = None
         if markers:
             # A MARKER is handed over once every data message sent before it was delivered
             # (the endpoint's FIFO cut point), so in the box it sits right after them.
@@ -89,6 +93,8 @@ class Inbox:
         if extra:
             full.update(extra)
         try:
+            if self.gone is not None and self.gone(dst):
+                raise PeerDiedError(f"peer {dst} has ended", channel=f"{self.ep.actor}->{dst}", seq=ref[2])
             self.ep.send(dst, full, list(tensors))
         except PeerDiedError:
             self.ep.next_send[dst] = ref[2] + 1  # the seq is spent: refs stay aligned with the tape

@@ -58,6 +58,9 @@ class DiLoCoConfig:
     chaos: bool = True
     chaos_seed: int = 7
     jitter_s: float = 0.05
+    # syncer steps from detecting a death to activating its replacement (a hot spare: it
+    # runs from the start, so 0 means at once; the baseline waits as long to scale back up)
+    rejoin_after: int = 2
     # evaluation and snapshots (in syncer steps; 0 = never)
     eval_every: int = 2
     snapshot_every: int = 0
@@ -93,12 +96,23 @@ class DiLoCoConfig:
         """Inner step (mod H) after which fragment p is sent."""
         return (p + 1) * self.inner_h // self.fragments - 1
 
+    def last_send(self, p: int) -> int:
+        """The inner step after which a learner sends fragment p for the last time: the
+        last step, for every fragment. The last round sends them all at the end, so every
+        step of every learner reaches the model (at its staggered offset the last
+        contribution of an early fragment would leave the round's later steps out)."""
+        return self.steps - 1
+
+    def fragments_due(self, t: int) -> list[int]:
+        """The fragments a learner sends after inner step t (staggered; all at the end)."""
+        if t >= self.steps - self.inner_h:  # the last round
+            return list(range(self.fragments)) if t == self.steps - 1 else []
+        return [p for p in range(self.fragments) if t % self.inner_h == self.send_offset(p)]
+
     def fragment_due(self, t: int) -> int | None:
-        """The fragment a learner sends after inner step t, if any."""
-        for p in range(self.fragments):
-            if t % self.inner_h == self.send_offset(p):
-                return p
-        return None
+        """The first fragment a learner sends after inner step t, if any."""
+        due = self.fragments_due(t)
+        return due[0] if due else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -298,7 +298,12 @@ class Learner:
             if self.poisoned:
                 tape.inject("nan", ctx.actor, {"shards": list(self.poisoned)})
         else:
+            # A hot spare builds its model, optimiser, loader and corpus while it waits, so
+            # that on activation only the peer's state is loaded: built after the state had
+            # arrived, it cost a replacement process seconds, while its peer ran on.
+            core = self.core = self._new_core()
             act = link.first_from(SYNCER, ("activate", "stop"))
+            t_act = time.monotonic()
             link.pop(ref_of(act))
             if act.meta["kind"] == "stop":
                 return False
@@ -308,15 +313,18 @@ class Learner:
             link.send(peer, {"kind": "state_req", "target": int(act.meta["target"])})
             self.flush_log()
             st = link.first_from(peer, ("state",))
+            t_state = time.monotonic()
             link.pop(ref_of(st))
             tape.recv(ref_of(st))
-            core = self.core = self._new_core()
             core.load(st.meta, st.tensors)
             tape.recovered(str(act.meta["fault"]), ctx.actor, ref_of(act), ref_of(st))
             # Tell the syncer where this incarnation starts: a replacement adopts its peer's
             # step and so never sends the fragments of rounds the peer had already sent; the
-            # syncer's last-round barrier must know which ones to wait for.
-            self.send_syncer({"kind": "joined", "started": core.t}, [], None, taped=False)
+            # syncer's last-round barrier must know which ones to wait for. (The wall times
+            # are for the recovery accounting only.)
+            self.send_syncer({"kind": "joined", "started": core.t, "asked_at": int(st.meta.get("asked_at", core.t)),
+                              "wait_state_s": t_state - t_act, "load_s": time.monotonic() - t_state},
+                             [], None, taped=False)
         self.out.started_at = self.core.t
         return True
 
@@ -342,6 +350,8 @@ class Learner:
             if kind == "merged":
                 core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors)
             elif kind == "state_req":
+                # the step it was asked at: the recovery accounting's transfer wait
+                msg.meta["asked_at"] = core.t  # type: ignore[index]
                 self.loop.pending.append(msg)
             elif kind == "stop":
                 self.loop.stopped = True
@@ -408,7 +418,8 @@ class Learner:
         for req in list(loop.pending):
             if max(core.applied) >= int(req.meta["target"]):
                 meta, tensors = core.export()
-                self.link.send(req.src, {"kind": "state", **meta}, tensors)
+                self.link.send(req.src, {"kind": "state", "asked_at": int(req.meta.get("asked_at", core.t)), **meta},
+                               tensors)
                 self.flush_log()
                 loop.pending.remove(req)
 
@@ -482,8 +493,7 @@ class Learner:
             out.losses.append((t, loss))
             dt = time.perf_counter() - t0
             loop.step_ema = dt if loop.step_ema == 0.0 else loop.step_ema + cfg.ema_alpha * (dt - loop.step_ema)
-            p = cfg.fragment_due(t)
-            if p is not None:
+            for p in cfg.fragments_due(t):
                 meta = {"kind": "frag", "p": p, "t": t, "tokens": core.c_tokens[p], "steps": core.c_steps[p],
                         "inc": ctx.incarnation, "started": out.started_at}
                 delay = loop.jitter_delay if t < loop.jitter_until else 0.0

@@ -144,13 +144,17 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
             # only when it next sends to it.
             return [n for n, p in by_name.items() if p.exitcode is not None and p.exitcode != 0]
 
+        link.gone = lambda e: e in by_name and by_name[e].exitcode is not None
+
         if restore is not None:
             restore.register_stamps(hub)
         sy = run_syncer(SyncerCtx(cfg, link, initial_state(cfg), schedule, spares, val_corpus(cfg),
                                   applier=applier, on_step=on_step, after_step=after_step, dead_probe=dead_probe,
                                   snapshots=snapshots, restore=restore))
         for e in sorted(set(actors[1:])):
-            if e not in byes_acked:
+            # a process that has ended (killed, or a spare that was told to stop) needs no
+            # goodbye, and a gloo send to it can wait for a receive that never comes
+            if e not in byes_acked and by_name[e].exitcode is None:
                 try:
                     link.send(e, {"kind": "ack"}, taped=False)
                 except Exception:  # a dead or finished peer needs no goodbye
@@ -162,7 +166,7 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         try:
             # Every peer is gone now, so each receiver thread has ended on its closed
             # connection; destroying the group under a thread still inside gloo aborts.
-            transport.close(timeout=10.0)
+            transport.close(timeout=10.0, gone=[n for n, c in exitcodes.items() if c is not None])
         except Exception:
             pass
         if applier.pending():

@@ -154,6 +154,10 @@ class SyncerOutcome:
     state: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     deaths: list[tuple[int, str]] = field(default_factory=list)
     activations: list[tuple[int, str]] = field(default_factory=list)
+    # for the goodput accounting (report.py), record mode: when each endpoint's death was
+    # first known (monotonic s), and each replacement's recovery as it reported it
+    dead_wall: dict[str, float] = field(default_factory=dict)
+    joins: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -241,6 +245,7 @@ class Syncer:
     def on_dead(self, endpoint: str) -> None:
         if not self.force and endpoint not in self.detected:
             self.detected.append(endpoint)
+            self.out.dead_wall.setdefault(endpoint, time.monotonic())
 
     def _apply_log(self, msg: Message) -> None:
         if "log" in msg.meta and self.ctx.applier is not None:
@@ -253,7 +258,8 @@ class Syncer:
         kind = msg.meta.get("kind")
         if STAMP_KEY in msg.meta:  # re-delivered from a restored channel state (its stamp is registered)
             del msg.meta[STAMP_KEY]  # type: ignore[attr-defined]
-        if kind == "dying":
+        if kind == "dying":  # a learner process about to be killed: it waits for this ack
+            self.out.dead_wall.setdefault(msg.src, time.monotonic())
             self.link.send(msg.src, {"kind": "ack"}, taped=False)
             return True
         if kind == "log":
@@ -261,6 +267,10 @@ class Syncer:
         if kind == "joined":
             if b.active.get(actor_of(msg.src)) == msg.src:
                 b.joined[actor_of(msg.src)] = int(msg.meta["started"])
+            self.out.joins.append({"endpoint": msg.src, "started": int(msg.meta["started"]),
+                                   "asked_at": int(msg.meta.get("asked_at", msg.meta["started"])),
+                                   "wait_state_s": float(msg.meta.get("wait_state_s", 0.0)),
+                                   "load_s": float(msg.meta.get("load_s", 0.0)), "wall": time.monotonic()})
             return True
         if kind == "bye":
             b.byes.add(msg.src)
@@ -317,7 +327,7 @@ class Syncer:
                 # is still catching up (a replacement, a straggler) is told to stop after
                 # however many steps the wall clock allowed it, so how far it got would
                 # depend on machine load. With it, every live learner ends at cfg.steps.
-                last_send = (cfg.rounds - 1) * cfg.inner_h + cfg.send_offset(p)
+                last_send = cfg.last_send(p)
                 unknown = [a for a in b.active if a in b.recovering and a not in b.joined and a not in dead_now]
                 waiting = [a for a in b.active if a not in dead_now and a not in b.exhausted[p]
                            and b.joined.get(a, 0) <= last_send]
@@ -362,8 +372,7 @@ class Syncer:
                 healthy = [x for x in sorted(b.active, key=_order) if x not in b.recovering and x not in will_be_dead]
                 if not healthy:
                     continue
-                immortal = [x for x in healthy if x not in ctx.schedule.mortal()]
-                peer = (immortal or healthy)[0]
+                peer = self._peer(healthy)
                 activate.append([a, ctx.spares[a][b.spare_used[a]], b.active[peer]])
         send_to = sorted([e for a, e in b.active.items() if a not in will_be_dead] + [x[1] for x in activate])
         return {"p": p, "minimum": need, "contribs": [list(cand[a]) for a in members], "members": members,
@@ -491,6 +500,22 @@ class Syncer:
             if msg.src not in gone_now:
                 self.link.box[(msg.src, msg.dst, msg.seq)] = msg
 
+    def _peer(self, healthy: Sequence[str]) -> str:
+        """The healthy learner a replacement recovers from: among those that will not die
+        again (a peer that dies before serving the state would leave the replacement
+        waiting), the one furthest behind (its latest contribution's step, in the inbox or
+        merged). A replacement adopts its peer's step, so the steps between the death and
+        that step are never run: the nearest peer loses the fewest. Ties: learner order."""
+        latest: dict[str, int] = {}
+        for m in self.link.box.values():
+            if m.meta.get("kind") == "frag":
+                latest[actor_of(m.src)] = max(latest.get(actor_of(m.src), -1), int(m.meta["t"]))
+        for m in self.out.merged:
+            latest[m["actor"]] = max(latest.get(m["actor"], -1), int(m["t"]))
+        sched = self.ctx.schedule
+        safe = [x for x in healthy if self.book.deaths_seen.get(x, 0) >= sched.deaths(x)]
+        return min(safe or healthy, key=lambda x: (latest.get(x, -1), _order(x)))
+
     def _add_lost(self, refs: Sequence[Sequence[Any]]) -> None:
         have = {(str(c), int(q)) for c, q in self.book.lost}
         for c, q in refs:
@@ -505,8 +530,7 @@ class Syncer:
             healthy = [x for x in sorted(b.active, key=_order) if x not in b.recovering and x not in self._rejoin]
             if not healthy:
                 raise SnapshotError(f"{a} cannot rejoin: no learner of the snapshot is healthy", snapshot=self.snap["name"])
-            immortal = [x for x in healthy if x not in self.ctx.schedule.mortal()]
-            peer = (immortal or healthy)[0]
+            peer = self._peer(healthy)
             self.link.send(b.active[a], {"kind": "activate", "target": self.s0, "peer": b.active[peer],
                                          "fault": "snapshot-excluded"})
             b.recovering.add(a)
@@ -601,7 +625,7 @@ class Syncer:
             self.out.val.append((s, v))
         tape.end_step()
         self.out.steps = s + 1
-        self.out.plans.append(dict(plan))
+        self.out.plans.append({**plan, "s": s})
         self.out.step_wall.append(time.monotonic())
         if ctx.after_step is not None:
             ctx.after_step(s, self.core)
