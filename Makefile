@@ -9,7 +9,7 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata]'
+	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata,torchft,s3]'
 	touch $@
 
 .PHONY: venv demo test bench fuzz clean
@@ -24,7 +24,7 @@ test: venv
 	$(BIN)/python -m pytest -q -m "not cuda"
 
 bench: venv
-	for b in save_load async_save resume tape ledger snapshot; do $(BIN)/python bench/$$b.py || exit 1; done
+	for b in save_load async_save resume tape ledger snapshot replicas; do $(BIN)/python bench/$$b.py || exit 1; done
 
 # the long fuzz run: mutated, re-signed checkpoints and tapes; prints the counts the README quotes
 FUZZ_CASES ?= 5000

@@ -48,6 +48,8 @@ __all__ = [
     "rng",
     "ledger",
     "diff",
+    "guard",
+    "stream",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -161,7 +163,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{mod}", __name__), attr)
         globals()[name] = value
         return value
-    if name in ("errors", "data", "rng", "ledger", "diff"):
+    if name in ("errors", "data", "rng", "ledger", "diff", "guard", "stream"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

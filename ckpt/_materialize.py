@@ -28,9 +28,9 @@ class TensorSource(PartSource, Protocol):
 
     def read_tensor_bytes_into(self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True) -> None: ...
 
-    def stream_part_into(self, pe: PartEntry, destinations: Any, *, verify: bool = True, fd: int | None = None) -> None: ...
+    def stream_part_into(self, pe: PartEntry, destinations: Any, *, verify: bool = True, handle: Any = None) -> None: ...
 
-    def open_tensor_file(self, pe: PartEntry) -> tuple[int, FileEntry] | None: ...
+    def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[Any, FileEntry] | None: ...
 
     def verify_bytes(self, f: FileEntry, data: Any) -> None: ...
 
@@ -105,8 +105,14 @@ def _mmap_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str, 
     opened = reader.open_tensor_file(pe)  # checks the safetensors header against the manifest
     if opened is None:
         return {}
-    fd, f = opened
+    handle, f = opened
+    fileno = getattr(handle, "fileno", None)
+    if fileno is None:
+        # Not a local file (an object store): nothing to map; read it into memory.
+        handle.close()
+        return _stream_fresh(reader, pe, verify)
     try:
+        fd = fileno()
         size = os.fstat(fd).st_size
         if size != f.size:
             raise SizeMismatchError(
@@ -114,7 +120,7 @@ def _mmap_fresh(reader: TensorSource, pe: PartEntry, verify: bool) -> dict[str, 
             )
         mm = mmap.mmap(fd, f.size, access=mmap.ACCESS_COPY) if f.size else None
     finally:
-        os.close(fd)
+        handle.close()
     if mm is None:
         return {t.key: empty_for(t) for t in pe.tensors}
     if verify:

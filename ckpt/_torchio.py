@@ -8,13 +8,13 @@ mismatch with the targets, and writes nothing the caller holds:
    allows a dtype difference), and a Stateful whose ``state_dict()`` tensors are not its
    live storage is marked to be restored through ``load_state_dict`` (its keys must
    match, so that call cannot fail on them);
-3. open every tensor file it reads and keep the descriptors (a retention that renames
+3. open every tensor file it reads and keep the handles (a retention that renames
    or deletes the checkpoint meanwhile cannot change what is read), then hash every
    chunk it will copy, through a bounded scratch buffer (pass 1). Tensors that land in
    fresh memory rather than in a target are read (and verified) in this pass.
 
 ``PreparedLoad.apply`` then reads the bytes into the targets through the same
-descriptors, hashing them again as they land (pass 2), and applies Statefuls, trees,
+handles, hashing them again as they land (pass 2), and applies Statefuls, trees,
 data-loader state and RNG streams (RNG last, rolled back if it does not restore).
 Pass 2 fails only if a committed file was modified in place between the passes (the
 format forbids it; media faults aside). That is detected, raised as
@@ -235,10 +235,10 @@ def _reaches_live(module: torch.nn.Module, cur: Mapping[str, Any]) -> bool:
 
 @dataclass(slots=True)
 class _Read:
-    """One part's tensor file: what pass 2 still has to read, through which descriptor."""
+    """One part's tensor file: what pass 2 still has to read, through which handle."""
 
     pe: PartEntry
-    fd: int
+    handle: Any  # ckpt.storage.ReadHandle
     file: FileEntry
     wanted: set[str]
     whole: bool  # every tensor of the part is wanted: stream the file in order
@@ -275,7 +275,7 @@ class PreparedLoad:
         if not self._closed:
             self._closed = True
             for r in self.reads:
-                os.close(r.fd)
+                r.handle.close()
 
     def __enter__(self) -> "PreparedLoad":
         return self
@@ -291,13 +291,13 @@ class PreparedLoad:
             try:
                 if r.whole:
                     self.reader.stream_part_into(
-                        r.pe, plan.dest(r.pe.name), verify=self.verify, fd=r.fd
+                        r.pe, plan.dest(r.pe.name), verify=self.verify, handle=r.handle
                     )
                 else:
                     for t in r.pe.tensors:
                         if t.key in r.wanted:
                             self.reader.read_tensor_bytes_into(
-                                r.pe, t, plan.dest(r.pe.name)(t), verify=self.verify, fd=r.fd
+                                r.pe, t, plan.dest(r.pe.name)(t), verify=self.verify, handle=r.handle
                             )
             except (CkptError, OSError) as e:
                 raise CheckpointChangedError(
@@ -464,11 +464,13 @@ def prepare_load(
             wanted = {t.key for t in p.tensors if (p.name, t.key) in plan.cpu_dest}
             if not wanted:
                 continue
-            opened = reader.open_tensor_file(p)
+            # Read twice (pass 1 hashes, pass 2 copies) when bytes land in targets.
+            twice = verify and any((p.name, k) in plan.targets for k in wanted)
+            opened = reader.open_tensor_file(p, reread=True) if twice else reader.open_tensor_file(p)
             if opened is None:
                 continue
-            fd, f = opened
-            r = _Read(p, fd, f, wanted, whole=len(wanted) == len(p.tensors))
+            handle, f = opened
+            r = _Read(p, handle, f, wanted, whole=len(wanted) == len(p.tensors))
             prepared.reads.append(r)
             if not any((p.name, k) in plan.targets for k in wanted):
                 # Nothing here lands in a target: read it (verified) now, once.
@@ -477,11 +479,11 @@ def prepare_load(
             elif verify:
                 # Pass 1: hash every chunk that pass 2 will copy, nothing written.
                 if r.whole:
-                    reader.verify_file(f, fd=fd)
+                    reader.verify_file(f, handle=handle)
                 else:
                     for t in p.tensors:
                         if t.key in wanted:
-                            reader.verify_file(f, fd=fd, span=(t.offset, t.offset + t.nbytes))
+                            reader.verify_file(f, handle=handle, span=(t.offset, t.offset + t.nbytes))
     except BaseException:
         prepared.close()
         raise
@@ -490,11 +492,11 @@ def prepare_load(
 
 def _read_now(reader: TensorSource, r: _Read, plan: _Plan, verify: bool) -> None:
     if r.whole:
-        reader.stream_part_into(r.pe, plan.dest(r.pe.name), verify=verify, fd=r.fd)
+        reader.stream_part_into(r.pe, plan.dest(r.pe.name), verify=verify, handle=r.handle)
         return
     for t in r.pe.tensors:
         if t.key in r.wanted:
-            reader.read_tensor_bytes_into(r.pe, t, plan.dest(r.pe.name)(t), verify=verify, fd=r.fd)
+            reader.read_tensor_bytes_into(r.pe, t, plan.dest(r.pe.name)(t), verify=verify, handle=r.handle)
 
 
 def load_into(reader: TensorSource, state: Mapping[str, Any] | None, **options: Any) -> LoadResult:

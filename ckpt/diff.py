@@ -98,7 +98,11 @@ def ledger_unused_streams(*checkpoint_paths: str) -> set[str]:
 
     names: set[str] = set()
     used: set[str] = set()
+    from .storage import url_scheme
+
     for p in checkpoint_paths:
+        if url_scheme(os.fspath(p)) is not None:
+            return set()  # an object store keeps no ledger beside its checkpoints
         tapes, _ = read_ledger_dir(os.path.join(os.path.dirname(os.path.abspath(p)), "ledger"))
         if not tapes:
             return set()

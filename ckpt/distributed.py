@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .errors import CkptError
 from .format.manifest import Manifest, PartEntry
-from .storage import Storage, first_errno, local
+from .storage import Storage, first_errno, resolve
 from .writer import PendingCheckpoint, Replicated, abort, begin, commit, part_name_for_rank, write_part
 
 __all__ = ["DistributedCheckpointer", "DistributedSaveError", "is_distributed"]
@@ -124,15 +124,15 @@ class DistributedCheckpointer:
         meta: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         code_dir: str | None = None,
-        storage: Storage = local,
+        storage: Storage | None = None,
     ) -> Manifest | None:
         """Collective save. Returns the manifest on rank 0 and ``None`` elsewhere."""
-        final = os.path.abspath(os.fspath(path))
+        storage, final = resolve(path, storage)
         # 1. rank 0 creates the temporary directory
         if self.rank == 0:
             try:
                 pending = begin(final, overwrite=overwrite, storage=storage)
-                msg = _pack({"tmp": pending.tmp_dir})
+                msg = _pack({"tmp": pending.tmp_dir, "tag": pending.tag})
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 msg = _pack(_error_record(e))
         else:
@@ -141,7 +141,7 @@ class DistributedCheckpointer:
         if "error" in got:
             raise DistributedSaveError(f"rank 0 could not start the save: {got['error']}", path=final, errno=got.get("errno"))
         # overwrite travels with the pending record: the commit enforces it atomically.
-        pending = PendingCheckpoint(final=final, tmp_dir=got["tmp"], overwrite=overwrite)
+        pending = PendingCheckpoint(final=final, tmp_dir=got["tmp"], overwrite=overwrite, tag=got.get("tag", ""))
 
         # 2. every rank writes its part
         missing = [k for k in replicated if k not in state]

@@ -26,9 +26,15 @@ keeps working for callers who do not know this package::
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
     ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
     ├── DistributedUsageError        (RuntimeError)       single-process API under a process group
+    ├── UnsupportedSchemeError       (ValueError)         a URL no installed storage backend serves
+    ├── StorageError                 (OSError)            an object store refused or failed a request
     ├── TapeDataError                (FormatError)        tape bytes (ckpt.tape framing)
     │   ├── TapeCorruptError / TapeTruncatedError / TapeFormatError / TapeLimitError
-    └── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
+    ├── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
+    ├── GuardError                   (RuntimeError)       the loss-spike guard could not roll back
+    │   ├── NoRollbackTargetError                        no checkpoint before the anomaly
+    │   └── RollbackLimitError                           the rollback budget is spent
+    └── GuardConfigError             (ValueError)         a GuardConfig field breaks its rule
 
 Every instance carries ``path`` (the file), and where known ``offset`` (a byte offset
 in that file) or ``key`` (a key path in the state tree); ``str(err)`` names them.
@@ -66,6 +72,12 @@ __all__ = [
     "ResumeDivergedError",
     "RunDirLockedError",
     "DistributedUsageError",
+    "UnsupportedSchemeError",
+    "StorageError",
+    "GuardError",
+    "NoRollbackTargetError",
+    "RollbackLimitError",
+    "GuardConfigError",
 ]
 
 
@@ -205,6 +217,18 @@ class DistributedUsageError(CkptError, RuntimeError):
     """A single-process API called under a multi-rank process group; use the distributed one."""
 
 
+class UnsupportedSchemeError(CkptError, ValueError):
+    """A URL whose scheme no installed storage backend serves (``scheme`` and the
+    ``extra`` to install are in the message). A URL is never taken for a local path."""
+
+    exit_code = 2
+
+
+class StorageError(CkptError, OSError):
+    """An object store refused or failed a request (credentials, network, throttling):
+    the URL and the store's own message are named. Not a statement about the bytes."""
+
+
 class TapeDataError(FormatError):
     """Tape bytes (spec/tape-format.md) that do not decode. ``reason`` is one of
     ``corrupt``, ``truncated``, ``format``, ``limit`` (§7); ``replay`` raises its own
@@ -234,3 +258,19 @@ class ResumeDivergedError(CkptError, RuntimeError):
     """A resumed run re-executed a step differently from the step ledger (policy ``strict``)."""
 
     exit_code = 6
+
+
+class GuardError(CkptError, RuntimeError):
+    """The loss-spike guard (``ckpt.guard``) detected an anomaly it could not handle."""
+
+
+class NoRollbackTargetError(GuardError):
+    """A spike was detected but no committed checkpoint precedes it (``on_no_checkpoint="raise"``)."""
+
+
+class RollbackLimitError(GuardError):
+    """A spike was detected after ``max_rollbacks`` episodes: the run stops rather than loop."""
+
+
+class GuardConfigError(CkptError, ValueError):
+    """A ``GuardConfig`` field breaks its rule (the message names the field and the rule)."""

@@ -139,9 +139,10 @@ from .errors import (
     UnsupportedValueError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
+from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
-from .storage import Storage, is_space_error, local
+from .storage import Storage, commits_by_manifest, is_space_error, resolve
 from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
@@ -149,10 +150,12 @@ __all__ = [
     "RetentionPolicy",
     "CheckpointRecord",
     "SaveReport",
+    "Rewind",
     "ResumeFallbackWarning",
     "list_checkpoints",
     "plan_retention",
     "apply_retention",
+    "delete_checkpoints",
     "checkpoint_name",
 ]
 
@@ -213,11 +216,28 @@ class SaveReport:
     deleted: tuple[str, ...] = ()
 
 
-def list_checkpoints(run_dir: str | os.PathLike[str], *, with_metrics: bool = False) -> list[CheckpointRecord]:
+@dataclass(frozen=True, slots=True)
+class Rewind:
+    """What ``CheckpointManager.rewind`` did: the load, the checkpoint it came from (name
+    and step), the newer committed checkpoints it deleted, and the newer candidates that
+    did not load (each named in a ``ResumeFallbackWarning``)."""
+
+    result: Any
+    name: str
+    step: int
+    discarded: tuple[str, ...]
+    fallbacks: tuple[str, ...]
+
+
+def list_checkpoints(
+    run_dir: str | os.PathLike[str], *, with_metrics: bool = False, storage: Storage | None = None
+) -> list[CheckpointRecord]:
     """``step-*`` directories of a run, oldest first. Temporary dirs are never listed."""
-    root = os.fspath(run_dir)
+    storage, root = resolve(run_dir, storage)
+    if not commits_by_manifest(storage):
+        root = os.fspath(run_dir)  # as given: records name paths the way the caller did
     try:
-        names = os.listdir(root)
+        names = storage.listdir(root)
     except FileNotFoundError:
         return []
     out = []
@@ -226,12 +246,15 @@ def list_checkpoints(run_dir: str | os.PathLike[str], *, with_metrics: bool = Fa
         if not m:
             continue
         path = os.path.join(root, name)
-        committed = os.path.isfile(os.path.join(path, MANIFEST_NAME))
+        committed = storage.isfile(os.path.join(path, MANIFEST_NAME))
         metrics = None
         if with_metrics and committed:
             try:
-                with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-                    man = decode_manifest(f.read(), path=path)
+                mpath = os.path.join(path, MANIFEST_NAME)
+                size = storage.lstat(mpath).st_size
+                if size > knobs().max_manifest_bytes + 64:  # never read more than a reader would
+                    raise CkptError("MANIFEST above the size limit", path=mpath)
+                man = decode_manifest(storage.read(mpath, 0, size), path=path)
                 got = man.meta.get("metrics")
                 metrics = dict(got) if isinstance(got, dict) else None
             except (OSError, CkptError):
@@ -323,7 +346,7 @@ class CheckpointManager:
         pin_memory: bool | None = None,
         code_dir: str | None = None,
         clock: Callable[[], float] = time.monotonic,
-        storage: Storage = local,
+        storage: Storage | None = None,
         ledger: bool = True,
         ledger_params_every: int = 10,
         verify_resume: Literal["strict", "warn", "off"] = "warn",
@@ -335,7 +358,8 @@ class CheckpointManager:
         if exactness not in ("strict", "warn", "off"):
             raise ValueError(f"exactness must be 'strict', 'warn' or 'off', not {exactness!r}")
         _check_data_source(data)
-        self.run_dir = os.path.abspath(os.fspath(run_dir))
+        # The one resolver: a local directory, or an object-store prefix (s3://...).
+        self._storage, self.run_dir = resolve(run_dir, storage)
         self.state = dict(state)
         self.data = data
         self.generators = dict(generators or {})
@@ -348,7 +372,6 @@ class CheckpointManager:
         self.exactness = exactness
         self.code_dir = code_dir
         self._clock = clock
-        self._storage = storage
         self.run_id = run_id or uuid.uuid4().hex[:16]
         self.resumed_from: dict[str, Any] | None = None
         self._start_step = 0
@@ -365,6 +388,13 @@ class CheckpointManager:
         #: reports of completed saves, oldest first
         self.reports: list[SaveReport] = []
         self.ledger: Any = None
+        #: the ``LoadResult`` of the last ``resume()`` or ``rewind()``
+        self.last_load: Any = None
+        # The loss-spike guard (ckpt.guard.LossGuard) attached to this manager, if any,
+        # and what retention keeps for it: the newest checkpoint at or below the floor.
+        self._guard: Any = None
+        self._floor: int | None = None
+        self._verified: set[tuple[str, str]] = set()
 
         from .staging import Staging
 
@@ -395,15 +425,19 @@ class CheckpointManager:
 
         # One writer per run directory: rank 0 holds the lock for the whole job, taken
         # before orphan cleanup (which would otherwise delete a live writer's saves).
-        self._lock: RunLock | None = None
+        self._lock: Any = None  # RunLock, or an object store's lock object
         self.removed_orphans: tuple[str, ...] = ()
         #: (temporary name, step name) of complete copies put back after a crash
         self.restored_orphans: tuple[tuple[str, str], ...] = ()
         refusal: BaseException | None = None
         if self.rank == 0:
             try:
-                os.makedirs(self.run_dir, exist_ok=True)
-                self._lock = RunLock.acquire(self.run_dir, owner={"run_id": self.run_id, "world_size": self.world_size})
+                self._storage.makedirs(self.run_dir)
+                owner = {"run_id": self.run_id, "world_size": self.world_size}
+                if commits_by_manifest(self._storage):  # an object store: a lock object (§O.6)
+                    self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
+                else:
+                    self._lock = RunLock.acquire(self.run_dir, owner=owner)
                 rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
                 self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
             except BaseException as e:  # noqa: BLE001 - every rank must hear about it
@@ -450,7 +484,7 @@ class CheckpointManager:
         return 0 if self._staging is None else self._staging.nbytes
 
     def checkpoints(self) -> list[CheckpointRecord]:
-        return list_checkpoints(self.run_dir, with_metrics=True)
+        return list_checkpoints(self.run_dir, with_metrics=True, storage=self._storage)
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -474,7 +508,16 @@ class CheckpointManager:
         """Call once per optimizer step, after it. Saves if due; returns True if it did.
 
         ``batch`` (every tensor the step consumed) and ``loss`` go to the step ledger;
-        without them it still records the RNG streams and a periodic parameter digest."""
+        without them it still records the RNG streams and a periodic parameter digest.
+        With a ``LossGuard`` attached, call ``guard.after_step`` instead: it judges the
+        loss before anything of the step is saved."""
+        if self._guard is not None:
+            raise CkptError("a LossGuard is attached to this manager: call guard.after_step(step, loss=...) so the "
+                            "loss is judged before the step is saved", path=self.run_dir)
+        return self._after_step(step, batch=batch, loss=loss, metrics=metrics, extra=extra)
+
+    def _after_step(self, step: int, *, batch: Any = None, loss: Any = None, metrics: Mapping[str, Any] | None = None,
+                    extra: Any = None) -> bool:
         self._check_open()
         self._raise_failure()
         if self.ledger is not None:
@@ -493,7 +536,12 @@ class CheckpointManager:
         from .ledger import ENV_DIR, Ledger
 
         root = os.environ.get(ENV_DIR)
-        directory = os.path.join(root, os.path.basename(self.run_dir)) if root else os.path.join(self.run_dir, "ledger")
+        if root:
+            directory = os.path.join(root, os.path.basename(self.run_dir))
+        elif commits_by_manifest(self._storage):  # an append-only tape needs a local file
+            directory = self._storage.ledger_dir(self.run_dir)  # type: ignore[attr-defined]
+        else:
+            directory = os.path.join(self.run_dir, "ledger")
         if self.world_size > 1:
             directory = os.path.join(directory, f"rank-{self.rank:05d}")
         modules = {k: v for k, v in self.state.items() if hasattr(v, "named_parameters")}
@@ -582,18 +630,80 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failure()
-        from ._torchio import prepare_load
+        loaded = self._load_first(self._candidates(lambda r: True), defer_rng=defer_rng, exactness=exactness)
+        if loaded is None:
+            return None
+        result, choice, _ = loaded
+        if defer_rng:
+            self._deferred_rng = result.context.get("rng")
+        lineage = result.context.get("lineage") or {}
+        if isinstance(lineage.get("run_id"), str) and lineage["run_id"]:
+            self.run_id = lineage["run_id"]
+        self._loaded(result, choice)
+        if self.ledger is not None and not defer_rng:
+            self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id)
+        if self._guard is not None:
+            self._guard._restore(result, rewound=False)
+        return result
 
+    def rewind(self, *, before: int | None = None, step: int | None = None,
+               exactness: str | None = None) -> Rewind | None:
+        """Roll the run back: load the newest committed checkpoint whose step is below
+        ``before`` (or the one of exactly ``step``) that verifies and loads, exactly as
+        ``resume()`` would (all or nothing, falling back past any that fails), then
+        discard every committed checkpoint newer than it: they belong to the abandoned
+        timeline, and a later resume must never pick one. ``None`` when no candidate
+        loads (nothing is discarded then). The loss-spike guard's step 5
+        (spec/loss-guard.md §3); the ledger is left to the caller (the guard tapes the
+        rollback, which voids the abandoned steps' records)."""
+        if (before is None) == (step is None):
+            raise ValueError("rewind() takes exactly one of before= or step=")
+        self._check_open()
+        self.wait()  # a save in flight commits (or fails) before the listing
+        keep = (lambda r: r.step < before) if before is not None else (lambda r: r.step == step)
+        loaded = self._load_first(self._candidates(keep), defer_rng=False, exactness=exactness)
+        if loaded is None:
+            return None
+        result, choice, fallbacks = loaded
+        target = int(result.step or 0)
+        discarded: tuple[str, ...] = ()
+        if self.rank == 0:
+            newer = [r for r in list_checkpoints(self.run_dir, storage=self._storage) if r.committed and r.step > target]
+            discarded = delete_checkpoints(self.run_dir, newer, storage=self._storage)
+        self._loaded(result, choice)
+        return Rewind(result, choice, target, discarded, tuple(fallbacks))
+
+    def _loaded(self, result: Any, choice: str) -> None:
+        self.resumed_from = {"id": result.id, "name": choice, "step": result.step}
+        self.last_load = result
+        self._start_step = int(result.step or 0)
+        self._last_save_step = self._start_step
+        self._last_save_time = self._clock()
+
+    def _candidates(self, keep: Callable[[CheckpointRecord], bool]) -> list[str]:
+        """Names of the committed checkpoints ``keep`` accepts, newest first (rank 0 lists,
+        every rank gets the same list)."""
         names: list[str] = []
         if self.rank == 0:
-            for rec in reversed(list_checkpoints(self.run_dir)):
+            for rec in reversed(list_checkpoints(self.run_dir, storage=self._storage)):
+                if not keep(rec):
+                    continue
                 if not rec.committed:
-                    warnings.warn(f"skipping {rec.path}: no MANIFEST, the save never committed", ResumeFallbackWarning, stacklevel=2)
+                    warnings.warn(f"skipping {rec.path}: no MANIFEST, the save never committed", ResumeFallbackWarning, stacklevel=3)
                     continue
                 names.append(rec.name)
         if self._ctl is not None:
             payload = "\n".join(names).encode() if self.rank == 0 else None
             names = [n for n in self._ctl.broadcast_bytes(payload).decode().split("\n") if n]
+        return names
+
+    def _load_first(self, names: Sequence[str], *, defer_rng: bool, exactness: str | None
+                    ) -> tuple[Any, str, list[str]] | None:
+        """Load the first of ``names`` that loads (``resume()``'s fallback rule); returns
+        (result, its name, the names skipped before it), or None."""
+        from ._torchio import prepare_load
+
+        skipped: list[str] = []
         changed: Exception | None = None  # an apply failed: targets stay unusable until a load succeeds
         result = None
         for choice in names:
@@ -641,7 +751,8 @@ class CheckpointManager:
                 if prepared is not None:
                     prepared.close()
                 why = f"{type(error).__name__}: {error}" if error is not None else "another rank could not load it"
-                warnings.warn(f"skipping {path}: {why}", ResumeFallbackWarning, stacklevel=2)
+                warnings.warn(f"skipping {path}: {why}", ResumeFallbackWarning, stacklevel=3)
+                skipped.append(choice)
                 continue
             if sharded:  # collective: DCP reshards onto this job's shards
                 from .dcp.integration import load_sharded
@@ -660,25 +771,15 @@ class CheckpointManager:
                 # The targets may be mixed now: only a complete load of an older
                 # checkpoint (which rewrites every target) makes them usable again.
                 changed = e
-                warnings.warn(f"skipping {path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=2)
+                warnings.warn(f"skipping {path}: {type(e).__name__}: {e}", ResumeFallbackWarning, stacklevel=3)
+                skipped.append(choice)
                 continue
             break
         if result is None:
             if changed is not None:
                 raise changed
             return None
-        if defer_rng:
-            self._deferred_rng = result.context.get("rng")
-        lineage = result.context.get("lineage") or {}
-        if isinstance(lineage.get("run_id"), str) and lineage["run_id"]:
-            self.run_id = lineage["run_id"]
-        self.resumed_from = {"id": result.id, "name": choice, "step": result.step}
-        self._start_step = int(result.step or 0)
-        self._last_save_step = self._start_step
-        self._last_save_time = self._clock()
-        if self.ledger is not None and not defer_rng:
-            self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id)
-        return result
+        return result, choice, skipped
 
     def restore_rng(self) -> list[str]:
         """Restore the RNG streams held back by ``resume(defer_rng=True)``."""
@@ -755,7 +856,7 @@ class CheckpointManager:
             for k in self.replicated:
                 state[k] = Replicated("rank-00000")
         data_obj = frozen_stateful(self.data, data_sd) if self.data is not None else None
-        meta = {"run_id": self.run_id, "metrics": dict(metrics or {}), "resumed_from": self.resumed_from}
+        meta = self._meta(metrics)
         lineage = {
             "run_id": self.run_id,
             "resumed_from": self.resumed_from["id"] if self.resumed_from else None,
@@ -859,7 +960,7 @@ class CheckpointManager:
         from .dcp.integration import save_sharded
 
         path = os.path.join(self.run_dir, checkpoint_name(step))
-        meta = {"run_id": self.run_id, "metrics": dict(metrics or {}), "resumed_from": self.resumed_from}
+        meta = self._meta(metrics)
         lineage = {
             "run_id": self.run_id,
             "resumed_from": self.resumed_from["id"] if self.resumed_from else None,
@@ -875,16 +976,46 @@ class CheckpointManager:
         stall = time.perf_counter() - t0
         self.reports.append(SaveReport(step, path, False, stall, stall, info.bytes, deleted))
 
+    def _meta(self, metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+        meta = {"run_id": self.run_id, "metrics": dict(metrics or {}), "resumed_from": self.resumed_from}
+        if self._guard is not None:
+            meta["guard"] = self._guard._state()  # spec/loss-guard.md §5
+        return meta
+
     # -- housekeeping ------------------------------------------------------------------
     def _apply_retention(self, *, upcoming: int | None = None) -> tuple[str, ...]:
         """Delete what the policy does not keep. With ``upcoming`` (a save about to be
         written on a full disk), plan as if it had committed, but never delete the
-        newest checkpoint that verifies: if the save fails, that is the resume point."""
+        newest checkpoint that verifies: if the save fails, that is the resume point.
+        With a guard attached, never delete its rollback target either (``_floor_keep``)."""
         protect: set[str] = set()
         if upcoming is not None:
-            protect = self._newest_valid(list_checkpoints(self.run_dir))
+            protect = self._newest_valid(list_checkpoints(self.run_dir, storage=self._storage))
+        floor = self._floor
+        if floor is not None:
+            protect |= self._floor_keep(list_checkpoints(self.run_dir, storage=self._storage), floor)
         return apply_retention(self.run_dir, self.retention, storage=self._storage,
                                protect=protect, upcoming=upcoming)
+
+    def _floor_keep(self, records: Sequence[CheckpointRecord], floor: int) -> set[str]:
+        """The loss-spike guard's retention rule (spec/loss-guard.md §8): every committed
+        checkpoint above ``floor`` (each becomes the target as the floor advances), the
+        newest at or below it and, while that one does not verify, each older one down
+        to the newest that does. Each checkpoint is verified at most once (by name and
+        content id: committed files never change)."""
+        out = {r.name for r in records if r.committed and r.step > floor}
+        for r in reversed([r for r in records if r.committed and r.step <= floor]):
+            out.add(r.name)
+            try:
+                reader = CheckpointReader(r.path, storage=self._storage)
+                key = (r.name, reader.manifest.id)
+                if key not in self._verified:
+                    reader.verify()
+                    self._verified.add(key)
+            except (CkptError, OSError):
+                continue
+            break
+        return out
 
     def _newest_valid(self, records: Sequence[CheckpointRecord]) -> set[str]:
         """Names of the committed checkpoints from the newest down to the newest one that
@@ -900,27 +1031,47 @@ class CheckpointManager:
         return out
 
 
-def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage = local,
+def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage | None = None,
                     protect: Iterable[str] = (), upcoming: int | None = None) -> tuple[str, ...]:
     """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
     (:func:`plan_retention`); returns their names. The manager runs this after each
     commit; anything else that commits checkpoints into a directory (a snapshotter) runs
     it too, so that there is one retention routine. Names in ``protect`` are never
     deleted; ``upcoming`` plans as if that step had already committed (freeing space
-    before a save on a full disk) and is itself never deleted."""
-    run_dir = os.fspath(run_dir)
+    before a save on a full disk) and is itself never deleted. On an object store a
+    checkpoint is deleted MANIFEST first (it is uncommitted from that instant), then
+    its objects (spec/object-storage.md)."""
+    storage, normal = resolve(run_dir, storage)
+    by_manifest = commits_by_manifest(storage)
+    run_dir = normal if by_manifest else os.fspath(run_dir)
     protected = set(protect)
-    records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best))
+    records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best), storage=storage)
     if upcoming is not None and not any(r.step == upcoming for r in records):
         name = checkpoint_name(upcoming)
         records = sorted([*records, CheckpointRecord(name, os.path.join(run_dir, name), upcoming, True)],
                          key=lambda r: r.step)
     keep = plan_retention(records, policy)
+    doomed = [r for r in records
+              if r.committed and r.name not in keep and r.name not in protected and r.step != upcoming]
+    return delete_checkpoints(run_dir, doomed, storage=storage)
+
+
+def delete_checkpoints(run_dir: str | os.PathLike[str], records: Iterable[CheckpointRecord], *,
+                       storage: Storage | None = None) -> tuple[str, ...]:
+    """Delete these checkpoints of ``run_dir`` (the one deletion routine: retention's and
+    a rewind's); returns the names deleted. On a filesystem each is renamed into a
+    ``.tmp-`` name first, so a crash mid-delete leaves a directory no reader accepts,
+    never a torn ``step-*``; on an object store its MANIFEST goes first (it is
+    uncommitted from that instant), then its objects (spec/object-storage.md)."""
+    storage, normal = resolve(run_dir, storage)
+    by_manifest = commits_by_manifest(storage)
+    run_dir = normal if by_manifest else os.fspath(run_dir)
     deleted = []
     for r in records:
-        if not r.committed or r.name in keep or r.name in protected or r.step == upcoming:
+        if by_manifest:
+            if storage.remove_checkpoint(r.path):  # type: ignore[attr-defined]
+                deleted.append(r.name)
             continue
-        # Rename first: a crash mid-delete leaves a .tmp- dir, never a torn step-*.
         trash = os.path.join(run_dir, tmp_name(r.name, DEL_SUFFIX))
         try:
             storage.rename_dir(r.path, trash)
@@ -928,7 +1079,7 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
             continue
         storage.remove_tree(trash)
         deleted.append(r.name)
-    if deleted:
+    if deleted and not by_manifest:
         storage.fsync_dir(run_dir)
     return tuple(deleted)
 

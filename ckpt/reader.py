@@ -38,7 +38,7 @@ from .format.manifest import MANIFEST_NAME, TMP_PREFIX, FileEntry, Manifest, Par
 from .format.safetensors import check_against_manifest, parse_header
 from .format.tree import decode_tree
 from .knobs import knobs
-from .storage import Storage, local, preadv_full
+from .storage import ReadHandle, Storage, resolve
 
 __all__ = ["CheckpointReader", "open_checkpoint", "VerifyReport", "TMP_PREFIX"]
 
@@ -112,7 +112,7 @@ class _PipelinedVerifier:
         self._feeder.abort()
 
 
-def _parallel_reads(fd: int, fp: str, jobs: list[tuple[TensorEntry, memoryview]], request: int) -> None:
+def _parallel_reads(handle: ReadHandle, fp: str, jobs: list[tuple[TensorEntry, memoryview]], request: int) -> None:
     """Read (tensor, destination) pairs in ``request``-sized pieces on two threads."""
     pieces: list[tuple[TensorEntry, memoryview, int]] = []
     for t, dst in jobs:
@@ -122,7 +122,7 @@ def _parallel_reads(fd: int, fp: str, jobs: list[tuple[TensorEntry, memoryview]]
 
     def run(share: list[tuple[TensorEntry, memoryview, int]]) -> None:
         for t, piece, lo in share:
-            got = preadv_full(fd, piece, t.offset + lo, request)
+            got = handle.pread_into(t.offset + lo, piece)
             if got != len(piece):
                 raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + lo + got, key=t.key)
 
@@ -145,9 +145,11 @@ def _parallel_reads(fd: int, fp: str, jobs: list[tuple[TensorEntry, memoryview]]
 class CheckpointReader:
     """A committed checkpoint, opened lazily. Create with :func:`ckpt.open`."""
 
-    def __init__(self, path: str | os.PathLike[str], *, storage: Storage = local) -> None:
-        self.path = os.path.abspath(os.fspath(path))
-        self._storage = storage
+    def __init__(self, path: str | os.PathLike[str], *, storage: Storage | None = None) -> None:
+        # The one resolver: a plain path is local, s3://... the object-store backend,
+        # any other URL a clear UnsupportedSchemeError (never a local folder "s3:").
+        self._storage, self.path = resolve(path, storage)
+        self._manifest_bytes = b""
         self.manifest: Manifest = self._open()
         self._trees: dict[str, Any] = {}
         self._headers: dict[str, tuple[int, dict]] = {}
@@ -162,7 +164,7 @@ class CheckpointReader:
         if stat.S_ISLNK(st.st_mode):
             # Following a symlinked checkpoint is fine for users, but resolve it so every
             # later containment check is against the real directory.
-            self.path = p = os.path.realpath(p)
+            self.path = p = self._storage.realpath(p)
             st = self._storage.lstat(p)
         if not stat.S_ISDIR(st.st_mode):
             raise FormatError("a checkpoint is a directory; this is not one", path=p)
@@ -185,6 +187,7 @@ class CheckpointReader:
             raise LimitExceededError(f"MANIFEST is {mst.st_size} bytes, above the limit", path=mpath)
         try:
             data = self._storage.read(mpath, 0, mst.st_size)
+            self._manifest_bytes = data
         except FileNotFoundError:
             raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
         manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
@@ -198,12 +201,18 @@ class CheckpointReader:
     def _raise_if_vanished(self) -> None:
         """Retention and replacement rename a checkpoint away before deleting it, so a
         path that stops existing under a reader means "removed", not "corrupt"."""
+        mpath = os.path.join(self.path, MANIFEST_NAME)
         try:
-            self._storage.lstat(os.path.join(self.path, MANIFEST_NAME))
+            self._storage.lstat(mpath)
+            now = self._storage.read(mpath, 0, len(self._manifest_bytes) + 1)
         except FileNotFoundError:
             raise CheckpointVanishedError(
                 "the checkpoint was removed while it was being read (e.g. by retention)", path=self.path
             ) from None
+        if now != self._manifest_bytes:
+            # Replaced by another save of the same name (overwrite): the files this
+            # reader opened belong to the old one.
+            raise CheckpointVanishedError("the checkpoint was replaced while it was being read", path=self.path)
 
     def _check_files(self, m: Manifest) -> None:
         expected = {MANIFEST_NAME}
@@ -215,13 +224,18 @@ class CheckpointReader:
             except FileNotFoundError:
                 raise MissingFileError("file named in the manifest is missing", path=fp) from None
             if stat.S_ISLNK(st.st_mode):
-                raise UnsafePathError("checkpoint files must not be symlinks", path=fp, target=os.readlink(fp))
+                raise UnsafePathError("checkpoint files must not be symlinks", path=fp, target=self._storage.readlink(fp))
             if not stat.S_ISREG(st.st_mode):
                 raise UnsafePathError("checkpoint file is not a regular file", path=fp)
             if st.st_size != f.size:
                 raise SizeMismatchError(
                     f"file is {st.st_size} bytes, manifest says {f.size}", path=fp, offset=min(st.st_size, f.size)
                 )
+        if not getattr(self._storage, "strict_listing", True):
+            # An object store: objects a committed MANIFEST does not name are leftovers
+            # of other saves (a lost race, a crash, a replaced checkpoint); they are
+            # never read, and orphan cleanup removes them (spec/object-storage.md §O.4).
+            return
         try:
             listing = self._storage.listdir(self.path)
         except FileNotFoundError:
@@ -251,9 +265,14 @@ class CheckpointReader:
     def _fp(self, f: FileEntry) -> str:
         return os.path.join(self.path, f.name)
 
-    def _open_fd(self, fp: str) -> int:
+    @property
+    def storage(self) -> Storage:
+        """The backend this checkpoint is read through (``ckpt.storage``)."""
+        return self._storage
+
+    def _open_handle(self, fp: str, *, reread: bool = False) -> ReadHandle:
         try:
-            return os.open(fp, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+            return self._storage.open_read(fp, reread=True) if reread else self._storage.open_read(fp)
         except FileNotFoundError:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
@@ -320,20 +339,21 @@ class CheckpointReader:
         raise FormatError("no such tensor in this checkpoint", path=self.path, key=key)
 
     def read_tensor_bytes_into(
-        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, fd: int | None = None
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, handle: ReadHandle | None = None
     ) -> None:
         """Read one tensor's bytes into ``dst``, verifying every chunk it overlaps.
 
-        ``fd``: read through this descriptor of the part's tensor file (see
-        :meth:`open_tensor_file`) instead of through the storage by path.
+        ``handle``: read through this open tensor file (see :meth:`open_tensor_file`)
+        instead of through the storage by path. Only the chunks the tensor overlaps are
+        read (ranged requests on an object store).
         """
         self._header(pe)
         f = pe.files[t.file]
         fp = self._fp(f)
 
         def pread_into(offset: int, buf: memoryview) -> int:
-            if fd is not None:
-                return preadv_full(fd, buf, offset)
+            if handle is not None:
+                return handle.pread_into(offset, buf)
             return self._storage.pread_into(fp, offset, buf)
 
         if not verify:
@@ -384,14 +404,14 @@ class CheckpointReader:
         destinations: Callable[[TensorEntry], memoryview],
         *,
         verify: bool = True,
-        fd: int | None = None,
+        handle: ReadHandle | None = None,
     ) -> None:
         """Read every tensor of a part in file order straight into caller memory.
 
         Verification hashes the destination memory right after each read, so a full
         load costs one read and one hash pass, with no scratch copy. Because tensors
         tile the data region (checked against the safetensors header), the hashed
-        ranges cover every byte of the file. ``fd``: read through this descriptor
+        ranges cover every byte of the file. ``handle``: read through this open file
         (from :meth:`open_tensor_file`; the caller closes it) instead of opening the path.
         """
         f = pe.file("tensors")
@@ -400,9 +420,9 @@ class CheckpointReader:
         self._header(pe)
         n, _ = self._headers[pe.name]
         fp = self._fp(f)
-        own_fd = fd is None
-        if fd is None:
-            fd = self._open_fd(fp)
+        own = handle is None
+        if handle is None:
+            handle = self._open_handle(fp)
         verifier: _ChunkVerifier | _PipelinedVerifier | None = None
         try:
             if verify:
@@ -412,18 +432,18 @@ class CheckpointReader:
                 if f.size >= _PIPELINE_MIN_BYTES:
                     verifier = _PipelinedVerifier(verifier)
                 head = bytearray(8 + n)
-                preadv_full(fd, memoryview(head), 0)
+                handle.pread_into(0, memoryview(head))
                 verifier.update(head)
             request = knobs().read_request
             ordered = sorted(pe.tensors, key=lambda e: e.offset)
             if verifier is None and f.size >= _PIPELINE_MIN_BYTES:
                 # Without hashing, the second core has nothing to do: split the reads
                 # between two threads (the kernel copy from the page cache is the cost).
-                _parallel_reads(fd, fp, [(t, destinations(t)) for t in ordered], request)
+                _parallel_reads(handle, fp, [(t, destinations(t)) for t in ordered], request)
                 ordered = []
             for t in ordered:
                 dst = destinations(t)
-                got = preadv_full(fd, dst, t.offset, request)
+                got = handle.pread_into(t.offset, dst)
                 if got != t.nbytes:
                     raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + got, key=t.key)
                 if verifier is not None:
@@ -434,21 +454,24 @@ class CheckpointReader:
         finally:
             if isinstance(verifier, _PipelinedVerifier):
                 verifier.abort()
-            if own_fd:
-                os.close(fd)
+            if own:
+                handle.close()
 
-    def open_tensor_file(self, pe: PartEntry) -> tuple[int, FileEntry] | None:
-        """Check a part's safetensors header and open its tensor file (caller closes the fd).
+    def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[ReadHandle, FileEntry] | None:
+        """Check a part's safetensors header and open its tensor file (caller closes it).
 
-        A held descriptor keeps reading the same bytes even if the checkpoint is renamed
-        or deleted meanwhile (retention renames before it deletes): an in-place load
-        verifies and then copies through one descriptor per file.
+        A held local descriptor keeps reading the same bytes even if the checkpoint is
+        renamed or deleted meanwhile (retention renames before it deletes); an object
+        store handle pins the object's version, so a replaced or deleted object fails
+        the read instead. An in-place load verifies and then copies through one handle
+        per file. ``reread``: the caller reads the bytes twice (verify, then copy); an
+        object store keeps the first pass's bytes locally instead of downloading twice.
         """
         f = pe.file("tensors")
         if f is None:
             return None
         self._header(pe)
-        return self._open_fd(self._fp(f)), f
+        return self._open_handle(self._fp(f), reread=reread), f
 
     def verify_bytes(self, f: FileEntry, data: Any) -> None:
         """Check the whole content of file ``f``, already in memory, against its digests."""
@@ -460,7 +483,7 @@ class CheckpointReader:
         self,
         f: FileEntry,
         *,
-        fd: int | None = None,
+        handle: ReadHandle | None = None,
         span: tuple[int, int] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> int:
@@ -476,9 +499,9 @@ class CheckpointReader:
         first = lo // cs
         pos, end = first * cs, min(((hi - 1) // cs + 1) * cs, f.size)
         v = _ChunkVerifier(fp, f, first=first)
-        own_fd = fd is None
-        if fd is None:
-            fd = self._open_fd(fp)
+        own = handle is None
+        if handle is None:
+            handle = self._open_handle(fp)
         try:
             # The buffer follows the bytes read, never the declared chunk size: a
             # MANIFEST may declare 1 GiB chunks for a 4 KiB file (§12).
@@ -507,7 +530,7 @@ class CheckpointReader:
                     while pos < end and not failed:
                         want = min(step, end - pos)
                         mv = free.get()
-                        got = preadv_full(fd, mv[:want], pos)
+                        got = handle.pread_into(pos, mv[:want])
                         if got != want:
                             raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
                         feeder.feed((mv, want))
@@ -523,7 +546,7 @@ class CheckpointReader:
                 mv = memoryview(bytearray(step))
                 while pos < end:
                     want = min(step, end - pos)
-                    got = preadv_full(fd, mv[:want], pos)
+                    got = handle.pread_into(pos, mv[:want])
                     if got != want:
                         raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
                     v.update(mv[:want])
@@ -532,8 +555,8 @@ class CheckpointReader:
                         progress(want)
             v.finish()
         finally:
-            if own_fd:
-                os.close(fd)
+            if own:
+                handle.close()
         return pos - start
 
     # -- verification ----------------------------------------------------------------------
@@ -582,5 +605,5 @@ class CheckpointReader:
         return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, storage: Storage = local) -> CheckpointReader:
+def open_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> CheckpointReader:
     return CheckpointReader(path, storage=storage)

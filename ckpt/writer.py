@@ -53,7 +53,7 @@ from .format.manifest import (
 from .format.safetensors import TensorSlot, build_header
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
-from .storage import Storage, local
+from .storage import Storage, commits_by_manifest, resolve
 
 __all__ = [
     "PendingCheckpoint",
@@ -76,11 +76,22 @@ DEL_SUFFIX = ".del"
 @dataclass(frozen=True, slots=True)
 class PendingCheckpoint:
     """A checkpoint being written. Rebuild it in another process from the two paths
-    (and the same ``overwrite``: the commit, not ``begin``, enforces it)."""
+    and ``tag`` (and the same ``overwrite``: the commit, not ``begin``, enforces it).
+
+    ``tmp_dir`` is where the part files are created: a temporary sibling directory on
+    a filesystem, the final prefix itself on an object store, where ``tag`` (``.`` and
+    12 hex digits, empty on a filesystem) makes every file name unique to this save so
+    that racing or replacing writers never overwrite each other's objects
+    (spec/object-storage.md)."""
 
     final: str
     tmp_dir: str
     overwrite: bool = False
+    tag: str = ""
+
+    def file_name(self, part: str, suffix: str) -> str:
+        """The name of a part's file in this save: ``<part><tag><suffix>``."""
+        return f"{part}{self.tag}{suffix}"
 
 
 def tmp_name(name: str, suffix: str = "") -> str:
@@ -99,12 +110,14 @@ def part_name_for_rank(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def begin(path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage = local) -> PendingCheckpoint:
-    final = os.path.abspath(os.fspath(path))
+def begin(path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage | None = None) -> PendingCheckpoint:
+    storage, final = resolve(path, storage)
     parent, name = os.path.split(final)
     check_name(name, what="checkpoint directory", path=final)
-    os.makedirs(parent, exist_ok=True)
-    if os.path.lexists(final) and not overwrite:
+    if commits_by_manifest(storage):  # an object store: no temporary directory (§10.6)
+        return storage.begin(final, overwrite=overwrite)  # type: ignore[attr-defined]
+    storage.makedirs(parent)
+    if storage.exists(final) and not overwrite:
         # Early refusal only; commit() enforces it atomically (another writer may
         # commit this name while we write).
         raise CheckpointExistsError("a checkpoint already exists here; pass overwrite=True to replace it", path=final)
@@ -113,7 +126,11 @@ def begin(path: str | os.PathLike[str], *, overwrite: bool = False, storage: Sto
     return PendingCheckpoint(final=final, tmp_dir=tmp, overwrite=overwrite)
 
 
-def abort(pending: PendingCheckpoint, *, storage: Storage = local) -> None:
+def abort(pending: PendingCheckpoint, *, storage: Storage | None = None) -> None:
+    storage, _ = resolve(pending.final, storage)
+    if commits_by_manifest(storage):
+        storage.abort(pending)  # type: ignore[attr-defined]
+        return
     storage.remove_tree(pending.tmp_dir)
 
 
@@ -245,9 +262,10 @@ def write_part(
     extra: Any = None,
     lineage: Mapping[str, Any] | None = None,
     code_dir: str | None = None,
-    storage: Storage = local,
+    storage: Storage | None = None,
 ) -> PartEntry:
     """Write one part (a process's share) into ``pending.tmp_dir``; durable on return."""
+    storage, _ = resolve(pending.final, storage)
     check_name(name, what="part")
     if not isinstance(state, Mapping):
         raise UnsupportedValueError("state must be a mapping of name -> Stateful or tree", key="<root>")
@@ -296,7 +314,7 @@ def write_part(
         # Largest element size first (stable): every tensor then starts at a multiple of
         # its element size, as stock safetensors lays files out, so readers can map it.
         collector.tensors.sort(key=lambda kt: -kt[1].element_size())
-        fname = f"{name}.safetensors"
+        fname = pending.file_name(name, ".safetensors")
         slots = [TensorSlot(key, dtypes.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for key, t in collector.tensors]
         header, offsets = build_header(slots, {"format": "pt", "writer": f"ckpt-replay {__version__}"})
         sink = storage.create(os.path.join(pending.tmp_dir, fname), k.chunk_size)
@@ -315,7 +333,7 @@ def write_part(
     if len(raw) > k.max_state_raw_bytes:
         raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
     comp = zstd_compress(raw)
-    sname = f"{name}.state.msgpack.zst"
+    sname = pending.file_name(name, ".state.msgpack.zst")
     sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
     try:
         sink.write(comp)
@@ -359,12 +377,14 @@ def commit(
     kind: str = "checkpoint",
     step: int | None = None,
     meta: Mapping[str, Any] | None = None,
-    storage: Storage = local,
+    storage: Storage | None = None,
 ) -> Manifest:
-    """Write MANIFEST last, fsync, and rename the temporary directory into place.
+    """Write MANIFEST last, fsync, and rename the temporary directory into place (on an
+    object store: put MANIFEST last, conditionally, spec/object-storage.md).
 
     ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
     crosses process boundaries as plain data)."""
+    storage, _ = resolve(pending.final, storage)
     parts = [p if isinstance(p, PartEntry) else PartEntry.from_dict(dict(p)) for p in parts]
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
@@ -383,6 +403,9 @@ def commit(
         meta=dict(meta or {}),
     )
     blob = encode_manifest(manifest)
+    if commits_by_manifest(storage):
+        storage.publish(pending, blob)  # type: ignore[attr-defined]
+        return manifest
     sink = storage.create(os.path.join(pending.tmp_dir, MANIFEST_NAME), max(knobs().chunk_size, 4096))
     try:
         sink.write(blob)
@@ -449,10 +472,11 @@ class Recovery:
     removed: tuple[str, ...]
 
 
-def is_complete(path: str, *, storage: Storage = local) -> bool:
+def is_complete(path: str, *, storage: Storage | None = None) -> bool:
     """A committed copy whatever its name: its MANIFEST decodes (own digest included)
     and every file it names is a regular file of the declared size. Chunk digests are
     not re-hashed (resume verifies them); this tells a whole copy from a torn save."""
+    storage, path = resolve(path, storage)
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
         st = storage.lstat(mpath)
@@ -468,7 +492,7 @@ def is_complete(path: str, *, storage: Storage = local) -> bool:
     return True
 
 
-def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | None = None, storage: Storage = local) -> Recovery:
+def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | None = None, storage: Storage | None = None) -> Recovery:
     """Clean a directory of checkpoints after a crash, never losing a complete copy.
 
     For each final name (accepted by ``names``, default any valid name) that has no
@@ -477,11 +501,14 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     the old one of an interrupted overwrite (``.tmp-<name>-<hex>.old``). Then every
     ``.tmp-*`` entry is removed, except copies of a name whose restore failed. Only the
     process that owns the directory may call this (the manager holds the run lock):
-    another writer's save in progress would be removed.
+    another writer's save in progress would be removed. On an object store the same
+    rules are applied to prefixes (spec/object-storage.md).
     """
-    root = os.fspath(parent)
+    storage, root = resolve(parent, storage)
+    if commits_by_manifest(storage):
+        return storage.recover(root, names=names)  # type: ignore[attr-defined]
     try:
-        entries = sorted(os.listdir(root))
+        entries = sorted(storage.listdir(root))
     except FileNotFoundError:
         return Recovery((), ())
     tmps = [n for n in entries if n.startswith(TMP_PREFIX)]
@@ -503,7 +530,7 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     keep: set[str] = set()
     for name, cands in sorted(by_name.items()):
         final = os.path.join(root, name)
-        if os.path.isfile(os.path.join(final, MANIFEST_NAME)):
+        if storage.isfile(os.path.join(final, MANIFEST_NAME)):
             continue  # committed under its final name: the copies are redundant
         for _, t in sorted(cands):
             if not is_complete(os.path.join(root, t), storage=storage):
@@ -553,7 +580,7 @@ def save(
     overwrite: bool = False,
     meta: Mapping[str, Any] | None = None,
     this_rank_only: bool = False,
-    storage: Storage = local,
+    storage: Storage | None = None,
 ) -> CheckpointInfo:
     """Save all seven fields of one process's training state, atomically.
 
@@ -565,6 +592,7 @@ def save(
     """
     if not this_rank_only:
         _refuse_under_process_group(path)
+    storage, path = resolve(path, storage)
     pending = begin(path, overwrite=overwrite, storage=storage)
     try:
         part = write_part(

@@ -4,7 +4,8 @@
 under seeded chaos, a no-fault run, a synchronous elastic baseline, a forced replay, a
 tape check, a snapshot restore continued under the tape, a syncer-fault drill, then the
 report and a PNG of the loss curves (``runs/diloco/demo.py``). ``basic``: the
-single-process bit-exact resume check (``--basic`` is kept as its alias). ``--list``
+single-process bit-exact resume check (``--basic`` is kept as its alias). ``stages``: pipeline
+stage skipping (``runs/stages/demo.py``). ``--list``
 names them. Every demo ends with its named checks; the exit status is 1 when any failed.
 """
 
@@ -40,9 +41,9 @@ class _Shell:
 @click.option("--out", "out_dir", default="demo-out", show_default=True, type=click.Path(file_okay=False, path_type=str))
 @click.option("--list", "list_", is_flag=True, help="List the demos, one line each, and exit.")
 @click.option("--basic", is_flag=True, help="Alias of NAME=basic.")
-@click.option("--quick", is_flag=True, help="diloco: a small reference run (seconds; for tests).")
+@click.option("--quick", is_flag=True, help="diloco, stages: a small reference run (for tests).")
 @click.option("--transport", type=click.Choice(["gloo", "threads"]), default="gloo", show_default=True,
-              help="diloco: learners as processes over torch.distributed gloo, or as threads of one process.")
+              help="diloco, stages: workers as processes over torch.distributed gloo, or as threads of one process.")
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=10), help="basic: training steps.")
 @handle_errors
 def demo_cmd(name: str | None, out_dir: str, list_: bool, basic: bool, quick: bool, transport: str, steps: int) -> None:

@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 
 import click
 
-from ckpt_cli._common import dump_json, handle_errors, human_bytes, when
+from ckpt_cli._common import PathOrURL, dump_json, handle_errors, human_bytes, when
 
 
-def _dir_size(path: str) -> int:
+def _dir_size(storage: Any, path: str) -> int:
     total = 0
-    for name in os.listdir(path):
+    for name in storage.listdir(path):
         try:
-            st = os.lstat(os.path.join(path, name))
+            st = storage.lstat(os.path.join(path, name))
             total += st.st_size
         except OSError:
             pass
     return total
 
 
-def _holds_checkpoints(path: str) -> bool:
+def _holds_checkpoints(storage: Any, path: str) -> bool:
     try:
-        return any(os.path.isfile(os.path.join(path, n, "MANIFEST")) for n in os.listdir(path))
+        return any(storage.isfile(os.path.join(path, n, "MANIFEST")) for n in storage.listdir(path))
     except OSError:
         return False
 
@@ -32,29 +33,39 @@ def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
     from ckpt.errors import CkptError, IncompleteCheckpointError
     from ckpt import TMP_PREFIX, CheckpointReader
     from ckpt.ledger import ledger_tapes
+    from ckpt.storage import resolve
 
+    # The one resolver: a local directory or an object-store prefix (s3://...).
+    storage, root = resolve(run_dir)
+    if storage.scheme == "file":
+        root = run_dir  # rows name paths the way the user typed them
     rows = []
-    for name in sorted(os.listdir(run_dir)):
-        p = os.path.join(run_dir, name)
-        if not os.path.isdir(p) or os.path.islink(p):
+    for name in sorted(storage.listdir(root)):
+        p = os.path.join(root, name)
+        try:
+            st = storage.lstat(p)
+        except OSError:  # removed since the listing
             continue
-        row: dict[str, Any] = {"name": name, "step": None, "time": None, "bytes": _dir_size(p), "status": None, "problem": None}
+        if not stat.S_ISDIR(st.st_mode):  # lstat: a symlink is not followed
+            continue
+        row: dict[str, Any] = {"name": name, "step": None, "time": None, "bytes": _dir_size(storage, p), "status": None, "problem": None}
         if name.startswith(TMP_PREFIX):
             row["status"] = "temporary"
             rows.append(row)
             continue
-        if not os.path.exists(os.path.join(p, "MANIFEST")) and ledger_tapes(p):
+        committed = storage.exists(os.path.join(p, "MANIFEST"))
+        if not committed and storage.scheme == "file" and ledger_tapes(p):
             # The run's step ledger (ckpt.ledger), not a torn save.
             row["status"] = f"step ledger ({len(ledger_tapes(p))} tapes)"
             rows.append(row)
             continue
-        if not os.path.exists(os.path.join(p, "MANIFEST")) and _holds_checkpoints(p):
+        if not committed and _holds_checkpoints(storage, p):
             # A nested run directory (e.g. a baseline's checkpoints), not a torn save.
             row["status"] = "run directory"
             rows.append(row)
             continue
         try:
-            r = CheckpointReader(p)
+            r = CheckpointReader(p, storage=storage)
             row.update(step=r.step, time=r.manifest.created_at, kind=r.manifest.kind)
             r.verify(quick=not deep)
             row["status"] = "valid"
@@ -69,7 +80,7 @@ def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
 
 
 @click.command("ls")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("run_dir", type=PathOrURL(exists=True, file_okay=False))
 @click.option("--deep", is_flag=True, help="Re-hash every chunk instead of checking structure and sizes.")
 @click.option("--json", "as_json", is_flag=True)
 @handle_errors

@@ -43,7 +43,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("ckpt_cli.diff_cmd:diff_cmd", "Compare two checkpoints: tensors, config, commit, topology, RNG, env."),
     "ls": ("ckpt_cli.ls_cmd:ls_cmd", "List the checkpoints of a run directory with their status."),
     "demo": ("ckpt_cli.demo_cmd:demo_cmd", "Run the demo training job and report on it."),
-    "tape": ("ckpt_cli.tape_cmd:tape", "Show, verify, check, diff and repair event tapes."),
+    "tape": ("ckpt_cli.tape_cmd:tape", "Show, verify, check, merge, diff and repair event tapes."),
     "replay": ("ckpt_cli.tape_cmd:replay_cmd", "Re-execute a recorded run and prove it bit-identical."),
     "check-resume": ("ckpt_cli.resume_cmd:check_resume_cmd", "Kill and resume a training entry point; compare bits."),
     "import": ("ckpt_cli.dcp_cmd:import_group", "Convert another format into a checkpoint (import dcp SRC DST)."),

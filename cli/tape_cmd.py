@@ -1,4 +1,4 @@
-"""``ckpt tape show|verify|check|diff|repair`` and ``ckpt replay``.
+"""``ckpt tape show|verify|check|merge|diff|repair`` and ``ckpt replay``.
 
 Exit codes (cli/main.py): 0 valid / identical / no violation; 3 corrupt tape;
 4 ``tape verify`` found a torn tail (the tape reads, but its end was never completely
@@ -185,6 +185,21 @@ def check_cmd(paths: tuple[str, ...], as_json: bool) -> None:
             click.echo(v.format())
     if violations:
         raise click.exceptions.Exit(6)
+
+
+@tape.command("merge")
+@click.argument("paths", metavar="TAPE...", nargs=-1, required=True, type=_TAPE)
+@click.option("-o", "--out", "out", required=True, type=click.Path(exists=False, path_type=str),
+              help="The job tape to write (must not exist).")
+@handle_errors
+def merge_cmd(paths: tuple[str, ...], out: str) -> None:
+    """Write one job tape from a job's per-process tapes (spec/tape-format.md §2.1), for
+    ``ckpt replay``: every event, in happens-before order, actors renumbered, the first
+    tape's metadata (entry point, config). Each actor must be on one tape only."""
+    from replay.tape.merge import merge_tapes
+
+    n = merge_tapes(list(paths), out)
+    click.echo(f"merged {len(paths)} tapes ({n} events) into {out}")
 
 
 @tape.command("diff")

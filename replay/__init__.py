@@ -19,7 +19,9 @@ from replay.events import KINDS, Event, Kind
 from replay.recorder import Actor, Recorder, ReplayStop, Stamp
 from replay.replayer import Divergence, ReplayResult, fork, record, replay
 from replay.tape import TapeReader, TapeWriter
+from replay.tape.merge import merge_tapes
 from replay.tape.repair import repair as repair_tape
+from replay.digest import state_digest
 
 __all__ = [
     "VectorClock",
@@ -30,6 +32,8 @@ __all__ = [
     "TapeWriter",
     "TapeReader",
     "repair_tape",
+    "merge_tapes",
+    "state_digest",
     "Recorder",
     "Actor",
     "Stamp",
@@ -49,6 +53,7 @@ __all__ = [
     "TapeTruncatedError",
     "DivergenceError",
     "errors",
+    "sdc",
     # channels and snapshots (lazy: they import torch)
     "Endpoint",
     "Message",
@@ -108,6 +113,10 @@ _LAZY: dict[str, str] = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("sdc", "errors"):
+        value = import_module(f"replay.{name}")
+        globals()[name] = value
+        return value
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'replay' has no attribute {name!r}")

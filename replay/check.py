@@ -24,7 +24,24 @@ snapshot-inflight-missing  a message crossing the cut is not in the recorded cha
 snapshot-inflight-spurious recorded channel state lists a message that did not cross the cut
 snapshot-channels-early    channel state taped for a snapshot the actor has not recorded yet
 snapshot-part-missing      a committed snapshot lists a part whose cut or channel state is not taped
+stage-send-while-offline   a pipeline stage sends between its stage_down and its stage_up
+stage-up-mismatch          a stage_up with no stage_down before it, or not at that outage's end
+bypass-outside-outage      a bypass names a stage that is not offline at that step
+bypass-window              an outage's bypasses cover neither none nor all of its window, or the
+                           gradient bypasses differ from the activation bypasses
+recovery-digest-mismatch   a stage_up whose recovery message has no recovery_source, or whose
+                           digest, source or target disagrees with it
+commit-without-quorum      a step committed under a quorum this actor never taped, or one without it
+recovery-without-source    a replica loaded a recovery state nobody sent it
+recovery-state-mismatch    a recovered replica's state digest differs from what its source sent
+rollback-not-before-detection  a rollback's target step is not below its event's step
+rollback-without-spike     a rollback has no spike event of its actor and step before it
+routing-replay-uncached    a routing replay has no earlier routing event for its layer and batch
+routing-replay-mismatch    a routing replay's digest differs from the cached routing's
 =========================  ==============================================================
+
+The pipeline-stage rules (spec/stages.md §9) read each stage's outage windows from its own
+``stage_down`` / ``stage_up`` events: a window is ``[first, until)`` of the ``stage_down``.
 
 Snapshots taped by a Chandy-Lamport participant come in two phases (spec §8.1): the
 ``snapshot`` event is the cut (its clock), the later ``snapshot_channels`` event the
@@ -55,7 +72,10 @@ RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-aft
          "duplicate-recv", "merge-unknown-contribution", "merge-not-after-send", "merge-applied-twice",
          "quorum-below-minimum", "quorum-duplicate-member", "recovery-before-target", "snapshot-duplicate",
          "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious",
-         "snapshot-channels-early", "snapshot-part-missing")
+         "snapshot-channels-early", "snapshot-part-missing", "stage-send-while-offline", "stage-up-mismatch",
+         "bypass-outside-outage", "bypass-window", "recovery-digest-mismatch", "commit-without-quorum",
+         "recovery-without-source", "recovery-state-mismatch", "rollback-not-before-detection",
+         "rollback-without-spike", "routing-replay-uncached", "routing-replay-mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +103,11 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
     snaps: dict[str, dict[str, Event]] = {}
     chans: dict[str, dict[str, Event]] = {}
     outcomes: dict[str, Event] = {}
+    stages = _Stages()
+    quorums: dict[tuple[str, str], Event] = {}  # (actor, key) -> its quorum event
+    sent_state: dict[tuple[str, str, int], Event] = {}  # (source, peer, step) -> recovery_sent
+    spikes: dict[tuple[str, int], Event] = {}
+    routed: dict[tuple[str, str, int, int], Event] = {}
 
     def v(rule: str, msg: str, *evs: Event) -> None:
         out.append(Violation(rule, msg, tuple(evs)))
@@ -97,6 +122,8 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
             v("clock-monotonic", f"{ev.actor}'s clock {ev.clock!r} does not follow its previous {prev.clock!r}",
               prev, ev)
         last[ev.actor] = ev
+        if k in _STAGE_KINDS:
+            stages.see(ev, v)
         if k == "send":
             p = ev.payload
             key = (p["channel"], p["chan_seq"])
@@ -148,6 +175,30 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
             if len(set(members)) < p["minimum"]:
                 v("quorum-below-minimum", f"quorum {p['key']!r} has {len(set(members))} members, minimum "
                   f"{p['minimum']}", ev)
+            quorums[(ev.actor, p["key"])] = ev
+        elif k == "step_commit":
+            p = ev.payload
+            if p["committed"]:
+                q = quorums.get((ev.actor, p["quorum"]))
+                group = ev.actor.split(".", 1)[0]
+                if q is None:
+                    v("commit-without-quorum", f"{ev.actor} committed step {ev.step} under quorum {p['quorum']!r}, "
+                      "which it never taped", ev)
+                elif group not in q.payload["members"]:
+                    v("commit-without-quorum", f"{ev.actor} committed step {ev.step} under quorum {p['quorum']!r}, "
+                      f"whose members {q.payload['members']} do not list its group {group!r}", q, ev)
+        elif k == "recovery_sent":
+            sent_state[(ev.actor, ev.payload["peer"], ev.step)] = ev
+        elif k == "recovery_loaded":
+            p = ev.payload
+            src = sent_state.get((p["source"], ev.actor, ev.step))
+            if src is None:
+                v("recovery-without-source", f"{ev.actor} loaded a recovery state from {p['source']} at step "
+                  f"{ev.step} that {p['source']} never sent it", ev)
+            elif src.payload["state"] != p["state"] or src.payload["stream"] != p["stream"]:
+                v("recovery-state-mismatch", f"{ev.actor} recovered from {p['source']} at step {ev.step} with state "
+                  f"{p['state'].hex()} (stream {p['stream'].hex()}), the source sent {src.payload['state'].hex()} "
+                  f"(stream {src.payload['stream'].hex()})", src, ev)
         elif k == "fault_recovered":
             p = ev.payload
             if p["observed"].compare(p["target_clock"]) not in (Order.AFTER, Order.EQUAL):
@@ -171,6 +222,28 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
                   f"cut", ev)
             else:
                 mine[ev.actor] = ev
+        elif k == "spike":
+            spikes[(ev.actor, ev.step)] = ev
+        elif k == "rollback":
+            p = ev.payload
+            if p["to_step"] >= ev.step:
+                v("rollback-not-before-detection", f"rollback at step {ev.step} goes to step {p['to_step']}, not "
+                  "before it", ev)
+            if (ev.actor, ev.step) not in spikes:
+                v("rollback-without-spike", f"rollback at step {ev.step} has no spike event of {ev.actor} before it",
+                  ev)
+        elif k == "routing":
+            p = ev.payload
+            routed[(ev.actor, p["layer"], p["epoch"], p["batch"])] = ev
+        elif k == "routing_replay":
+            p = ev.payload
+            cached = routed.get((ev.actor, p["layer"], p["epoch"], p["batch"]))
+            if cached is None:
+                v("routing-replay-uncached", f"{p['layer']} replayed a routing for epoch {p['epoch']} batch "
+                  f"{p['batch']} that was never cached", ev)
+            elif cached.payload["digest"] != p["digest"]:
+                v("routing-replay-mismatch", f"{p['layer']} trained epoch {p['epoch']} batch {p['batch']} with "
+                  "experts other than the cached ones", cached, ev)
         elif k == "snapshot_outcome":
             sid = ev.payload["snapshot_id"]
             if sid in outcomes:
@@ -179,7 +252,98 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
                 outcomes[sid] = ev
     for sid in [*snaps, *(s for s in outcomes if s not in snaps)]:
         _check_cut(sid, snaps.get(sid, {}), chans.get(sid, {}), outcomes.get(sid), sends, recvs, v)
+    stages.finish(v)
     return out
+
+
+_STAGE_KINDS = frozenset({"send", "stage_down", "stage_up", "recovery_source", "bypass"})
+
+
+class _Stages:
+    """The pipeline-stage rules (spec/stages.md §9): outage windows, bypasses, recoveries."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, Event] = {}  # actor -> its stage_down not yet followed by a stage_up
+        self.windows: list[tuple[str, int, int, Event, Event | None]] = []  # actor, first, until, down, up
+        self.bypasses: list[Event] = []
+        self.sources: dict[tuple[str, int], Event] = {}
+        self.ups: list[Event] = []
+
+    def see(self, ev: Event, v: Any) -> None:
+        k = ev.kind.name
+        if k == "send":
+            down = self.open.get(ev.actor)
+            if down is not None:
+                p = ev.payload
+                v("stage-send-while-offline", f"{ev.actor} sent {p['channel']}#{p['chan_seq']} at step {ev.step} while "
+                  f"offline (down since step {down.payload['first']})", down, ev)
+        elif k == "stage_down":
+            if ev.actor in self.open:
+                v("stage-up-mismatch", f"{ev.actor} went down again without a stage_up", self.open[ev.actor], ev)
+                self._close(ev.actor, None)
+            self.open[ev.actor] = ev
+        elif k == "stage_up":
+            down = self.open.get(ev.actor)
+            if down is None:
+                v("stage-up-mismatch", f"{ev.actor} came up at step {ev.step} without going down", ev)
+            else:
+                if ev.step != down.payload["until"]:
+                    v("stage-up-mismatch", f"{ev.actor} came up at step {ev.step}, its outage ends at step "
+                      f"{down.payload['until']}", down, ev)
+                self._close(ev.actor, ev)
+            self.ups.append(ev)
+        elif k == "recovery_source":
+            p = ev.payload
+            self.sources[(p["channel"], p["chan_seq"])] = ev
+        else:  # bypass
+            self.bypasses.append(ev)
+
+    def _close(self, actor: str, up: Event | None) -> None:
+        down = self.open.pop(actor)
+        p = down.payload
+        self.windows.append((actor, int(p["first"]), int(p["until"]), down, up))
+
+    def finish(self, v: Any) -> None:
+        for actor in list(self.open):
+            self._close(actor, None)
+        by_stage: dict[str, list[tuple[int, int, Event, Event | None]]] = {}
+        for actor, first, until, down, up in self.windows:
+            by_stage.setdefault(actor, []).append((first, until, down, up))
+        fwd: dict[tuple[str, int], set[int]] = {}  # (stage, window first) -> steps bypassed
+        bwd: dict[tuple[str, int], set[int]] = {}
+        for b in self.bypasses:
+            p = b.payload
+            x = p["offline"]
+            w = next(((f, u) for f, u, _, _ in by_stage.get(x, ()) if f <= b.step < u), None)
+            if w is None:
+                v("bypass-outside-outage", f"{b.actor} routed {p['direction']} around {x} at step {b.step}, when {x} "
+                  f"was not offline", b)
+                continue
+            (fwd if p["direction"] == "fwd" else bwd).setdefault((x, w[0]), set()).add(b.step)
+        for x, ws in by_stage.items():
+            for first, until, down, up in ws:
+                f, g = fwd.get((x, first), set()), bwd.get((x, first), set())
+                window = set(range(first, until))
+                if up is None and f:  # the tape ended inside the outage: judge what it holds
+                    window = set(range(first, max(f) + 1))
+                if f and f != window:
+                    miss = sorted(window - f)
+                    v("bypass-window", f"{x}'s outage {first}..{until - 1} is bypassed at some steps only "
+                      f"(not at {miss[:8]})", down, *([up] if up else []))
+                if g != f:
+                    v("bypass-window", f"{x}'s outage {first}..{until - 1}: gradient bypasses at steps {sorted(g)[:8]} "
+                      f"differ from activation bypasses at {sorted(f)[:8]}", down, *([up] if up else []))
+        for up in self.ups:
+            p = up.payload
+            src = self.sources.get((p["channel"], p["chan_seq"]))
+            if src is None:
+                v("recovery-digest-mismatch", f"{up.actor} recovered through {p['channel']}#{p['chan_seq']}, which no "
+                  f"recovery_source names", up)
+            elif (src.payload["digest"] != p["digest"] or src.actor != p["source"]
+                  or src.payload["target"] != up.actor):
+                v("recovery-digest-mismatch", f"{up.actor} recovered from {p['source']} through {p['channel']}#"
+                  f"{p['chan_seq']}: loaded digest {p['digest'].hex()}, {src.actor} saved {src.payload['digest'].hex()} "
+                  f"for {src.payload['target']}", src, up)
 
 
 def _check_cut(sid: str, cut: dict[str, Event], chans: dict[str, Event], outcome: Event | None,

@@ -21,8 +21,8 @@ import xxhash
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["bytes_digest", "tensor_digest", "named_digests", "module_digests", "rng_digests", "payload_digest",
-           "RNG_SOURCES"]
+__all__ = ["bytes_digest", "tensor_digest", "named_digests", "state_digest", "module_digests", "rng_digests",
+           "payload_digest", "RNG_SOURCES"]
 
 # One tensor digest in the repository: ckpt.ledger.digest (the step ledger lives below replay).
 from ckpt.ledger.digest import bytes_digest, dtype_name as _dtype_name, tensor_digest  # noqa: E402,F401
@@ -43,6 +43,12 @@ def named_digests(named: Iterable[tuple[str, "torch.Tensor"]]) -> tuple[bytes, l
         h.update(b"\0")
         h.update(d)
     return h.digest(), per
+
+
+def state_digest(named: Iterable[tuple[str, "torch.Tensor"]]) -> bytes:
+    """One digest of a state given as (name, tensor) pairs, in order: the ``digest`` of
+    the ``params`` event those pairs would tape (names, dtypes, shapes and bytes)."""
+    return named_digests(named)[0]
 
 
 def module_digests(module: "torch.nn.Module", prefix: str = "") -> tuple[bytes, list[tuple[str, bytes]]]:

@@ -17,10 +17,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import msgpack
 
-from ckpt.format.codec import foreign_value
 from ckpt.tape.format import strict_pairs  # one definition, next to the framing it serves
+from ckpt.tape.payload import pack_msgpack, unpack_msgpack  # the msgpack field rules, with the framing
 from replay.clock import VectorClock
 from replay.errors import TapeFormatError
 
@@ -144,25 +143,8 @@ def _enc_refs(out: bytearray, v: Sequence[tuple[str, int]], name: str) -> None:
         out += _U64.pack(s)
 
 
-def _ext_refused(code: int, data: bytes) -> Any:
-    raise ValueError(f"msgpack ext type {code} is not allowed on a tape")
-
-
-def unpack_msgpack(data: bytes) -> Any:
-    """Decode one msgpack object under the tape rules; ``ValueError`` says what is wrong."""
-    try:
-        v = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_refused,
-                            object_pairs_hook=strict_pairs)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError, RecursionError) as e:
-        raise ValueError(f"bad msgpack: {e}") from None
-    bad = foreign_value(v)
-    if bad is not None:  # msgpack decodes ext -1 (Timestamp) without asking ext_hook
-        raise ValueError(f"msgpack extension value at {bad} is not allowed on a tape")
-    return v
-
-
 def _enc_msgpack(out: bytearray, v: Any, name: str) -> None:
-    raw = msgpack.packb(v, use_bin_type=True, use_single_float=False, strict_types=False)
+    raw = pack_msgpack(v)
     try:
         unpack_msgpack(raw)  # a recorder never writes what a reader refuses
     except ValueError as e:
@@ -339,6 +321,75 @@ KINDS: tuple[Kind, ...] = (
     Kind(24, "resume_check", (("verdict", "str"), ("first", "i64"), ("last", "i64"), ("report", "str")),
          "The verification of a resume against the ledger: verdict exact, diverged or skipped over steps "
          "first..last, with the full report text."),
+    # -- 32-47: replica fault tolerance and SDC (runs/replicas, replay.sdc) --
+    Kind(32, "step_commit", (("quorum", "str"), ("committed", "u32"), ("participants", "u32"), ("params", "d128"),
+                             ("state", "d128")),
+         "A replica's commit verdict for one attempt of the step (the step field) under quorum `quorum`; params and "
+         "state digest its parameters and its whole replicated state after the step (zero when not committed); "
+         "invariant: a committed step follows this actor's quorum event of that key, which lists it."),
+    Kind(33, "recovery_sent", (("peer", "str"), ("stream", "d128"), ("state", "d128"), ("nbytes", "u64")),
+         "This replica streamed its state at the step (the step field) to the recovering replica peer: the "
+         "checkpoint stream's digest, the state digest and the data bytes."),
+    Kind(34, "recovery_loaded", (("source", "str"), ("stream", "d128"), ("state", "d128")),
+         "This replica loaded the state streamed by source for the step; invariant: state equals the digest of the "
+         "source's recovery_sent to this actor for the same step."),
+    Kind(35, "membership", (("quorum", "str"), ("joined", "strs"), ("left", "strs"), ("members", "strs")),
+         "The replica groups of quorum `quorum` as this replica sees them, against its previous quorum."),
+    Kind(36, "data_reassign", (("policy", "str"), ("lost", "strs"), ("sample_ids", "u64s")),
+         "The samples of a step attempt that was not committed (lost: the groups that failed in it) go back to "
+         "the global stream (policy redistribute: the retry splits them over the surviving groups) or are skipped "
+         "(policy drop)."),
+    Kind(37, "sdc_digests", (("kind", "str"), ("buckets", "digests")),
+         "xxh3-128 of each gradient bucket of this replica at the step's accumulation boundary: kind local (its "
+         "own gradient, before the all-reduce) or reduced (after it)."),
+    Kind(38, "sdc_verdict", (("check", "str"), ("ok", "u32"), ("odd", "strs"), ("buckets", "strs"),
+                             ("detail", "msgpack")),
+         "An SDC check at the step: check cross-replica (reduced-bucket digests compared across replicas), "
+         "reexec (the step re-executed and its digests compared) or stream (bytes checked on receipt); odd names "
+         "the replicas found wrong, buckets the buckets that differ."),
+    # 48-55: loss-spike rollback and anticipatory routing (ckpt.guard; spec/loss-guard.md).
+    Kind(48, "spike", (("rule", "str"), ("value", "f64"), ("median", "f64"), ("mad", "f64"), ("scale", "f64"),
+                       ("score", "f64"), ("threshold", "f64"), ("window", "msgpack")),
+         "A loss spike or non-finite loss was detected at this step: rule robust_z or nonfinite, the loss, the "
+         "window's median and MAD, the scale and robust z-score, the threshold, and the window of accepted losses "
+         "the rule looked at (oldest first)."),
+    Kind(49, "rollback", (("episode", "u32"), ("to_step", "i64"), ("ckpt_id", "str"), ("ckpt_name", "str"),
+                          ("policy", "str"), ("edits", "msgpack"), ("discarded", "strs"), ("fallbacks", "strs")),
+         "The guard rolled back to the checkpoint of to_step (content id, name) and applied the data policy: edits "
+         "are the data edits made (epoch, steps, action, delay); discarded the newer checkpoints deleted, "
+         "fallbacks the newer ones that did not verify. Invariant: to_step < the event's step.", decision=True),
+    Kind(50, "routing", (("layer", "str"), ("epoch", "u64"), ("batch", "u64"), ("k", "u32"), ("experts", "msgpack"),
+                         ("digest", "d128")),
+         "Warmup: the top-k expert ids one MoE layer chose with the restored weights for the batch of global step "
+         "batch of epoch, as u16 LE bytes (tokens x k, row order); digest is xxh3-128 of those bytes.",
+         decision=True),
+    Kind(51, "routing_replay", (("layer", "str"), ("epoch", "u64"), ("batch", "u64"), ("digest", "d128")),
+         "A cached routing was used to train its batch; digest of the ids used. Invariant: equal to the digest of "
+         "the earlier routing event of the same layer, epoch and batch."),
+    Kind(52, "warmup", (("batches", "msgpack"), ("rng", "digests")),
+         "The routing warmup read these [epoch, step] batches ahead; rng is each training RNG stream's digest, "
+         "the same before and after it."),
+    Kind(53, "rollback_refused", (("reason", "str"), ("detail", "msgpack")),
+         "A spike was detected but not rolled back: reason limit (the rollback budget is spent) or no-checkpoint "
+         "(none before the anomaly); detail says why."),
+    # 56-71: pipeline stages (runs/stages, spec/stages.md)
+    Kind(56, "stage_down", (("first", "u64"), ("until", "u64")),
+         "This pipeline stage goes offline for global steps first..until-1; it sends nothing until its stage_up."),
+    Kind(57, "stage_up", (("source", "str"), ("channel", "str"), ("chan_seq", "u64"), ("digest", "d128")),
+         "This stage rejoined with the state of source, recovered through the message channel#chan_seq; digest is "
+         "the state digest of what it loaded."),
+    Kind(58, "recovery_source", (("target", "str"), ("channel", "str"), ("chan_seq", "u64"), ("digest", "d128")),
+         "This stage sent its state to target for a peer recovery, as the message channel#chan_seq; digest is the "
+         "state digest of what it saved."),
+    Kind(59, "bypass", (("offline", "str"), ("src", "str"), ("dst", "str"), ("direction", "str")),
+         "This step's activations (direction fwd, taped by the upstream stage) or gradients (bwd, by the downstream "
+         "stage) go from src to dst around the offline stage."),
+    Kind(60, "ef_residual", (("key", "str"), ("digest", "d128"), ("kept", "u64"), ("total", "u64"),
+                             ("nbytes", "u64")),
+         "After the compressed replica exchange key: the digest of the error-feedback residual left, the values "
+         "sent and in total, and the payload bytes sent to each peer."),
+    Kind(61, "stage_stall", (("reason", "str"),),
+         "This stage is live but idles this step (its replica waits: reason wait or edge-down)."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}

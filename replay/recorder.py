@@ -303,6 +303,17 @@ class Actor:
     def note(self, text: str) -> None:
         self._emit(_NOTE.code, _NOTE.pack(text))
 
+    def event(self, kind: str, *values: Any) -> None:
+        """Record one event of a reference run's own kind (codes 25 and up in
+        ``replay.events``), its field values in table order. The generic kinds have their
+        own methods, and a decision kind would need force-mode handling: both refused."""
+        k = KIND_BY_NAME.get(kind)
+        if k is None:
+            raise KeyError(f"unknown event kind {kind!r}")
+        if k.code < 25 or k.decision:
+            raise ValueError(f"{kind} is not a run's own record kind: use its Actor method")
+        self._emit(k.code, k.pack(*values))
+
     # -- messages ---------------------------------------------------------------------------------
     def send(self, channel: str, payload: Any = None, *, peer: str, digest: bytes | None = None,
              chan_seq: int | None = None) -> Stamp:
@@ -377,6 +388,31 @@ class Actor:
         if detail:
             self._emit(_FINJ.code, _FINJ.pack(fault, target, detail))
         return detail
+
+    # -- events a library below replay encodes (ckpt.guard: kinds 48-53) --------------------------
+    def record_event(self, kind: str | int, payload: bytes) -> None:
+        """Tape one event of ``kind`` whose payload is already encoded: ``ckpt`` cannot
+        import this package, so the kinds it owns are encoded there (``ckpt.tape.payload``)
+        and handed over as bytes. Refused (``TapeFormatError``) unless the event table's
+        decoder reads them; a decision kind goes through :meth:`decide_event`."""
+        k = _table_kind(kind)
+        if k.decision:
+            raise ValueError(f"{k.name} is a decision kind: use decide_event")
+        k.unpack(payload)  # a recorder never writes what a reader refuses
+        self._emit(k.code, bytes(payload))
+
+    def decide_event(self, kind: str | int, compute: Callable[[], bytes]) -> bytes:
+        """A decision of ``kind`` whose payload a library encodes: in force mode the payload
+        the tape holds next (``compute`` is not called), otherwise ``compute()``'s; taped
+        either way, and returned so the caller acts on what was decided."""
+        k = _table_kind(kind)
+        if not k.decision:
+            raise ValueError(f"{k.name} is not a decision kind: use record_event")
+        taped = self._taped(k.code)
+        payload = k.pack_map(taped) if taped is not None else bytes(compute())
+        k.unpack(payload)
+        self._emit(k.code, payload)
+        return payload
 
     # -- faults, checkpoints, snapshots ----------------------------------------------------------
     def fault_detected(self, fault: str, target: str, detail: Any = None) -> None:
@@ -562,6 +598,12 @@ class Recorder(Actor):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _table_kind(kind: str | int) -> Any:
+    from replay.events import kind as lookup
+
+    return lookup(kind)
 
 
 def _refs(inflight: Sequence[Stamp | tuple[str, int]]) -> list[tuple[str, int]]:

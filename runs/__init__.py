@@ -28,6 +28,12 @@ class Demo(NamedTuple):
 DEMOS: dict[str, Demo] = {
     "diloco": Demo("Decoupled DiLoCo under seeded chaos: no-fault run, synchronous baseline, replay, snapshots",
                    "runs.diloco.demo:main"),
+    "stages": Demo("pipeline stage skipping: stages bypassed while offline, peer recovery, SparseLoCo exchanges, replay",
+                   "runs.stages.demo:main"),
     "basic": Demo("single process: checkpoint a tiny transformer, inspect, verify, resume bit for bit",
                   "runs.basic.demo:main"),
+    "replicas": Demo("replica groups on torchft: SIGKILL, replacement recovers from a live peer, SDC checks, replay",
+                     "runs.replicas.demo:main"),
+    "rollback": Demo("loss-spike rollback on a tiny MoE: detect, roll back, skip the window, replay the routing",
+                     "runs.rollback.demo:main"),
 }

@@ -54,12 +54,20 @@ shard) without reading it from the *next* epoch on; within an epoch the skip set
 one frozen at the epoch's start, so a run resumed mid-epoch makes the same choices as
 the uninterrupted run.
 
+**Edits of the order.** ``loader.edit(DataEdit(epoch, steps, "skip"|"defer", delay))``
+skips global steps of an epoch, or serves them ``delay`` batches later; the cursor then
+counts slots of the edited schedule, and the edits are part of the state (version 2).
+This is the loss-spike guard's data policy (``ckpt.guard``): the rule is in
+``ckpt.data._edits``. ``upcoming(n)`` names the next batches and ``peek(n)`` reads them
+without moving the cursor or any RNG stream (the guard's routing warmup).
+
 Not covered: shard-local (block) shuffling for sequential formats, shuffle buffers, and
 token packing; sources whose read is not a pure function of the stored data.
 """
 
 from __future__ import annotations
 
+from ._edits import DataEdit
 from ._loader import BatchInfo, OnQuarantine, ResumableLoader, ResumeInfo, merge_rank_states
 from ._mix import sample_seed
 from ._order import EpochOrder
@@ -74,6 +82,7 @@ __all__ = [
     "QuarantineRecord",
     "ResumeInfo",
     "BatchInfo",
+    "DataEdit",
     "OnQuarantine",
     "EpochOrder",
     "sample_seed",

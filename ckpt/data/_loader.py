@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import StateMismatchError
+from ._edits import DataEdit, apply_edit, epoch_schedule
 from ._fetch import BatchRequest, Fetched, SeededFetcher, default_collate, unwrap_fetched
 from ._mix import M64, TAG_LOADER, mix64
 from ._order import EpochOrder
@@ -60,11 +61,11 @@ def _rank_slice(lo: int, hi: int, rank: int, world_size: int) -> range:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """One pass: global steps ``[start, stop)`` of ``order.epoch``, as seen by ``rank``."""
+    """One pass: the global steps ``steps`` of ``order.epoch`` (the rest of its schedule),
+    as seen by ``rank``."""
 
     order: EpochOrder
-    start: int
-    stop: int
+    steps: Sequence[int]
     global_batch_size: int
     world_size: int
     rank: int
@@ -91,16 +92,16 @@ class _RankBatchSampler:
         self.plan: _Plan | None = None
 
     def __len__(self) -> int:
-        return 0 if self.plan is None else self.plan.stop - self.plan.start
+        return 0 if self.plan is None else len(self.plan.steps)
 
     def __iter__(self) -> Iterator[BatchRequest]:
         plan = self.plan
         assert plan is not None, "ResumableLoader plans the sampler before iter()"
         max_chunk = max(1, _SAMPLER_CHUNK_POSITIONS // plan.global_batch_size)
-        chunk, first = 1, plan.start
-        while first < plan.stop:
-            steps = range(first, min(first + chunk, plan.stop))
-            first, chunk = steps.stop, min(2 * chunk, max_chunk)
+        chunk, first = 1, 0
+        while first < len(plan.steps):
+            steps = plan.steps[first : first + chunk]
+            first, chunk = first + len(steps), min(2 * chunk, max_chunk)
             slices = [plan.slice(step) for step in steps]
             indices = plan.order.indices([p for s in slices for p in s])
             at = 0
@@ -238,6 +239,8 @@ class ResumableLoader:
         self.on_quarantine = on_quarantine
         self._epoch = 0
         self._position = 0
+        self._edits: list[DataEdit] = []
+        self._schedule_cache: tuple[int, int, Sequence[int]] | None = None  # (epoch, edits, schedule)
         self._records: list[QuarantineRecord] = []
         self._record_keys: set[tuple[str, int]] = set()
         self._generation = 0
@@ -279,11 +282,23 @@ class ResumableLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Global steps per epoch; every rank yields this many batches per epoch."""
+        """Global steps of an unedited epoch; every rank yields this many batches per
+        epoch (fewer in an epoch with skips, :meth:`edit`)."""
         return epoch_steps(self._source.num_samples, self.global_batch_size, self.drop_last)
 
     def __len__(self) -> int:
-        return self.steps_per_epoch
+        """Batches the current epoch serves (its schedule's length; same on every rank)."""
+        return len(self._schedule(self._epoch))
+
+    def _schedule(self, epoch: int) -> Sequence[int]:
+        """The global steps ``epoch`` serves, in order (``ckpt.data._edits``)."""
+        c = self._schedule_cache
+        if c is not None and c[0] == epoch and c[1] == len(self._edits):
+            return c[2]
+        order = epoch_schedule(self.steps_per_epoch, self._edits, epoch)
+        sched: Sequence[int] = range(self.steps_per_epoch) if order is None else order
+        self._schedule_cache = (epoch, len(self._edits), sched)
+        return sched
 
     def _slice(self, step: int) -> range:
         lo = step * self.global_batch_size
@@ -307,8 +322,20 @@ class ResumableLoader:
 
     @property
     def step(self) -> int:
-        """Global steps of the current epoch consumed by the training loop."""
+        """Batches of the current epoch consumed by the training loop: the slot of the
+        epoch's schedule the next batch comes from (its global step when unedited)."""
         return self._position // self.global_batch_size
+
+    @property
+    def cursor(self) -> tuple[int, int]:
+        """``(epoch, slot)`` of the next batch: what :meth:`upcoming` and
+        :meth:`slots_between` count from."""
+        return self._epoch, self.step
+
+    @property
+    def edits(self) -> tuple[DataEdit, ...]:
+        """The edits of the order (skips and defers) in the order they were made."""
+        return tuple(self._edits)
 
     @property
     def quarantined(self) -> tuple[QuarantineRecord, ...]:
@@ -330,15 +357,19 @@ class ResumableLoader:
 
     def __iter__(self) -> _LoaderIterator:
         self._generation += 1
-        epoch, start, stop = self._epoch, self.step, self.steps_per_epoch
-        skip_samples, skip_shards = effective_sets(tuple(self._records), epoch)
-        self._sampler.plan = _Plan(
-            self._order(epoch), start, stop, self.global_batch_size, self.world_size, self.rank,
-            skip_samples, skip_shards,
-        )
-        return _LoaderIterator(self, self._generation, iter(self._dataloader), start, stop)
+        epoch, start = self._epoch, self.step
+        sched = self._schedule(epoch)
+        self._sampler.plan = self._plan(epoch, sched[start:])
+        return _LoaderIterator(self, self._generation, iter(self._dataloader), start, len(sched))
 
-    def _consume(self, fetched: Fetched, step: int) -> None:
+    def _plan(self, epoch: int, steps: Sequence[int]) -> _Plan:
+        skip_samples, skip_shards = effective_sets(tuple(self._records), epoch)
+        return _Plan(self._order(epoch), steps, self.global_batch_size, self.world_size, self.rank,
+                     skip_samples, skip_shards)
+
+    def _consume(self, fetched: Fetched, slot: int) -> None:
+        sched = self._schedule(self._epoch)
+        step = sched[slot]
         if fetched.epoch != self._epoch or fetched.step != step:
             raise RuntimeError(
                 f"internal: batch for epoch {fetched.epoch} step {fetched.step} arrived when "
@@ -354,13 +385,75 @@ class ResumableLoader:
             if self.on_quarantine is not None:
                 self.on_quarantine(index, shard, reason)
         self._last_batch = BatchInfo(self._epoch, step, tuple(self._slice(step)), fetched.served)
-        if step + 1 >= self.steps_per_epoch:
+        if slot + 1 >= len(sched):
             # Normalise eagerly: a state saved right after the last batch of an epoch
             # reads as "start of the next epoch", so every rank saves the same state.
             self._epoch += 1
             self._position = 0
+            # Edits of finished epochs change nothing any more: the state stays small.
+            self._edits = [e for e in self._edits if e.epoch >= self._epoch]
         else:
-            self._position = (step + 1) * self.global_batch_size
+            self._position = (slot + 1) * self.global_batch_size
+
+    # -- edits of the order, and looking ahead (the loss-spike guard's data policy) ---
+    def edit(self, edit: DataEdit) -> None:
+        """Skip, or defer by ``edit.delay`` batches, global steps of this epoch or a later
+        one that the cursor has not reached (``ckpt.data._edits`` has the rule). The edit
+        is part of the state from now on. Like ``load_state_dict``, it makes a live
+        iterator stale: call ``iter()`` again. ``ValueError`` for a step that is already
+        served, skipped, or not a step of the epoch."""
+        if not isinstance(edit, DataEdit):
+            raise TypeError(f"edit() takes a ckpt.data.DataEdit, got {type(edit).__name__}")
+        if edit.epoch < self._epoch:
+            raise ValueError(f"epoch {edit.epoch} is over (the cursor is in epoch {self._epoch})")
+        bad = [s for s in edit.steps if s >= self.steps_per_epoch]
+        if bad:
+            raise ValueError(f"step {bad[0]} is not one of the {self.steps_per_epoch} steps of an epoch")
+        consumed = self.step if edit.epoch == self._epoch else 0
+        apply_edit(self._schedule(edit.epoch), edit, consumed=consumed)  # raises before anything changes
+        self._generation += 1
+        self._edits.append(edit)
+
+    def upcoming(self, count: int, *, start: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+        """``(epoch, global step)`` of the ``count`` batches served from ``start`` (an
+        ``(epoch, slot)`` cursor; default: this loader's), crossing epochs, under the
+        edits made so far."""
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        epoch, slot = self.cursor if start is None else start
+        out: list[tuple[int, int]] = []
+        while len(out) < count:
+            sched = self._schedule(epoch)
+            take = sched[slot : slot + count - len(out)]
+            out.extend((epoch, s) for s in take)
+            epoch, slot = epoch + 1, 0
+        return out
+
+    def slots_between(self, start: tuple[int, int], stop: tuple[int, int]) -> int:
+        """How many batches are served from cursor ``start`` to cursor ``stop``
+        (both ``(epoch, slot)``; ``stop`` not before ``start``)."""
+        (e0, s0), (e1, s1) = start, stop
+        if (e1, s1) < (e0, s0):
+            raise ValueError(f"cursor {stop} is before {start}")
+        return sum(len(self._schedule(e)) for e in range(e0, e1)) - s0 + s1
+
+    def peek(self, count: int) -> list[tuple[BatchInfo, Any]]:
+        """The next ``count`` batches exactly as iteration will serve them, read in this
+        process, with the cursor, the state and every global RNG stream left as they
+        were. Quarantine findings are not recorded here (they are when the batch is
+        served). Past the current epoch the skip sets are those known now: a sample found
+        bad later in this epoch would change the next one."""
+        from ..context.rng import isolated
+
+        out: list[tuple[BatchInfo, Any]] = []
+        sampler = _RankBatchSampler()
+        with isolated():
+            for epoch, step in self.upcoming(count):
+                sampler.plan = self._plan(epoch, (step,))
+                req = next(iter(sampler))
+                fetched = self._fetcher.__getitems__(req)[0]
+                out.append((BatchInfo(epoch, step, tuple(self._slice(step)), fetched.served), fetched.batch))
+        return out
 
     # -- state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -375,6 +468,7 @@ class ResumableLoader:
             self._source.num_samples,
             self.drop_last,
             tuple(self._records),
+            tuple(self._edits),
         ).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -398,6 +492,7 @@ class ResumableLoader:
         self._generation += 1  # any live iterator is now stale
         self._epoch = st.epoch
         self._position = st.position
+        self._edits = list(st.edits)
         self._records = list(st.quarantine)
         self._record_keys = {r.key for r in self._records}
         self._last_batch = None
@@ -424,7 +519,8 @@ def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     parsed = [DataState.from_dict(s) for s in states]
     first = parsed[0]
     for i, st in enumerate(parsed[1:], start=1):
-        for key in ("seed", "epoch", "position", "global_batch_size", "world_size", "num_samples", "drop_last"):
+        for key in ("seed", "epoch", "position", "global_batch_size", "world_size", "num_samples", "drop_last",
+                    "edits"):
             if getattr(st, key) != getattr(first, key):
                 raise StateMismatchError(
                     f"rank states disagree: state 0 has {key}={getattr(first, key)!r}, "
@@ -447,5 +543,6 @@ def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         first.num_samples,
         first.drop_last,
         tuple(records),
+        first.edits,
     )
     return merged.to_dict()

@@ -21,7 +21,15 @@ key                    type   meaning
 ``drop_last``          bool   whether a final partial global batch is dropped
 ``quarantine``         list   records ``{epoch, index, shard, scope, reason}`` in
                               discovery order (see ``_quarantine``)
+``edits``              list   version 2 only: ``{epoch, steps, action, delay}`` in the
+                              order they were made (see ``_edits``); epochs >= ``epoch``
 =====================  =====  ======================================================
+
+Version 2 adds ``edits`` (the loss-spike guard's data policy) and changes one rule:
+``position`` counts slots of the epoch's *schedule* (``_edits``), which is the identity
+when no edit applies to the epoch, so it reads exactly as in version 1. A state with no
+edit is written as version 1, byte for byte what a version-1 writer wrote, so older
+readers keep reading every state that does not need version 2.
 
 A dict that does not follow this table raises ``FormatError`` (``UnsupportedVersionError``
 for another version) naming the key; whether a well-formed state *fits* a given loader is
@@ -34,13 +42,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import FormatError, UnsupportedVersionError
+from ._edits import MAX_EDITS, DataEdit, apply_edit, epoch_schedule
 from ._mix import M64
 from ._quarantine import QuarantineRecord
 
 __all__ = ["STATE_VERSION", "DataState", "epoch_steps"]
 
-STATE_VERSION = 1
-_KEYS = (
+STATE_VERSION = 2  # the newest version written; 1 when the state holds no edit
+_KEYS_V1 = (
     "version",
     "seed",
     "epoch",
@@ -52,7 +61,9 @@ _KEYS = (
     "drop_last",
     "quarantine",
 )
+_KEYS_V2 = (*_KEYS_V1, "edits")
 _RECORD_KEYS = ("epoch", "index", "shard", "scope", "reason")
+_EDIT_KEYS = ("epoch", "steps", "action", "delay")
 
 
 def epoch_steps(num_samples: int, global_batch_size: int, drop_last: bool) -> int:
@@ -93,10 +104,11 @@ class DataState:
     num_samples: int
     drop_last: bool
     quarantine: tuple[QuarantineRecord, ...]
+    edits: tuple[DataEdit, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
+        out = {
+            "version": 2 if self.edits else 1,
             "seed": self.seed,
             "epoch": self.epoch,
             "position": self.position,
@@ -107,19 +119,23 @@ class DataState:
             "drop_last": self.drop_last,
             "quarantine": [r.to_dict() for r in self.quarantine],
         }
+        if self.edits:
+            out["edits"] = [e.to_dict() for e in self.edits]
+        return out
 
     @classmethod
     def from_dict(cls, d: Any) -> DataState:
+        version = 1
         if isinstance(d, Mapping) and "version" in d:
             version = d["version"]
             if not isinstance(version, int) or isinstance(version, bool):
                 raise FormatError(f"data state: expected an int, got {type(version).__name__}", key="version")
-            if version != STATE_VERSION:
+            if version not in (1, 2):
                 raise UnsupportedVersionError(
-                    f"data state version {version} is not supported (this reader knows {STATE_VERSION})",
+                    f"data state version {version} is not supported (this reader knows 1 and 2)",
                     key="version",
                 )
-        _exact_keys(d, _KEYS, "")
+        _exact_keys(d, _KEYS_V2 if version == 2 else _KEYS_V1, "")
         seed = _int(d, "seed", "", 0)
         epoch = _int(d, "epoch", "", 0)
         batch = _int(d, "global_batch_size", "", 1)
@@ -130,10 +146,13 @@ class DataState:
         if not isinstance(drop_last, bool):
             raise FormatError(f"data state: expected a bool, got {type(drop_last).__name__}", key="drop_last")
         steps = epoch_steps(num_samples, batch, drop_last)
+        edits = _edits(d["edits"], epoch, steps) if version == 2 else ()
+        order = epoch_schedule(steps, edits, epoch)
+        serves = steps if order is None else len(order)
         position = _int(d, "position", "", 0)
-        if position % batch or position // batch >= steps:
+        if position % batch or position // batch >= serves:
             raise FormatError(
-                f"data state: position {position} is not the start of one of the {steps} global "
+                f"data state: position {position} is not the start of one of the {serves} global "
                 f"batches of {batch} samples in an epoch",
                 key="position",
             )
@@ -162,4 +181,32 @@ class DataState:
                 raise FormatError(f"data state: duplicate quarantine record {record.key}", key=f"quarantine[{i}]")
             seen.add(record.key)
             records.append(record)
-        return cls(seed, epoch, position, batch, world, rank, num_samples, drop_last, tuple(records))
+        return cls(seed, epoch, position, batch, world, rank, num_samples, drop_last, tuple(records), edits)
+
+
+def _edits(raw: Any, epoch: int, steps: int) -> tuple[DataEdit, ...]:
+    """Version 2's ``edits``: each well-formed, for this epoch or a later one, and each
+    applicable to its epoch's schedule as the edits before it left it."""
+    if not isinstance(raw, list):
+        raise FormatError(f"data state: expected a list, got {type(raw).__name__}", key="edits")
+    if not raw or len(raw) > MAX_EDITS:
+        raise FormatError(f"data state: a version-2 state holds 1 to {MAX_EDITS} edits, got {len(raw)}", key="edits")
+    out: list[DataEdit] = []
+    orders: dict[int, list[int] | range] = {}
+    for i, r in enumerate(raw):
+        where = f"edits[{i}]."
+        _exact_keys(r, _EDIT_KEYS, where)
+        e_epoch = _int(r, "epoch", where, epoch)
+        if not isinstance(r["steps"], list):
+            raise FormatError(f"data state: expected a list, got {type(r['steps']).__name__}", key=f"{where}steps")
+        for j, s in enumerate(r["steps"]):
+            if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < steps:
+                raise FormatError(f"data state: {s!r} is not one of the {steps} steps of an epoch",
+                                  key=f"{where}steps[{j}]")
+        try:
+            edit = DataEdit(e_epoch, tuple(r["steps"]), r["action"], r["delay"])
+            orders[e_epoch] = apply_edit(orders.get(e_epoch, range(steps)), edit)
+        except ValueError as exc:
+            raise FormatError(f"data state: {exc}", key=f"edits[{i}]") from None
+        out.append(edit)
+    return tuple(out)

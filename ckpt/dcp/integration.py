@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..errors import CkptError, StateMismatchError
 from ..reader import CheckpointReader
-from ..storage import Storage, local
+from ..storage import Storage, resolve
 from ..writer import CheckpointInfo, abort, part_name_for_rank
 from .integration_probe import holds_dtensor
 from .layout import decode_layout
@@ -90,7 +90,7 @@ def save_sharded(
     overwrite: bool = False,
     meta: Mapping[str, Any] | None = None,
     this_rank_only: bool = False,
-    storage: Storage = local,
+    storage: Storage | None = None,
 ) -> CheckpointInfo:
     """Collective: every rank calls it with its own shards. Commits once, atomically.
 
@@ -104,6 +104,7 @@ def save_sharded(
     from .planner import SavePlanner
     from .storage import StorageWriter
 
+    storage, path = resolve(path, storage)
     sd, _ = _dcp_state(state)
     writer = StorageWriter(
         path, step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
@@ -114,7 +115,7 @@ def save_sharded(
     except BaseException as e:
         # The coordinator opened the temporary directory; nothing was renamed into
         # place, so remove it (the other ranks have stopped writing: DCP gathered them).
-        if writer.pending is not None and os.path.isdir(writer.pending.tmp_dir):
+        if writer.pending is not None and (writer.pending.tag or storage.isdir(writer.pending.tmp_dir)):
             abort(writer.pending, storage=storage)
         err = unwrap_checkpoint_error(e)
         if err is not e:
@@ -183,7 +184,7 @@ def load_sharded(
     result = load_into(reader, {}, part=part, data=data, restore_rng_state=False, verify=verify, exactness=exactness)
     state = state or {}
     sd, modules = _dcp_state(state)
-    sreader = StorageReader(reader.path, verify=verify)
+    sreader = StorageReader(reader.path, verify=verify, storage=reader.storage)
     sreader._reader = reader
     try:
         dcp.load(sd, storage_reader=sreader, planner=LoadPlanner())

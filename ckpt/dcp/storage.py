@@ -36,7 +36,7 @@ from ..errors import CkptError, FormatError, StateMismatchError
 from ..format import dtypes
 from ..format.manifest import PartEntry
 from ..reader import CheckpointReader
-from ..storage import Storage, local
+from ..storage import Storage, resolve
 from ..writer import PendingCheckpoint, begin, commit, part_name_for_rank, tensor_memoryview, tensor_view_key, write_part
 from .layout import Chunk, ShardedLayout, TensorRecord, ValueRecord, box_name, decode_layout
 from .planner import set_value
@@ -52,6 +52,7 @@ class _Assignment:
 
     tmp_dir: str
     part: str
+    tag: str = ""  # file-name tag of an object-store save (PendingCheckpoint.tag)
 
 
 @dataclass(frozen=True)
@@ -118,14 +119,14 @@ class StorageWriter(_DcpWriter):
         meta: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         code_dir: str | None = None,
-        storage: Storage = local,
+        storage: Storage | None = None,
     ) -> None:
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        self._explicit_storage = storage
+        self._storage, self.path = resolve(path, storage)
         self._opts = dict(step=step, config=config, data=data, generators=generators, rng=rng, extra=extra, lineage=lineage, code_dir=code_dir)
         self._meta = dict(meta or {})
         self._overwrite = overwrite
-        self._storage = storage
         self.is_coordinator = False
         self.rank = 0
         self.pending: PendingCheckpoint | None = None  # set on the coordinator once planning opened it
@@ -137,7 +138,7 @@ class StorageWriter(_DcpWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self._storage, self.path = resolve(checkpoint_id, self._explicit_storage)
         self.pending = None
         self.manifest = None
 
@@ -159,7 +160,7 @@ class StorageWriter(_DcpWriter):
         # Runs on the coordinator only, before any rank writes: open the temporary
         # directory here and hand its name to every rank with its plan.
         self.pending = begin(self.path, overwrite=self._overwrite, storage=self._storage)
-        return [replace(p, storage_data=_Assignment(self.pending.tmp_dir, part_name_for_rank(i))) for i, p in enumerate(plans)]
+        return [replace(p, storage_data=_Assignment(self.pending.tmp_dir, part_name_for_rank(i), self.pending.tag)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assign = plan.storage_data
@@ -193,7 +194,7 @@ class StorageWriter(_DcpWriter):
             shards.setdefault(fqn, {})[box] = t
             key = "/".join(_escape(s) for s in ("shards", fqn, box))
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=Location(assign.part, key)))
-        pending = PendingCheckpoint(final=self.path, tmp_dir=assign.tmp_dir)
+        pending = PendingCheckpoint(final=self.path, tmp_dir=assign.tmp_dir, tag=assign.tag)
         o = self._opts
         part = write_part(
             pending,
@@ -306,11 +307,11 @@ def to_dcp_metadata(layout: ShardedLayout) -> Metadata:
 class StorageReader(_DcpReader):
     """A DCP storage reader for a committed ckpt checkpoint with ``meta.sharded``."""
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True, storage: Storage = local) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True, storage: Storage | None = None) -> None:
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        self._explicit_storage = storage
+        self._storage, self.path = resolve(path, storage)
         self.verify = verify
-        self._storage = storage
         self._reader: CheckpointReader | None = None
         self._layout: ShardedLayout | None = None
         self._metadata: Metadata | None = None
@@ -321,7 +322,7 @@ class StorageReader(_DcpReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self._storage, self.path = resolve(checkpoint_id, self._explicit_storage)
         self._reader = self._layout = self._metadata = None
 
     @property

@@ -47,7 +47,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from ..reader import CheckpointReader
-from ..storage import local
+from ..storage import commits_by_manifest, resolve
 
 __all__ = ["CkptCheckpointIO"]
 
@@ -144,6 +144,8 @@ class CkptCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: Any) -> None:
-        p = os.fspath(path)
-        if os.path.isdir(p):
-            local.remove_tree(p)
+        storage, p = resolve(path)
+        if commits_by_manifest(storage):  # an object store: MANIFEST first, then the objects
+            storage.remove_checkpoint(p)
+        elif storage.isdir(p):
+            storage.remove_tree(p)

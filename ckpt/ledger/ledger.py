@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping
 from ..errors import ResumeDivergedError
 from .compare import ResumeReport, compare_step, find_batch, likely_cause, used_streams
 from .digest import batch_digest, params_digest, rng_digests
-from .record import LedgerOpen, LedgerStep, ResumeCheck
+from .record import GuardEntry, LedgerOpen, LedgerStep, ResumeCheck
 from .tapefile import LedgerTapeWriter, read_ledger_dir
 
 __all__ = ["Ledger", "ResumeVerificationWarning", "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY"]
@@ -152,10 +152,15 @@ class Ledger:
                 if not t.opens:
                     problems.append(f"{t.path}: no ledger_open event (torn before its first record)")
                     continue
-                for s in t.steps:
+                cuts = list(t.rollbacks)
+                for i, s in enumerate(t.steps):
+                    while cuts and cuts[0][0] <= i:  # a rollback voids the abandoned timeline
+                        _void(cuts.pop(0)[1], expected, self._expected_all)
                     self._expected_all[s.step] = s
                     if s.step > step:
                         expected[s.step] = s
+                for _, to_step in cuts:
+                    _void(to_step, expected, self._expected_all)
                 self._expected_used |= used_streams(t.opens, t.steps)
                 if t.steps and t.steps[-1].step > step:
                     self._env_diffs = env_differences(t.meta.get("env") or {}, capture_env())
@@ -204,6 +209,28 @@ class Ledger:
         if kill:
             self.maybe_kill(step)
 
+    def record_guard(self, step: int, record: Any) -> None:
+        """Tape a loss-spike guard event (``ckpt.guard.events``) at ``step``. A rollback
+        also ends the validity of every expectation of a later step (the run left that
+        timeline) and re-bases the RNG streams on their restored values."""
+        from ..guard.events import RollbackEvent
+
+        if self._writer is None:
+            self._open(step - 1, "")
+        assert self._writer is not None
+        self._writer.append(GuardEntry(step, record))
+        if isinstance(record, RollbackEvent):
+            self._writer.sync()
+            self._last_rng = dict(rng_digests(self.generators))
+            if not self._done:
+                _void(record.to_step, self._expected, {})
+                if not any(s > self._checked for s in self._expected):
+                    if self._checked >= self._first:
+                        self._finish(self._exact(self._checked))
+                    else:
+                        self._finish(ResumeReport("skipped", reason=f"the run rolled back to step {record.to_step} "
+                                                                    f"before step {self._first}"), warn=False)
+
     def maybe_kill(self, step: int) -> None:
         if self.kill_at is not None and step == self.kill_at:
             if self._writer is not None:
@@ -249,3 +276,10 @@ class Ledger:
         if self._writer is not None:
             self._writer.close()
         return self.report
+
+
+def _void(to_step: int, *maps: dict[int, LedgerStep]) -> None:
+    """Drop the records of steps after ``to_step``: a rollback abandoned them."""
+    for m in maps:
+        for s in [s for s in m if s > to_step]:
+            del m[s]

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Union
 
-from ..errors import TapeFormatError
+from ..guard import events as guard_events
+from ..tape.payload import PayloadReader, PayloadWriter
 
 __all__ = [
     "KIND_ACTOR", "KIND_OPEN", "KIND_STEP", "KIND_CHECK", "HAS_BATCH", "HAS_LOSS", "HAS_PARAMS",
-    "LedgerOpen", "LedgerStep", "ResumeCheck", "encode_event", "decode_event",
+    "LedgerOpen", "LedgerStep", "ResumeCheck", "GuardEntry", "encode_event", "decode_event", "event_head", "read_head",
 ]
 
 KIND_ACTOR = 1
@@ -31,10 +33,6 @@ MAX_LIST = 1 << 20
 
 _HEAD = struct.Struct("<qHH")  # step, actor id, clock entries
 _CLOCK1 = struct.Struct("<HQ")
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_I64 = struct.Struct("<q")
-_F64 = struct.Struct("<d")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,110 +64,83 @@ class ResumeCheck:
     report: str
 
 
-def _str(out: bytearray, s: str) -> None:
-    b = s.encode()
-    if len(b) > 0xFFFF:
-        b = b[:0xFFFF].decode(errors="ignore").encode()  # a report longer than a str field is cut, never refused
-    out += _U16.pack(len(b))
-    out += b
+@dataclass(frozen=True, slots=True)
+class GuardEntry:
+    """A loss-spike guard event (kinds 48-53, ``ckpt.guard.events``) on the ledger, at ``step``."""
+
+    step: int
+    record: guard_events.GuardRecord
 
 
-def _digests(out: bytearray, items: tuple[tuple[str, bytes], ...]) -> None:
-    out += _U32.pack(len(items))
-    for name, d in items:
-        _str(out, name)
-        out += d
+LedgerRecord = Union[LedgerOpen, LedgerStep, ResumeCheck, GuardEntry, str]
 
 
-def encode_event(rec: LedgerOpen | LedgerStep | ResumeCheck | str, counter: int, *, step: int = 0) -> tuple[int, bytes]:
+def encode_event(rec: LedgerRecord, counter: int, *, step: int = 0) -> tuple[int, bytes]:
     """(kind, body) of one ledger event; a ``str`` is the ``actor`` declaration.
     ``counter`` is the ledger actor's clock entry (1, 2, ... per non-actor event)."""
-    out = bytearray()
+    if isinstance(rec, GuardEntry):
+        kind, payload = guard_events.encode_payload(rec.record)
+        return kind, event_head(rec.step, counter) + payload
+    w = PayloadWriter()
     if isinstance(rec, str):
-        out += _HEAD.pack(0, 0, 0)
-        _str(out, rec)
-        return KIND_ACTOR, bytes(out)
+        w.out += _HEAD.pack(0, 0, 0)
+        return KIND_ACTOR, bytes(w.str(rec, cut=True))
     at = rec.step if isinstance(rec, LedgerStep) else (rec.start_step if isinstance(rec, LedgerOpen) else step)
-    out += _HEAD.pack(at, 0, 1)
-    out += _CLOCK1.pack(0, counter)
+    w.out += event_head(at, counter)
     if isinstance(rec, LedgerOpen):
-        _str(out, rec.run_id)
-        out += _I64.pack(rec.start_step)
-        _str(out, rec.source)
-        _digests(out, rec.rng)
-        return KIND_OPEN, bytes(out)
+        w.str(rec.run_id, cut=True).i64(rec.start_step).str(rec.source, cut=True).digests(rec.rng)
+        return KIND_OPEN, bytes(w)
     if isinstance(rec, LedgerStep):
         has = (HAS_BATCH if rec.batch is not None else 0) | (HAS_LOSS if rec.loss is not None else 0) | (
             HAS_PARAMS if rec.params is not None else 0)
-        out += _U32.pack(has)
-        out += rec.batch if rec.batch is not None else _ZERO
-        out += _F64.pack(rec.loss if rec.loss is not None else 0.0)
-        _digests(out, rec.rng)
-        out += rec.params if rec.params is not None else _ZERO
-        return KIND_STEP, bytes(out)
-    _str(out, rec.verdict)
-    out += _I64.pack(rec.first)
-    out += _I64.pack(rec.last)
-    _str(out, rec.report)
-    return KIND_CHECK, bytes(out)
+        w.u32(has).d128(rec.batch if rec.batch is not None else _ZERO)
+        w.f64(rec.loss if rec.loss is not None else 0.0).digests(rec.rng)
+        w.d128(rec.params if rec.params is not None else _ZERO)
+        return KIND_STEP, bytes(w)
+    w.str(rec.verdict, cut=True).i64(rec.first).i64(rec.last).str(rec.report, cut=True)
+    return KIND_CHECK, bytes(w)
 
 
-class _Cursor:
-    def __init__(self, body: bytes | memoryview, where: str) -> None:
-        self.mv = memoryview(body)
-        self.pos = 0
-        self.where = where
-
-    def take(self, n: int) -> memoryview:
-        if self.pos + n > len(self.mv):
-            raise TapeFormatError(f"ledger event runs past its body{self.where}")
-        v = self.mv[self.pos : self.pos + n]
-        self.pos += n
-        return v
-
-    def unpack(self, s: struct.Struct) -> tuple:
-        return s.unpack(self.take(s.size))
-
-    def str(self) -> str:
-        (n,) = self.unpack(_U16)
-        try:
-            return bytes(self.take(n)).decode()
-        except UnicodeDecodeError:
-            raise TapeFormatError(f"ledger string is not UTF-8{self.where}") from None
-
-    def digests(self) -> tuple[tuple[str, bytes], ...]:
-        (n,) = self.unpack(_U32)
-        if n > MAX_LIST or n * 18 > len(self.mv) - self.pos:
-            raise TapeFormatError(f"ledger digest count {n} does not fit the body{self.where}")
-        return tuple((self.str(), bytes(self.take(16))) for _ in range(n))
+def event_head(step: int, counter: int) -> bytes:
+    """The event body's head (spec §6.1) for the one actor of a ledger tape, ``ledger``
+    (id 0), at ``step`` with clock ``{ledger: counter}``."""
+    return _HEAD.pack(step, 0, 1) + _CLOCK1.pack(0, counter)
 
 
-def decode_event(kind: int, body: bytes | memoryview, *, where: str = "") -> LedgerOpen | LedgerStep | ResumeCheck | str | None:
-    """The record of one ledger event; ``None`` for kinds the ledger does not own."""
-    if kind not in (KIND_ACTOR, KIND_OPEN, KIND_STEP, KIND_CHECK):
-        return None
-    c = _Cursor(body, where)
+def read_head(body: bytes | memoryview, where: str) -> tuple[int, PayloadReader]:
+    """(step, a reader positioned at the payload) of one ledger-tape event body."""
+    c = PayloadReader(body, where, "ledger event")
     step, _actor, n = c.unpack(_HEAD)
     c.take(_CLOCK1.size * n)
+    return step, c
+
+
+def decode_event(kind: int, body: bytes | memoryview, *, where: str = "") -> LedgerRecord | None:
+    """The record of one ledger event; ``None`` for kinds the ledger does not own."""
+    if kind in guard_events.KINDS:
+        step, c = read_head(body, where)
+        return GuardEntry(step, guard_events.decode_payload(kind, b"", reader=c))
+    if kind not in (KIND_ACTOR, KIND_OPEN, KIND_STEP, KIND_CHECK):
+        return None
+    step, c = read_head(body, where)
     if kind == KIND_ACTOR:
-        rec: LedgerOpen | LedgerStep | ResumeCheck | str = c.str()
+        rec: LedgerRecord = c.str()
     elif kind == KIND_OPEN:
         run_id = c.str()
-        (start,) = c.unpack(_I64)
+        start = c.i64()
         rec = LedgerOpen(run_id, start, c.str(), c.digests())
     elif kind == KIND_STEP:
-        (has,) = c.unpack(_U32)
-        batch = bytes(c.take(16))
-        (loss,) = c.unpack(_F64)
+        has = c.u32()
+        batch = c.d128()
+        loss = c.f64()
         rng = c.digests()
-        params = bytes(c.take(16))
+        params = c.d128()
         rec = LedgerStep(step, rng, batch if has & HAS_BATCH else None, loss if has & HAS_LOSS else None,
                          params if has & HAS_PARAMS else None)
     else:
         verdict = c.str()
-        (first,) = c.unpack(_I64)
-        (last,) = c.unpack(_I64)
+        first = c.i64()
+        last = c.i64()
         rec = ResumeCheck(verdict, first, last, c.str())
-    if c.pos != len(c.mv):
-        raise TapeFormatError(f"ledger event has {len(c.mv) - c.pos} trailing bytes{where}")
+    c.done()
     return rec

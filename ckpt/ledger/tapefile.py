@@ -18,7 +18,8 @@ from typing import Any
 
 from ..errors import CkptError, TapeDataError, TapeTruncatedError
 from ..tape import format as fmt
-from .record import ACTOR_NAME, LedgerOpen, LedgerStep, ResumeCheck, decode_event, encode_event
+from ..guard.events import RollbackEvent
+from .record import ACTOR_NAME, GuardEntry, LedgerOpen, LedgerRecord, LedgerStep, ResumeCheck, decode_event, encode_event
 
 __all__ = ["LedgerTapeWriter", "LedgerTape", "read_ledger_tape", "read_ledger_dir", "ledger_tapes"]
 
@@ -60,7 +61,7 @@ class LedgerTapeWriter:
         self._counter = 0
         self.append(ACTOR_NAME)
 
-    def append(self, rec: LedgerOpen | LedgerStep | ResumeCheck | str, *, step: int = 0) -> None:
+    def append(self, rec: LedgerRecord, *, step: int = 0) -> None:
         if self._fd < 0:
             raise CkptError("the ledger tape is closed", path=self.path)
         if not isinstance(rec, str):
@@ -84,13 +85,18 @@ class LedgerTapeWriter:
 
 @dataclass(slots=True)
 class LedgerTape:
-    """What one ledger tape holds. ``torn`` is the byte count of a dropped torn tail."""
+    """What one ledger tape holds. ``torn`` is the byte count of a dropped torn tail.
+    ``guard``: the loss-spike guard's events (spec/loss-guard.md §6); ``rollbacks``:
+    ``(len(steps) when it was taped, to_step)`` per rollback, the cut that voids the
+    earlier records of later steps (spec/tape-format.md §6.3 rule 5)."""
 
     path: str
     meta: dict[str, Any]
     opens: list[LedgerOpen] = field(default_factory=list)
     steps: list[LedgerStep] = field(default_factory=list)
     checks: list[ResumeCheck] = field(default_factory=list)
+    guard: list[GuardEntry] = field(default_factory=list)
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)
     torn: int = 0
 
     @property
@@ -120,6 +126,10 @@ def read_ledger_tape(path: str) -> LedgerTape:
                 tape.steps.append(rec)
             elif isinstance(rec, ResumeCheck):
                 tape.checks.append(rec)
+            elif isinstance(rec, GuardEntry):
+                tape.guard.append(rec)
+                if isinstance(rec.record, RollbackEvent):
+                    tape.rollbacks.append((len(tape.steps), rec.record.to_step))
             elif rec is None:
                 raise TapeDataError(f"event kind {fr.kind} on a ledger tape", path=path, offset=fr.offset)
         tape.torn = scan.dropped

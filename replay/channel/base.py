@@ -503,6 +503,18 @@ class Endpoint:
         assert msg is not None
         return msg
 
+    def recv_from(self, src: str, timeout: float | None = None) -> Message:
+        """Deliver the next data message on the channel ``src -> me`` (blocking), whatever
+        arrived on other channels meanwhile: the delivery order is then the program's, not
+        the arrival order, and no receive is a timing-dependent choice. Markers are handed
+        over as in :meth:`recv`. The scheduler chooses among that one channel only (a
+        :class:`ForcedScheduler` must expect it next). Raises ReceiveTimeoutError."""
+        if src not in self._buf:
+            raise ChannelError(f"no channel from {src} to {self.actor}", channel=channel_name(src, self.actor))
+        msg = self._receive(polling=False, timeout=timeout, only=src)
+        assert msg is not None
+        return msg
+
     def try_recv(self) -> Message | None:
         """Deliver a data message if one is ready (a forced order may make this wait)."""
         return self._receive(polling=True, timeout=0.0)
@@ -535,7 +547,7 @@ class Endpoint:
                 out.append(Ready(src, m.seq, arrival))
         return out
 
-    def _receive(self, *, polling: bool, timeout: float | None) -> Message | None:
+    def _receive(self, *, polling: bool, timeout: float | None, only: str | None = None) -> Message | None:
         forced = isinstance(self.scheduler, ForcedScheduler)
         if forced and polling:
             timeout = self.forced_wait_s
@@ -543,7 +555,13 @@ class Endpoint:
         self._ingest(0.0)
         while True:
             self._run_control()
-            choice = self.scheduler.choose(self._ready(), polling=polling, commit=True)
+            ready = self._ready()
+            if only is not None:
+                if only in self.dead and not self.buffered(only):
+                    raise PeerDiedError(f"peer {only} is dead", channel=channel_name(only, self.actor),
+                                        seq=self.next_recv[only])
+                ready = [r for r in ready if r.src == only]
+            choice = self.scheduler.choose(ready, polling=polling, commit=True)
             if isinstance(choice, str):
                 return self._deliver(choice)
             if choice is NOTHING:
@@ -553,13 +571,16 @@ class Endpoint:
             # WAIT: block for one more arrival.
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise self._timeout_error(timeout)
+                raise self._timeout_error(timeout, only)
             got = self._ingest(left, block=True)
             if not got and deadline is not None and time.monotonic() >= deadline:
-                raise self._timeout_error(timeout)
+                raise self._timeout_error(timeout, only)
 
-    def _timeout_error(self, timeout: float | None) -> ReceiveTimeoutError:
+    def _timeout_error(self, timeout: float | None, only: str | None = None) -> ReceiveTimeoutError:
         exp = self.scheduler.expected() if isinstance(self.scheduler, ForcedScheduler) else None
+        if only is not None and exp is None:
+            return ReceiveTimeoutError(f"no message within {timeout} s", channel=channel_name(only, self.actor),
+                                       seq=self.next_recv[only] + len(self.buffered(only)))
         if exp is not None:
             src, seq = exp
             return ReceiveTimeoutError(f"no message within {timeout} s", channel=channel_name(src, self.actor), seq=seq)

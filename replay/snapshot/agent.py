@@ -405,9 +405,9 @@ class SnapshotAgent:
         channels to or from a process outside the snapshot start empty (§9a rule 8).
         ``source``: the store to read from (default: the agent's own). ``into``: the objects
         to load the part's entries into (default: the registered state; e.g. loaders for
-        entries registered as plain trees). ``announce``: tape
-        a ``snapshot.restore`` note (a run continued under its original tape does not: its
-        next event must be the tape's). ``resume``: the process continues right after its
+        entries registered as plain trees). ``announce`` tapes a ``snapshot.restore`` note;
+        a run continued under its original tape (force mode with ``align_snapshot``), whose
+        history holds no such event, passes False. ``resume``: the process continues right after its
         cut, and the protocol events this process taped after its cut event are taped
         again: a participant's local completion, or, for a manually coordinating
         coordinator, the snapshot is open again (committed already: :meth:`commit` returns

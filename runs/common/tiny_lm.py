@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["TinyConfig", "TinyLM", "make_corpus", "CorpusDataset", "warmup_cosine"]
+__all__ = ["TinyConfig", "TinyLM", "make_corpus", "unlikely_corpus", "CorpusDataset", "warmup_cosine"]
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,33 @@ class TinyLM(nn.Module):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
+def _bigram(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Generator]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(vocab, vocab, generator=g) * 2.5, dim=-1), g
+
+
 def make_corpus(n_seqs: int, seq_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
     """``n_seqs`` sequences of ``seq_len + 1`` tokens from a seeded bigram process."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(vocab, vocab, generator=g) * 2.5
-    probs = torch.softmax(logits, dim=-1)
+    probs, g = _bigram(vocab, seed)
     out = torch.empty(n_seqs, seq_len + 1, dtype=torch.long)
     out[:, 0] = torch.randint(0, vocab, (n_seqs,), generator=g)
     for i in range(1, seq_len + 1):
         out[:, i] = torch.multinomial(probs[out[:, i - 1]], 1, generator=g).squeeze(1)
+    return out
+
+
+def unlikely_corpus(n_seqs: int, seq_len: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Corrupted text for fault injection: sequences that follow, from a random first
+    token, the *least* likely transition of :func:`make_corpus`'s bigram table (same
+    ``seed``), so a model that learned the corpus finds every next token surprising and
+    its loss spikes."""
+    probs, _ = _bigram(vocab, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    worst = probs.argmin(dim=-1)
+    out = torch.empty(n_seqs, seq_len + 1, dtype=torch.long)
+    out[:, 0] = torch.randint(0, vocab, (n_seqs,), generator=g)
+    for i in range(1, seq_len + 1):
+        out[:, i] = worst[out[:, i - 1]]
     return out
 
 

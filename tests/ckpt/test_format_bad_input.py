@@ -797,13 +797,13 @@ def test_fsync_or_rename_failure_mid_commit(tmp_path: Path, monkeypatch: pytest.
         # The commit publishes with renameat2(2) through ctypes where it exists: fail that too.
         import ctypes
 
-        import ckpt.storage
+        import ckpt.storage.posix
 
         def failing_renameat2(*a: Any) -> int:
             ctypes.set_errno(errno.EIO)
             return -1
 
-        monkeypatch.setattr(ckpt.storage, "_renameat2", failing_renameat2)
+        monkeypatch.setattr(ckpt.storage.posix, "_renameat2", failing_renameat2)
     with pytest.raises(OSError, match="injected" if target == "fsync" else "injected|Input/output error"):
         make_ckpt(run / "step-00002", big_state(2.0))
     monkeypatch.undo()

@@ -832,7 +832,7 @@ def test_parallel_unverified_reads_are_exact(tmp_path, monkeypatch):
 
 def test_overlapped_digests_equal_inline_digests(tmp_path, monkeypatch):
     """Hashing large writes on a second thread gives exactly the inline digests."""
-    import ckpt.storage as storage_mod
+    import ckpt.storage.posix as storage_mod
 
     ts = {"a": torch.randn(70_000), "b": torch.arange(5, dtype=torch.int8), "c": torch.randn(33_333, dtype=torch.float64)}
     with ckpt.knobs.override(chunk_size=4096):

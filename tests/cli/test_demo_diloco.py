@@ -183,7 +183,11 @@ def test_demo_by_name_and_list(tmp_path: Path) -> None:
     r = CliRunner().invoke(cli, ["demo", "--list"])
     assert r.exit_code == 0, r.output
     lines = r.output.strip().splitlines()
-    assert [ln.split()[0] for ln in lines] == ["diloco", "basic"] and all(len(ln.split()) > 2 for ln in lines)
+    from runs import DEMOS
+
+    names = [ln.split()[0] for ln in lines]
+    assert names == list(DEMOS) and names[0] == "diloco" and {"basic", "replicas", "stages"} <= set(names)
+    assert all(len(ln.split()) > 2 for ln in lines)
     r = CliRunner().invoke(cli, ["demo", "basic", "--out", str(tmp_path / "b"), "--steps", "12"])
     assert r.exit_code == 0, r.output
     assert "checks: checkpoints valid ok, losses bit-identical ok" in r.output

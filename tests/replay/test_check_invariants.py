@@ -159,6 +159,22 @@ def test_snapshot_rules() -> None:
                                                 "snapshot-inflight-spurious"]
 
 
+def test_rollback_and_routing_rules() -> None:
+    spike = ("robust_z", 9.0, 1.0, 0.1, 0.15, 53.0, 6.0, [1.0, 1.1, 0.9])
+    edits = [{"epoch": 0, "steps": [44], "action": "skip", "delay": 0}]
+    h = H()
+    h.add("main", {"main": 1}, "spike", *spike, step=45)
+    h.add("main", {"main": 2}, "rollback", 1, 40, "ab" * 16, "step-00000040", "skip", edits, [], [], step=45)
+    h.add("main", {"main": 3}, "routing", "moe.0", 0, 46, 2, b"\x01\x00\x02\x00", D1, step=45)
+    h.add("main", {"main": 4}, "routing_replay", "moe.0", 0, 46, D1, step=41)
+    assert rules(h) == []
+    h.add("main", {"main": 5}, "rollback", 2, 50, "cd" * 16, "step-00000050", "skip", edits, [], [], step=50)
+    h.add("main", {"main": 6}, "routing_replay", "moe.0", 0, 46, D2, step=42)
+    h.add("main", {"main": 7}, "routing_replay", "moe.1", 0, 46, D1, step=42)
+    assert rules(h) == ["rollback-not-before-detection", "rollback-without-spike", "routing-replay-mismatch",
+                        "routing-replay-uncached"]
+
+
 def test_every_rule_is_exercised_and_documented() -> None:
     import replay.check as chk
 

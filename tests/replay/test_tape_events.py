@@ -43,6 +43,26 @@ SAMPLES = {
     "ledger_open": ("0123456789abcdef", 40, "step-00000040", [("python", D), ("torch_cpu", D[::-1])]),
     "ledger_step": (3, D, -0.0, [("torch_cpu", D)], bytes(16)),
     "resume_check": ("exact", 41, 47, "resume verified exact over steps 41..47"),
+    "step_commit": ("q-7", 1, 3, D, D[::-1]),
+    "recovery_sent": ("g2.0", D, D[::-1], 4096),
+    "recovery_loaded": ("g1.0", D, D[::-1]),
+    "membership": ("q-7", ["g2"], ["g3"], ["g1", "g2"]),
+    "data_reassign": ("redistribute", ["g3"], [5, 6, 2**64 - 1]),
+    "sdc_digests": ("reduced", [("bucket-0", D), ("bucket-1", D[::-1])]),
+    "sdc_verdict": ("cross-replica", 0, ["g2"], ["bucket-1"], {"step": 4}),
+    "stage_down": (10, 16),
+    "stage_up": ("r1.s2", "r1.s2->r0.s2", 3, D),
+    "recovery_source": ("r0.s2", "r1.s2->r0.s2", 3, D),
+    "bypass": ("r0.s2", "r0.s1", "r0.s3", "fwd"),
+    "ef_residual": ("s2@h4", D, 12, 4096, 96),
+    "stage_stall": ("wait",),
+    "spike": ("robust_z", 9.5, 2.25, 0.0625, 0.0926625, 78.2, 6.0, [2.25, 2.3, float("inf")]),
+    "rollback": (1, 40, "ab" * 16, "step-00000040", "skip", [{"epoch": 0, "steps": [44, 45], "action": "skip",
+                                                              "delay": 0}], ["step-00000050"], []),
+    "routing": ("blocks.0.moe", 0, 44, 2, bytes(range(8)), D),
+    "routing_replay": ("blocks.0.moe", 0, 44, D),
+    "warmup": ([[0, 44], [0, 46]], [("torch_cpu", D)]),
+    "rollback_refused": ("limit", {"episodes": 3, "max_rollbacks": 3}),
 }
 
 
@@ -53,7 +73,8 @@ def test_table_is_consistent() -> None:
     assert kind("loss") is kind(6) is KIND_BY_NAME["loss"]
     with pytest.raises(KeyError, match="unknown event kind 'nope'"):
         kind("nope")
-    assert {k.name for k in KINDS if k.decision} == {"decision", "quorum", "merge", "fault_injected"}
+    assert {k.name for k in KINDS if k.decision} == {"decision", "quorum", "merge", "fault_injected",
+                                                            "rollback", "routing"}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -152,6 +173,19 @@ def test_recorder_writes_every_kind_and_reader_decodes_it(tmp_path: Path) -> Non
             rec.snapshot_outcome("s0", committed=True, path="/s0", parts=["main"], excluded=["learner-1"])
             rec.checkpoint("ck0", "/x")
             rec.note("done")
+            for name, values in SAMPLES.items():  # the reference runs' own kinds, through Actor.event
+                if KIND_BY_NAME[name].code >= 25 and not KIND_BY_NAME[name].decision:
+                    learner.event(name, *values)
+            for name in ("spike", "routing_replay", "warmup", "rollback_refused"):  # encoded by ckpt.guard
+                rec.record_event(name, kind(name).pack(*SAMPLES[name]))
+            for name in ("rollback", "routing"):
+                assert rec.decide_event(name, lambda: kind(name).pack(*SAMPLES[name])) == kind(name).pack(*SAMPLES[name])
+            with pytest.raises(ValueError, match="rollback is a decision kind: use decide_event"):
+                rec.record_event("rollback", kind("rollback").pack(*SAMPLES["rollback"]))
+            with pytest.raises(ValueError, match="spike is not a decision kind"):
+                rec.decide_event("spike", lambda: b"")
+            with pytest.raises(TapeFormatError, match="malformed spike payload"):
+                rec.record_event("spike", b"\x01")
     r = TapeReader(path)
     evs = list(r.events())
     names = [e.kind.name for e in evs]

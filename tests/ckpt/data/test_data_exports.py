@@ -7,7 +7,7 @@ import ckpt.data
 
 def test_all_is_exact_and_importable() -> None:
     assert sorted(ckpt.data.__all__) == sorted([
-        "ResumableLoader", "ShardSource", "QuarantinePolicy", "QuarantineRecord", "ResumeInfo", "BatchInfo",
+        "ResumableLoader", "ShardSource", "QuarantinePolicy", "QuarantineRecord", "ResumeInfo", "BatchInfo", "DataEdit",
         "OnQuarantine", "EpochOrder", "sample_seed", "merge_rank_states", "STATE_VERSION",
     ])
     for name in ckpt.data.__all__:

@@ -107,8 +107,8 @@ def test_not_a_dict_and_unknown_version() -> None:
     with pytest.raises(FormatError, match=r"expected a dict, got list \(key '<root>'\)"):
         loader.load_state_dict([])  # type: ignore[arg-type]
     state = loader.state_dict()
-    state["version"] = 2
-    with pytest.raises(UnsupportedVersionError, match=r"data state version 2 is not supported \(this reader knows 1\)"):
+    state["version"] = 3
+    with pytest.raises(UnsupportedVersionError, match=r"data state version 3 is not supported \(this reader knows 1 and 2\)"):
         loader.load_state_dict(state)
     state["version"] = "1"
     with pytest.raises(FormatError, match=r"expected an int, got str \(key 'version'\)"):

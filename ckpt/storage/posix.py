@@ -1,11 +1,12 @@
-"""The I/O seam: everything that touches the filesystem goes through a ``Storage``.
+"""``LocalStorage``: the POSIX backend of the storage seam (``ckpt.storage``).
 
-Format logic (``ckpt.format``) is pure; writer and reader talk to a ``Storage`` for
-files. ``LocalStorage`` is the POSIX implementation: O_EXCL creates, fsync of files
-and of directories after renames, positional reads straight into caller memory, and
-the two atomic renames a commit needs (spec/checkpoint-format.md §10): rename-unless-
-the-target-exists (``renameat2(RENAME_NOREPLACE)``) and swap-two-names
-(``renameat2(RENAME_EXCHANGE)``), through ctypes on Linux.
+O_EXCL creates, fsync of files and of directories after renames, positional reads
+straight into caller memory (``preadv``), and the two atomic renames a commit needs
+(spec/checkpoint-format.md §10): rename-unless-the-target-exists
+(``renameat2(RENAME_NOREPLACE)``) and swap-two-names (``renameat2(RENAME_EXCHANGE)``),
+through ctypes on Linux. The commit protocol built on these renames lives in
+``ckpt.writer``; object stores, which have no rename, commit differently
+(``ckpt.storage.objectstore``).
 """
 
 from __future__ import annotations
@@ -15,33 +16,15 @@ import errno
 import os
 import shutil
 import stat
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
-from ._pipeline import OrderedFeeder
-from .errors import CkptError
-from .format.digest import ChunkHasher
+from .._pipeline import OrderedFeeder
+from ..errors import CkptError
+from ..format.digest import ChunkHasher
+from ..knobs import knobs
+from ._url import refuse_url
 
-__all__ = ["Storage", "LocalStorage", "FileSink", "local"]
-
-
-class FileSink(Protocol):
-    def write(self, data: memoryview | bytes) -> None: ...
-    def close(self) -> tuple[int, bytes]: ...  # (size, concatenated chunk digests)
-    def discard(self) -> None: ...
-
-
-class Storage(Protocol):
-    def create(self, path: str, chunk_size: int, *, durable: bool = True) -> FileSink: ...
-    def pread_into(self, path: str, offset: int, buf: memoryview) -> int: ...
-    def read(self, path: str, offset: int, size: int) -> bytes: ...
-    def lstat(self, path: str) -> os.stat_result: ...
-    def listdir(self, path: str) -> list[str]: ...
-    def mkdir(self, path: str) -> None: ...
-    def rename_dir(self, src: str, dst: str) -> None: ...
-    def rename_noreplace(self, src: str, dst: str) -> None: ...  # FileExistsError if dst exists
-    def exchange(self, a: str, b: str) -> bool: ...  # atomic swap; False if unsupported here
-    def remove_tree(self, path: str) -> None: ...
-    def fsync_dir(self, path: str) -> None: ...
+__all__ = ["LocalStorage", "LocalFile", "local", "preadv_full", "first_errno", "is_space_error"]
 
 
 _OVERLAP_MIN = 8 << 20
@@ -118,10 +101,41 @@ def _load_renameat2() -> Callable[..., int] | None:
 _renameat2 = _load_renameat2()
 
 
+class LocalFile:
+    """An open descriptor of one file (``LocalStorage.open_read``).
+
+    A held descriptor keeps reading the same bytes even if the file is renamed or
+    deleted meanwhile (retention renames before it deletes). ``fd`` is public: the
+    local fast paths (parallel ``preadv``, ``mmap``) use it directly.
+    """
+
+    __slots__ = ("path", "fd")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+
+    def pread_into(self, offset: int, buf: memoryview) -> int:
+        return preadv_full(self.fd, buf, offset, knobs().read_request)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class LocalStorage:
     """POSIX files. ``renameat2=False`` forces the portable fallbacks (tests use it to
     exercise the commit protocol a filesystem without ``renameat2`` gets)."""
 
+    #: URL scheme this backend serves (``file://`` URLs and plain paths)
+    scheme = "file"
     # A class default, so subclasses that do not call __init__ still work.
     _use_renameat2: bool = True
 
@@ -139,8 +153,30 @@ class LocalStorage:
             return False  # e.g. an old kernel, or a filesystem without the flag
         raise OSError(err, os.strerror(err), src, None, dst)
 
+    # -- paths -----------------------------------------------------------------------
+    def normalize(self, path: str | os.PathLike[str]) -> str:
+        """The absolute path. A URL (``s3://...``) is refused, never made a folder."""
+        p = os.fspath(path)
+        if isinstance(p, bytes):
+            p = os.fsdecode(p)
+        if p.startswith("file://"):
+            p = p[len("file://") :]
+        refuse_url(p)
+        return os.path.abspath(p)
+
+    def realpath(self, path: str) -> str:
+        return os.path.realpath(path)
+
+    def readlink(self, path: str) -> str:
+        return os.readlink(path)
+
+    # -- files ------------------------------------------------------------------------
     def create(self, path: str, chunk_size: int, *, durable: bool = True) -> _LocalSink:
         return _LocalSink(path, chunk_size, durable)
+
+    def open_read(self, path: str, *, reread: bool = False) -> LocalFile:
+        # ``reread`` (an in-place load's two passes) needs nothing here: the page cache.
+        return LocalFile(path)
 
     def pread_into(self, path: str, offset: int, buf: memoryview) -> int:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
@@ -160,8 +196,21 @@ class LocalStorage:
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(path))
 
+    def exists(self, path: str) -> bool:
+        """Whether anything (a dangling symlink included) has this name."""
+        return os.path.lexists(path)
+
+    def isfile(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
     def mkdir(self, path: str) -> None:
         os.mkdir(path, 0o755)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
 
     def rename_dir(self, src: str, dst: str) -> None:
         # os.rename onto an existing non-empty directory fails (ENOTEMPTY), which is
@@ -236,4 +285,5 @@ def walk_files(path: str) -> Iterator[str]:
         yield name
 
 
+#: the process-wide local backend (what a plain path resolves to)
 local = LocalStorage()

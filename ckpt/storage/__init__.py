@@ -1,0 +1,173 @@
+"""The I/O seam: every byte a checkpoint reads or writes goes through a ``Storage``.
+
+Format logic (``ckpt.format``) is pure; writer, reader, manager and CLI talk to a
+``Storage`` for files, and :func:`resolve` is the one place that maps a path or URL to
+the backend that serves it:
+
+* a plain path (or ``file://``) -> :data:`local`, the POSIX backend
+  (``ckpt.storage.posix``: O_EXCL creates, fsync, ``renameat2`` commits, ``preadv``
+  straight into tensor memory);
+* ``s3://bucket/prefix`` -> ``ckpt.storage.s3`` (the optional extra
+  ``ckpt-replay[s3]``; imported only when such a URL is used, never by ``import ckpt``);
+* any other ``scheme://`` -> :class:`~ckpt.errors.UnsupportedSchemeError` naming the
+  scheme and the extra to install. A URL is never taken for a local path.
+
+Two commit protocols sit behind the seam (spec/checkpoint-format.md §10,
+spec/object-storage.md): a filesystem publishes a finished temporary directory with an
+atomic rename (``ckpt.writer``); an object store, which has no rename, uploads the
+parts under save-unique names and makes ``MANIFEST`` appear last with a conditional
+put. A backend of the second kind has :func:`commits_by_manifest` true and implements
+:class:`ManifestCommit`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from ._url import BACKENDS, refuse_url, unsupported, url_scheme
+from .posix import (
+    LocalFile,
+    LocalStorage,
+    first_errno,
+    is_regular_file,
+    is_space_error,
+    local,
+    preadv_full,
+    walk_files,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..writer import PendingCheckpoint, Recovery
+
+__all__ = [
+    "Storage",
+    "FileSink",
+    "ReadHandle",
+    "ManifestCommit",
+    "LocalStorage",
+    "LocalFile",
+    "local",
+    "resolve",
+    "url_scheme",
+    "refuse_url",
+    "commits_by_manifest",
+    "preadv_full",
+    "first_errno",
+    "is_space_error",
+    "is_regular_file",
+    "walk_files",
+]
+
+
+class FileSink(Protocol):
+    """A file being written. ``write`` may keep a reference to ``data``: the caller
+    keeps that memory alive and unchanged until ``close`` (zero-copy uploads and
+    hashing on a second thread rely on it)."""
+
+    def write(self, data: memoryview | bytes) -> None: ...
+    def close(self) -> tuple[int, bytes]: ...  # (size, concatenated chunk digests)
+    def discard(self) -> None: ...
+
+
+class ReadHandle(Protocol):
+    """One file opened for reading. A local handle holds a descriptor (immune to
+    renames and deletes); an object-store handle pins the object's version (a replaced
+    or deleted object fails the next read instead of returning other bytes)."""
+
+    path: str
+
+    def pread_into(self, offset: int, buf: memoryview) -> int: ...  # fills buf; short only at end of file
+    def size(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class Storage(Protocol):
+    """What reader, writer, manager and CLI need of a backend. Paths are the backend's
+    own normalised form (:meth:`normalize`): absolute paths locally, ``s3://b/k`` URLs."""
+
+    scheme: str
+
+    def normalize(self, path: str | os.PathLike[str]) -> str: ...
+    def realpath(self, path: str) -> str: ...
+    def readlink(self, path: str) -> str: ...
+    def create(self, path: str, chunk_size: int, *, durable: bool = True) -> FileSink: ...
+    def open_read(self, path: str, *, reread: bool = False) -> ReadHandle: ...  # reread: read twice (keep a local copy)
+    def pread_into(self, path: str, offset: int, buf: memoryview) -> int: ...
+    def read(self, path: str, offset: int, size: int) -> bytes: ...
+    def lstat(self, path: str) -> os.stat_result: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def exists(self, path: str) -> bool: ...
+    def isfile(self, path: str) -> bool: ...
+    def isdir(self, path: str) -> bool: ...
+    def mkdir(self, path: str) -> None: ...
+    def makedirs(self, path: str) -> None: ...
+    def rename_dir(self, src: str, dst: str) -> None: ...
+    def rename_noreplace(self, src: str, dst: str) -> None: ...  # FileExistsError if dst exists
+    def exchange(self, a: str, b: str) -> bool: ...  # atomic swap; False if unsupported here
+    def remove_tree(self, path: str) -> None: ...
+    def fsync_dir(self, path: str) -> None: ...
+
+
+class ManifestCommit(Protocol):
+    """The commit protocol of a store without rename (spec/object-storage.md)."""
+
+    def begin(self, final: str, *, overwrite: bool) -> PendingCheckpoint: ...
+    def publish(self, pending: PendingCheckpoint, manifest: bytes) -> None: ...
+    def abort(self, pending: PendingCheckpoint) -> None: ...
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Recovery: ...
+    def remove_checkpoint(self, path: str) -> bool: ...
+
+
+def commits_by_manifest(storage: Any) -> bool:
+    """True for a backend that commits with a conditional MANIFEST put (no rename)."""
+    return callable(getattr(storage, "publish", None))
+
+
+_CACHE: dict[tuple[str, str], Any] = {}
+
+
+def resolve(path: str | os.PathLike[str], storage: Any = None) -> tuple[Any, str]:
+    """``(backend, normalised path)`` for a path or URL: the one resolver.
+
+    ``storage`` given: that backend normalises ``path`` (the local one refuses URLs).
+    Otherwise a plain path goes to :data:`local`, a URL to the backend registered for
+    its scheme (``s3://`` -> ``ckpt.storage.s3``, needing ``ckpt-replay[s3]``); an
+    unknown or uninstalled scheme raises ``UnsupportedSchemeError``.
+    """
+    if storage is not None:
+        return storage, storage.normalize(path)
+    p = os.fspath(path)
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    scheme = url_scheme(p)
+    if scheme is None:
+        return local, local.normalize(p)
+    backend = backend_for(scheme, p)
+    return backend, backend.normalize(p)
+
+
+def backend_for(scheme: str, url: str) -> Any:
+    """The backend for ``url`` (one instance per scheme and bucket, reused)."""
+    spec = BACKENDS.get(scheme)
+    if spec is None:
+        raise unsupported(scheme, url, "no storage backend serves this scheme")
+    mod_name, attr = spec.split(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise unsupported(scheme, url, f"its backend could not be imported ({e})") from None
+    factory: Any = mod
+    for part in attr.split("."):
+        factory = getattr(factory, part)
+    key = (scheme, mod.bucket_of(url)) if hasattr(mod, "bucket_of") else (scheme, "")
+    backend = _CACHE.get(key)
+    if backend is None:
+        backend = _CACHE[key] = factory(url)
+    return backend
+
+
+def forget_backends() -> None:
+    """Drop cached backend instances (tests that change the AWS environment call it)."""
+    _CACHE.clear()

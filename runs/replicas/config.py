@@ -1,0 +1,112 @@
+"""The replica run's configuration: groups, faults, data, timeouts (all of it on the tape)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["ReplicaConfig", "Kill", "Join", "SdcFault", "check"]
+
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL every rank of ``group`` when it reaches ``step`` (after its quorum, before
+    its forward pass: a logical point, so that a replay stops it at the same place)."""
+
+    group: str
+    step: int
+
+
+@dataclass(frozen=True)
+class Join:
+    """Start a new replica group ``group`` of ``ranks`` ranks once the run has committed
+    ``after_step``; it joins a quorum and recovers from a live peer."""
+
+    group: str
+    ranks: int
+    after_step: int
+
+
+@dataclass(frozen=True)
+class SdcFault:
+    """Flip ``bit`` of element ``index`` of gradient bucket ``bucket`` on ``actor`` at
+    ``step``: ``where`` = reduced (after the all-reduce: the cross-replica check sees it)
+    or local (before it: every replica receives the corrupt sum; re-execution sees it)."""
+
+    actor: str
+    step: int
+    where: str = "reduced"
+    bucket: int = 0
+    index: int = 0
+    bit: int = 30
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    groups: tuple[tuple[str, int], ...] = (("g0", 2), ("g1", 1), ("g2", 1))  # (replica id, ranks)
+    steps: int = 40
+    global_batch: int = 12  # samples per committed step, split over the participating ranks
+    seq_len: int = 32
+    vocab: int = 64
+    dim: int = 64
+    layers: int = 2
+    lr: float = 3e-3
+    seed: int = 0
+    corpus: int = 2048  # sequences in the generated corpus
+    augment: float = 0.05  # probability of replacing an input token (the named generator "augment")
+    bucket_elems: int = 32768  # gradient bucket size (elements) for the all-reduce and the SDC digests
+    kills: tuple[Kill, ...] = ()
+    joins: tuple[Join, ...] = ()
+    data_policy: str = "redistribute"  # or "drop": what happens to an uncommitted attempt's samples
+    min_replicas: int = 1
+    sdc: bool = True  # cross-replica digest check at every accumulation boundary
+    sdc_policy: str = "exclude"  # on a named odd replica: exclude it (torchft continues) or rollback
+    reexec_every: int = 0  # re-execute every Nth step locally and compare gradient digests (0: on suspicion only)
+    sdc_faults: tuple[SdcFault, ...] = ()
+    param_every: int = 1  # state digests on step_commit every N steps (0: never)
+    timeout_s: float = 20.0  # collectives and recovery
+    heartbeat_timeout_ms: int = 1500
+    join_timeout_ms: int = 2500
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["groups"] = [list(g) for g in self.groups]
+        d["extra"] = dict(self.extra)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaConfig":
+        d = dict(d)
+        d["groups"] = tuple((str(g), int(n)) for g, n in d["groups"])
+        d["kills"] = tuple(Kill(**k) for k in d.get("kills", ()))
+        d["joins"] = tuple(Join(**j) for j in d.get("joins", ()))
+        d["sdc_faults"] = tuple(SdcFault(**f) for f in d.get("sdc_faults", ()))
+        return cls(**d)
+
+    def all_groups(self) -> list[tuple[str, int]]:
+        """Every group that ever runs: the initial ones, then the joiners."""
+        return list(self.groups) + [(j.group, j.ranks) for j in self.joins]
+
+    def actors(self) -> list[str]:
+        return [f"{g}.{r}" for g, n in self.all_groups() for r in range(n)]
+
+    def kill_step(self, group: str) -> int | None:
+        for k in self.kills:
+            if k.group == group:
+                return k.step
+        return None
+
+
+def check(cfg: ReplicaConfig) -> ReplicaConfig:
+    """torchft's replica groups are homogeneous: group rank r of every group shares one
+    process group, so every group (joiners too) has the same number of ranks."""
+    sizes = {n for _, n in cfg.all_groups()}
+    if len(sizes) != 1 or not sizes <= {1, 2}:
+        raise ValueError(f"every replica group must have the same size, 1 or 2 ranks; got {cfg.all_groups()}")
+    names = [g for g, _ in cfg.all_groups()]
+    if len(set(names)) != len(names) or any("." in g or ":" in g for g in names):
+        raise ValueError(f"group names must be distinct, without '.' or ':': {names}")
+    if cfg.data_policy not in ("redistribute", "drop") or cfg.sdc_policy not in ("exclude", "rollback"):
+        raise ValueError("data_policy is redistribute or drop; sdc_policy exclude or rollback")
+    return cfg

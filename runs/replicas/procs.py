@@ -1,0 +1,171 @@
+"""The recorded run: torchft's lighthouse in this process, every rank of every replica
+group in its own process, the tape here (the ranks' logs arrive over pipes).
+
+A group is SIGKILLed at a logical point (its kill step, right after its quorum): every rank
+of it flushes its log and says so, then the orchestrator SIGKILLs all of them at once, for
+real (exit -9) while the other groups train on. A joiner group is started once the run has
+committed its ``after_step``; it asks torchft for a quorum and recovers from a live peer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from runs.replicas.config import ReplicaConfig
+from runs.replicas.tapeio import Applier, Hub, RemoteSink
+
+__all__ = ["run_processes"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: str, store_port: int, conn: Any,
+               start: Any) -> None:  # pragma: no cover - child process
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from runs.replicas.coord import FtCoordinator
+    from runs.replicas.worker import build_state, run_rank
+
+    cfg = ReplicaConfig.from_dict(cfg_d)
+    grank = int(actor.split(".")[1])
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=grank == 0, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    sink = RemoteSink(conn, actor)
+    st = build_state(cfg)
+    sink.flush()  # ready: imported and built; a joiner is a hot spare from here on
+    start.wait()
+    # the Manager (and its heartbeat to the lighthouse) starts only once the group is let in
+    coord = FtCoordinator(actor, group_size, st, sink, lighthouse=lighthouse, store=store, store_port=store_port)
+    res = run_rank(actor, group_size, st, coord, sink)
+    sink.flush(final=True, result={"outcome": res.outcome, "steps": res.steps, "params": res.params,
+                                   "recovered_from": res.recovered_from})
+    os._exit(0)  # torchft's server threads need no orderly goodbye
+
+
+def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int], None] | None = None,
+                  timeout_s: float = 900.0) -> dict[str, Any]:
+    from torchft._torchft import LighthouseServer
+
+    t0 = time.monotonic()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
+                                  quorum_tick_ms=20, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+    ctx = mp.get_context("spawn")
+    lock = threading.Condition()
+    procs: dict[str, Any] = {}
+    ready: set[str] = set()
+    dying: set[str] = set()
+    results: dict[str, Any] = {}
+    finished: set[str] = set()
+    started_joins: set[str] = set()
+    killed: dict[str, list[int]] = {}
+    committed = [-1]
+    initial = [f"{g}.{r}" for g, n in cfg.groups for r in range(n)]
+    start_initial = ctx.Event()
+    sizes = dict(cfg.all_groups())
+
+    def on_message(name: str, msg: dict) -> None:
+        with lock:
+            ready.add(name)
+            if msg.get("dying"):
+                dying.add(name)
+            if msg.get("final"):
+                finished.add(name)
+                results[name] = msg.get("result") or {"error": msg.get("error")}
+            lock.notify_all()
+
+    def on_applied(actor: str, method: str, args: tuple) -> None:
+        if method == "event" and args[0] == "step_commit" and args[2] == 1:
+            step = hub.rec.actor(actor).current_step
+            with lock:
+                if step > committed[0]:
+                    committed[0] = step
+                    lock.notify_all()
+            if on_commit is not None:
+                on_commit(actor, step)
+
+    hub.listeners.append(on_applied)
+    applier = Applier(hub, on_message)
+
+    def pending_groups() -> set[str]:
+        return {j.group for j in cfg.joins if j.group not in started_joins}
+
+    def spawn(group: str, n: int, start: Any) -> None:
+        port = _free_port()
+        for r in range(n):
+            actor = f"{group}.{r}"
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, args=(actor, n, cfg.to_dict(), lighthouse.address(), port, child, start),
+                            name=actor, daemon=True)
+            p.start()
+            child.close()
+            procs[actor] = p
+            applier.attach(actor, parent)
+
+    gates = {j.group: ctx.Event() for j in cfg.joins}
+    try:
+        for g, n in cfg.groups:
+            spawn(g, n, start_initial)
+        for j in cfg.joins:  # started now, let in later: process start-up is not part of a join
+            spawn(j.group, j.ranks, gates[j.group])
+        deadline = time.monotonic() + timeout_s
+        everyone = initial + [f"{j.group}.{r}" for j in cfg.joins for r in range(j.ranks)]
+        with lock:
+            # every rank is up before any asks for a quorum: the first quorum holds all initial groups
+            lock.wait_for(lambda: set(everyone) <= ready or time.monotonic() > deadline, timeout=timeout_s)
+        start_initial.set()
+        while True:
+            with lock:
+                lock.wait(timeout=0.2)
+                for g, n in cfg.all_groups():
+                    ranks = [f"{g}.{r}" for r in range(n)]
+                    if g not in killed and all(a in dying for a in ranks):
+                        for a in ranks:  # the whole group at once, for real
+                            os.kill(procs[a].pid, signal.SIGKILL)
+                        killed[g] = [procs[a].pid for a in ranks]
+                go = [j for j in cfg.joins if j.group not in started_joins and committed[0] >= j.after_step]
+                alive = [a for a, p in procs.items() if a not in finished and p.exitcode is None
+                         and a.split(".")[0] not in killed and a.split(".")[0] not in pending_groups()]
+                pending_joins = [j for j in cfg.joins if j.group not in started_joins]
+            for j in go:
+                started_joins.add(j.group)
+                gates[j.group].set()
+            crashed = [a for a, p in procs.items() if p.exitcode not in (None, 0) and a.split(".")[0] not in killed]
+            if crashed:
+                raise RuntimeError(f"replica ranks crashed: {crashed} (exit codes "
+                                   f"{[procs[a].exitcode for a in crashed]})")
+            if not alive and not go:
+                if pending_joins:  # the run ended before the joiner's turn: it never asked to join
+                    for j in pending_joins:
+                        for r in range(j.ranks):
+                            procs[f"{j.group}.{r}"].kill()
+                            killed.setdefault(j.group, []).append(procs[f"{j.group}.{r}"].pid)
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the replica run did not finish in {timeout_s} s (alive: {alive})")
+        for p in procs.values():
+            p.join(30)
+        applier.join(30)
+        if applier.errors:
+            raise applier.errors[0]
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        lighthouse.shutdown()
+    return {"results": results, "exitcodes": {a: p.exitcode for a, p in procs.items()}, "killed": killed,
+            "wall_s": time.monotonic() - t0}

@@ -1,0 +1,180 @@
+"""Recording a replica run, and its tape entry point ``main(rec)`` (the replay).
+
+``record(tape, cfg)`` runs the real thing (torchft lighthouse, a process per rank, real
+SIGKILLs) and records one tape. ``ckpt replay TAPE --mode force`` calls :func:`main`, which
+runs every rank as a thread of one process: the taped decisions (quorums, all-reduce
+outcomes, commits, faults, the bytes of each recovery) make the outcome independent of
+timing, and the same torchft gloo groups reduce in the same order, so losses, parameter
+and state digests come out bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replay import Recorder
+from runs.replicas.config import ReplicaConfig, check
+from runs.replicas.tapeio import Hub, LocalSink
+from runs.replicas.worker import RankResult
+
+__all__ = ["ENTRY_POINT", "RunResult", "record", "main", "run_threads", "open_recorder"]
+
+ENTRY_POINT = "runs.replicas.run:main"
+
+
+@dataclass
+class RunResult:
+    cfg: ReplicaConfig
+    mode: str  # processes | threads
+    ranks: dict[str, dict[str, Any]] = field(default_factory=dict)  # actor -> outcome, steps, params, ...
+    exitcodes: dict[str, Any] = field(default_factory=dict)
+    killed: dict[str, list[int]] = field(default_factory=dict)
+    wall_s: float = 0.0
+    tape: str | None = None
+
+
+def open_recorder(tape: str | os.PathLike[str], cfg: ReplicaConfig, **opts: Any) -> Recorder:
+    return Recorder.open(str(tape), entry_point=ENTRY_POINT, config={"replicas": cfg.to_dict()}, actor="run",
+                         rng_every=0, param_digest_every=0, rng_sources=(), **opts)
+
+
+def record(tape: str | os.PathLike[str], cfg: ReplicaConfig, *, transport: str = "processes", **kw: Any) -> RunResult:
+    """Run ``cfg`` with torchft and record ``tape``: a process per rank (``processes``, the
+    real thing, SIGKILLs included) or a thread per rank (``threads``: torchft's Managers in
+    one process, as torchft's own integration tests run them; no kills)."""
+    check(cfg)
+    Path(tape).parent.mkdir(parents=True, exist_ok=True)
+    with open_recorder(tape, cfg) as rec:
+        hub = Hub(rec, wait_s=max(120.0, 6 * cfg.timeout_s))
+        if transport == "threads":
+            res = _ft_threads(hub, cfg, **kw)
+        else:
+            from runs.replicas.procs import run_processes
+
+            out = run_processes(hub, cfg, **kw)
+            res = RunResult(cfg, "processes", {a: dict(r) for a, r in out["results"].items()}, out["exitcodes"],
+                            out["killed"], out["wall_s"])
+    res.tape = str(tape)
+    return res
+
+
+def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None) -> RunResult:
+    """torchft's Managers as threads of this process (recording; no SIGKILL possible here)."""
+    import torch.distributed as dist
+    from torchft._torchft import LighthouseServer
+
+    from runs.replicas.coord import FtCoordinator
+    from runs.replicas.worker import build_state, run_rank
+
+    if cfg.kills:
+        raise ValueError("a thread cannot be SIGKILLed: record kills with transport='processes'")
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    lh = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
+                          quorum_tick_ms=20, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+    sizes = dict(cfg.all_groups())
+    masters = {g: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=120)) for g in sizes}
+    committed = [-1]
+    cond = threading.Condition()
+
+    def on_applied(actor: str, method: str, args: tuple) -> None:
+        if method == "event" and args[0] == "step_commit" and args[2] == 1:
+            with cond:
+                committed[0] = max(committed[0], hub.rec.actor(actor).current_step)
+                cond.notify_all()
+
+    hub.listeners.append(on_applied)
+    results: dict[str, RankResult] = {}
+    errors: list[BaseException] = []
+    after = {j.group: j.after_step for j in cfg.joins}
+
+    def rank_thread(actor: str) -> None:
+        try:
+            g = actor.split(".")[0]
+            st = build_state(cfg)
+            if g in after:
+                with cond:
+                    cond.wait_for(lambda: committed[0] >= after[g])
+            sink = LocalSink(hub, actor)
+            # a client of its own: one TCPStore object is not for two threads' rendezvous at once
+            store = dist.TCPStore("127.0.0.1", masters[g].port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=120))
+            coord = FtCoordinator(actor, sizes[g], st, sink, lighthouse=lh.address(), store=store,
+                                  store_port=masters[g].port)
+            results[actor] = run_rank(actor, sizes[g], st, coord, sink,
+                                      on_commit=(lambda s, loss: on_commit(actor, s)) if on_commit else None)
+        except BaseException as e:  # the main thread reports it
+            errors.append(e)
+            with cond:
+                cond.notify_all()
+
+    threads = [threading.Thread(target=rank_thread, args=(a,), name=a, daemon=True) for a in cfg.actors()]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(1800)
+    finally:
+        lh.shutdown()
+    if errors:
+        raise errors[0]
+    ranks = {a: {"outcome": r.outcome, "steps": r.steps, "params": r.params, "recovered_from": r.recovered_from,
+                 "losses": r.losses} for a, r in results.items()}
+    return RunResult(cfg, "threads", ranks, wall_s=time.monotonic() - t0)
+
+
+def run_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
+    """Every rank (joiners and the killed included) as a thread of this process, driven by
+    the tape's decisions (force mode)."""
+    import torch.distributed as dist
+
+    from runs.replicas.coord import ReplayCoordinator
+    from runs.replicas.worker import build_state, run_rank
+
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    master = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
+    sizes = dict(cfg.all_groups())
+    results: dict[str, RankResult] = {}
+    errors: list[BaseException] = []
+
+    def rank_thread(actor: str) -> None:
+        try:
+            store = dist.TCPStore("localhost", master.port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=600))
+            st = build_state(cfg)
+            sink = LocalSink(hub, actor)
+            g = actor.split(".")[0]
+            coord = ReplayCoordinator(actor, sizes[g], st, sink, store=store, store_port=master.port)
+            results[actor] = run_rank(actor, sizes[g], st, coord, sink)
+        except BaseException as e:  # the main thread reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_thread, args=(a,), name=a, daemon=True) for a in cfg.actors()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(1800)
+    if errors:
+        raise errors[0]
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        raise TimeoutError(f"replay threads did not finish: {stuck}")
+    ranks = {a: {"outcome": r.outcome, "steps": r.steps, "params": r.params, "recovered_from": r.recovered_from,
+                 "losses": r.losses} for a, r in results.items()}
+    return RunResult(cfg, "threads", ranks, wall_s=time.monotonic() - t0)
+
+
+def main(rec: Recorder) -> RunResult:
+    """The tape entry point (force mode): re-run the recorded replica run as threads."""
+    cfg = ReplicaConfig.from_dict(dict(rec.config["replicas"]))
+    return run_threads(Hub(rec, wait_s=600.0), cfg)

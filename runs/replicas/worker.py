@@ -1,0 +1,298 @@
+"""One rank of one replica group: the training loop, the same code when recorded (torchft
+``Manager``, a process per rank) and when replayed (taped decisions, a thread per rank).
+
+Per step attempt: quorum (torchft; may heal the rank from a live peer through
+``ckpt.stream.TorchftTransport``), the rank's share of the global batch, forward and
+backward, the gradient all-reduce in buckets (inside the group first when it has two ranks,
+then across the replica groups through the manager), the SDC digests and their
+cross-replica comparison, then torchft's commit verdict: a committed step applies the
+optimizer and moves the data cursor; an uncommitted one leaves the replicated state as it
+was (the named generator is rewound) and its samples go back to the stream.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import msgpack
+import torch
+
+import replay
+from replay.sdc import bucket_digests, digest_slots, flip_bit, judge, unpack_slots
+from runs.common.tiny_lm import TinyConfig, TinyLM, make_corpus
+from runs.replicas.config import ReplicaConfig
+from runs.replicas.data import GlobalCursor, share
+
+__all__ = ["RankState", "RankResult", "Coordinator", "QuorumView", "run_rank", "build_state", "state_digests",
+           "step_loss", "ZERO"]
+
+ZERO = bytes(16)
+_INIT_LOCK = threading.Lock()  # model init seeds the process-wide generator; replay ranks are threads
+
+
+@dataclass
+class QuorumView:
+    key: str  # the quorum's tape key
+    members: list[str]  # replica groups, in replica-rank order
+    replica_rank: int
+    participants: int
+    healed_from: str | None = None  # the source replica when this rank recovered in the quorum
+
+
+class Coordinator(Protocol):
+    """What a rank asks of torchft (record) or of the tape (replay)."""
+
+    def current_step(self) -> int: ...
+    def start_quorum(self, step: int, attempt: int) -> QuorumView: ...
+    def intra_sum(self, t: torch.Tensor) -> None: ...
+    def allreduce(self, buckets: Sequence[torch.Tensor], key: str) -> bool: ...
+    def sum_collective(self, t: torch.Tensor) -> bool: ...
+    def intra_max(self, t: torch.Tensor) -> None: ...
+    def should_commit(self, key: str, local_ok: bool) -> bool: ...
+    def die(self) -> None: ...
+    def leave(self) -> None: ...
+
+
+@dataclass
+class RankState:
+    cfg: ReplicaConfig
+    model: TinyLM
+    optim: torch.optim.Optimizer
+    cursor: GlobalCursor
+    gen: torch.Generator
+    corpus: torch.Tensor
+
+    def ckpt_state(self) -> dict[str, Any]:
+        """What the transport saves and loads (data and generators ride as their own fields)."""
+        return {"model": self.model, "optim": self.optim}
+
+
+@dataclass
+class RankResult:
+    actor: str
+    steps: int
+    losses: dict[int, float] = field(default_factory=dict)
+    outcome: str = "finished"  # finished | killed | excluded
+    recovered_from: list[str] = field(default_factory=list)
+    params: bytes = ZERO
+
+
+def build_state(cfg: ReplicaConfig) -> RankState:
+    tcfg = TinyConfig(vocab=cfg.vocab, dim=cfg.dim, heads=4, layers=cfg.layers, seq_len=cfg.seq_len, dropout=0.0)
+    with _INIT_LOCK:
+        torch.manual_seed(cfg.seed)
+        model = TinyLM(tcfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    cursor = GlobalCursor(cfg.corpus, seed=cfg.seed, global_batch=cfg.global_batch)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    corpus = make_corpus(cfg.corpus, cfg.seq_len, cfg.vocab, seed=cfg.seed)
+    return RankState(cfg, model, optim, cursor, gen, corpus)
+
+
+def state_digests(st: RankState) -> tuple[bytes, bytes]:
+    """(parameters digest, whole replicated state digest): weights, optimizer, cursor, RNG."""
+    named = list(st.model.state_dict().items())
+    params = replay.message_digest(msgpack.packb([n for n, _ in named]), [t for _, t in named])
+    osd = st.optim.state_dict()
+    tensors = [t for _, t in named]
+    meta: list[Any] = [[n for n, _ in named], osd["param_groups"], st.cursor.state_dict()]
+    for idx in sorted(osd["state"]):
+        for k in sorted(osd["state"][idx]):
+            v = osd["state"][idx][k]
+            if isinstance(v, torch.Tensor):
+                tensors.append(v)
+                meta.append([idx, k])
+            else:
+                meta.append([idx, k, v])
+    tensors.append(st.gen.get_state())
+    return params, replay.message_digest(msgpack.packb(meta, use_bin_type=True, default=str), tensors)
+
+
+class _Flat:
+    """The gradient as one flat buffer (plus the loss, last), cut into fixed buckets."""
+
+    def __init__(self, params: list[torch.nn.Parameter], bucket_elems: int) -> None:
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        n = sum(self.sizes) + 1
+        self.buf = torch.zeros(n, dtype=torch.float32)
+        self.buckets = [self.buf[i : i + bucket_elems] for i in range(0, n, bucket_elems)]
+
+    def gather(self, loss: torch.Tensor) -> None:
+        o = 0
+        for p, n in zip(self.params, self.sizes):
+            self.buf[o : o + n].copy_(p.grad.reshape(-1) if p.grad is not None else torch.zeros(n))
+            o += n
+        self.buf[o] = loss.detach()
+
+    def scatter(self) -> float:
+        o = 0
+        for p, n in zip(self.params, self.sizes):
+            p.grad = self.buf[o : o + n].view_as(p).clone()
+            o += n
+        return float(self.buf[o].item())
+
+
+def step_loss(st: RankState, ids: list[int], rows: tuple[int, int], participants: int) -> torch.Tensor:
+    """Sum of the per-sample losses of this rank's rows, scaled so that the manager's
+    average over the participants is the mean over the whole global batch."""
+    cfg = st.cfg
+    g = len(ids)
+    # every replica draws the whole global batch's augmentation: the generator stays replicated
+    noise = torch.rand(g, cfg.seq_len, generator=st.gen)
+    repl = torch.randint(0, cfg.vocab, (g, cfg.seq_len), generator=st.gen)
+    lo, hi = rows
+    if hi == lo:
+        return sum((p.sum() * 0.0 for p in st.model.parameters()), torch.zeros(()))
+    batch = st.corpus[ids[lo:hi]]
+    x = batch[:, :-1].clone()
+    m = noise[lo:hi] < cfg.augment
+    x[m] = repl[lo:hi][m]
+    logits = st.model(x)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1), reduction="sum")
+    return ce / cfg.seq_len * (participants / g)
+
+
+def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sink: Any,
+             on_commit: Callable[[int, float], None] | None = None) -> RankResult:
+    """The loop of rank ``actor`` ("group.rank"); returns when the run's steps are done, or
+    when this rank is killed (record: never returns) or excluded."""
+    cfg = st.cfg
+    group, rank = actor.split(".")
+    grank = int(rank)
+    flat = _Flat(list(st.model.parameters()), cfg.bucket_elems)
+    res = RankResult(actor, 0)
+    attempt = 0
+    prev_members: list[str] | None = None
+    pending: tuple[list[str], list[int]] | None = None  # (members, ids) of an attempt not committed
+    faults = {(f.step, f.where): f for f in cfg.sdc_faults if f.actor == actor}
+    killed = cfg.kill_step(group)
+    while coord.current_step() < cfg.steps:
+        sink.set_step(coord.current_step())
+        q = coord.start_quorum(coord.current_step(), attempt)
+        s = coord.current_step()
+        key = f"{s}.{attempt}"
+        if q.healed_from:
+            res.recovered_from.append(q.healed_from)
+        if q.members != prev_members:
+            old = prev_members or []
+            sink.event("membership", q.key, [m for m in q.members if m not in old], [m for m in old if m not in q.members],
+                       q.members)
+        if pending is not None:
+            lost = [m for m in pending[0] if m not in q.members]
+            sink.event("data_reassign", cfg.data_policy, lost, pending[1])
+            pending = None
+        prev_members = q.members
+        if killed == s and attempt == 0:
+            if sink.inject("sigkill", group, lambda: {"step": s, "group": group}):
+                sink.flush(dying=True)
+                coord.die()  # record: SIGKILLed here by the orchestrator; replay: the thread ends
+                res.outcome, res.steps = "killed", s
+                return res
+        sink.begin_step(s)
+        ids = st.cursor.peek()
+        rows = share(len(ids), q.participants, q.replica_rank, group_size, grank)
+        sink.batch(ids[rows[0] : rows[1]])
+        gen_before = st.gen.get_state()
+        st.optim.zero_grad(set_to_none=True)
+        loss = step_loss(st, ids, rows, q.participants)
+        loss.backward()
+        flat.gather(loss)
+        if group_size > 1:
+            coord.intra_sum(flat.buf)
+        f = faults.get((s, "local"))  # a wrong computation on this rank: what it sends is wrong
+        if f is not None and attempt == 0 and sink.inject("bitflip-local", actor, lambda: _fault_json(f)):
+            flip_bit(flat.buckets[f.bucket], f.index, f.bit)
+        local = bucket_digests(flat.buckets) if cfg.sdc else []  # what this rank sends into the all-reduce
+        if cfg.sdc:
+            sink.event("sdc_digests", "local", [(f"b{i}", d) for i, d in enumerate(local)])
+        ok = coord.allreduce(flat.buckets, key)
+        discard = odd_me = False
+        if ok and cfg.sdc:
+            f = faults.get((s, "reduced"))
+            if f is not None and attempt == 0 and sink.inject("bitflip-reduced", actor, lambda: _fault_json(f)):
+                flip_bit(flat.buckets[f.bucket], f.index, f.bit)
+            reduced = bucket_digests(flat.buckets)
+            sink.event("sdc_digests", "reduced", [(f"b{i}", d) for i, d in enumerate(reduced)])
+            slots = digest_slots(reduced, q.replica_rank, q.participants)
+            if coord.sum_collective(slots):
+                rows_d = unpack_slots(slots)
+                v = judge({q.members[i]: rows_d[i] for i in range(q.participants)})
+                sink.event("sdc_verdict", "cross-replica", int(v.ok), list(v.odd), [f"b{b}" for b in v.buckets],
+                           {"ambiguous": v.ambiguous, **v.detail})
+                if not v.ok:
+                    odd_me = group in v.odd
+                    # the odd replica leaves (exclude) or every replica drops the step (rollback; also
+                    # when no majority can say who is wrong)
+                    discard = odd_me or cfg.sdc_policy == "rollback" or v.ambiguous
+                    sink.detected("sdc", ",".join(v.odd) or "unattributed",
+                                  {"step": s, "buckets": list(v.buckets), "policy": cfg.sdc_policy})
+            if cfg.reexec_every and s % cfg.reexec_every == 0:
+                again = _reexecute(st, ids, rows, q.participants, gen_before, flat, group_size, coord)
+                bad = [f"b{i}" for i, (a, b) in enumerate(zip(local, again)) if a != b]
+                sink.event("sdc_verdict", "reexec", int(not bad), [actor] if bad else [], bad, {"step": s})
+                if bad:
+                    discard = True
+        if group_size > 1 and cfg.sdc:
+            flags = torch.tensor([int(odd_me), int(discard)], dtype=torch.int64)
+            coord.intra_max(flags)  # a verdict of one rank's ring binds its whole group
+            odd_me, discard = bool(flags[0]), bool(flags[1])
+        committed = coord.should_commit(key, ok and not discard)
+        if committed:
+            gl = flat.scatter()
+            st.optim.step()
+            st.cursor.advance()
+            pd, sd = state_digests(st) if cfg.param_every and (s + 1) % cfg.param_every == 0 else (ZERO, ZERO)
+            sink.event("step_commit", q.key, 1, q.participants, pd, sd)
+            sink.loss(gl)
+            sink.end_step()
+            res.losses[s] = gl
+            if on_commit is not None:
+                on_commit(s, gl)
+            attempt = 0
+        else:
+            st.gen.set_state(gen_before)
+            sink.event("step_commit", q.key, 0, q.participants, ZERO, ZERO)
+            if cfg.data_policy == "drop":
+                st.cursor.skip()
+            pending = (list(q.members), ids)
+            attempt += 1
+        sink.flush()
+        if odd_me and cfg.sdc_policy == "exclude":
+            sink.note(f"{actor} excluded after an SDC verdict at step {s}; torchft continues without {group}")
+            sink.flush()
+            coord.leave()
+            res.outcome, res.steps = "excluded", s
+            return res
+    res.steps = coord.current_step()
+    res.params = state_digests(st)[0]
+    sink.note(f"{actor} finished at step {res.steps}")
+    sink.flush()
+    coord.leave()
+    return res
+
+
+def _fault_json(f: Any) -> dict[str, Any]:
+    return {"step": f.step, "where": f.where, "bucket": f.bucket, "index": f.index, "bit": f.bit}
+
+
+def _reexecute(st: RankState, ids: list[int], rows: tuple[int, int], participants: int, gen_before: torch.Tensor,
+               flat: _Flat, group_size: int, coord: Coordinator) -> list[bytes]:
+    """The step's local gradient computed again under the same inputs and generator state
+    (parameters are untouched until the commit): its bucket digests, to compare."""
+    after = st.gen.get_state()
+    st.gen.set_state(gen_before)
+    grads = [p.grad for p in st.model.parameters()]
+    st.model.zero_grad(set_to_none=True)
+    loss = step_loss(st, ids, rows, participants)
+    loss.backward()
+    again = _Flat(flat.params, st.cfg.bucket_elems)
+    again.gather(loss)
+    if group_size > 1:
+        coord.intra_sum(again.buf)
+    for p, g in zip(st.model.parameters(), grads):
+        p.grad = g
+    st.gen.set_state(after)
+    return bucket_digests(again.buckets)
