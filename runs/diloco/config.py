@@ -45,6 +45,11 @@ class DiLoCoConfig:
     warmup: int = 8
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # communication: bits per element of the outer gradients learners send and of the
+    # fragment updates the syncer sends back (32: float32 as is; 16, 8, 4, 2, 1: quant.py,
+    # per-block scales of comm_block elements, with error feedback)
+    comm_bits: int = 32
+    comm_block: int = 64
     # how the learners' outer gradients are averaged: "mean" (token-weighted) or "rda"
     # (radial-directional: norms and directions averaged separately; merge.py)
     merge: str = "mean"
@@ -80,6 +85,8 @@ class DiLoCoConfig:
             raise ValueError(f"need 1 <= fragments ({self.fragments}) <= inner_h ({self.inner_h})")
         if self.steps < self.inner_h or self.steps % self.inner_h:
             raise ValueError(f"steps ({self.steps}) must be a positive multiple of inner_h ({self.inner_h})")
+        if self.comm_bits not in (1, 2, 4, 8, 16, 32) or self.comm_block < 1:
+            raise ValueError(f"comm_bits must be one of 1, 2, 4, 8, 16, 32 (got {self.comm_bits}), comm_block >= 1")
         if self.transport not in ("threads", "gloo"):
             raise ValueError(f"transport must be 'threads' or 'gloo', got {self.transport!r}")
 

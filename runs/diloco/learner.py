@@ -25,6 +25,7 @@ import torch
 from ckpt.data import QuarantinePolicy, ResumableLoader
 from runs.common.tiny_lm import warmup_cosine
 from replay import Message
+from runs.diloco import quant
 from runs.diloco.chaos import Fault
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
@@ -64,6 +65,13 @@ class LearnerCore:
         self.c_steps = [0] * cfg.fragments
         self.applied = [-1] * cfg.fragments  # syncer step of the merged fragment last applied
         self.last_loss = float("nan")
+        # compressed communication (cfg.comm_bits < 32): the global fragment as this learner
+        # holds it (the syncer mirrors it exactly) and the error-feedback residuals
+        # (every learner starts from Theta_0, which the syncer mirrors as "step -1")
+        self.anchor: list[list[torch.Tensor] | None] = [None] * cfg.fragments
+        if cfg.comm_bits != 32:
+            self.anchor = [self.fragment(p) for p in range(cfg.fragments)]
+        self.resid = [[torch.zeros_like(self.params[n]) for n in f.names] for f in self.frags]
 
     def train_step(self) -> tuple[list[int], float]:
         batch = None
@@ -91,13 +99,44 @@ class LearnerCore:
     def fragment(self, p: int) -> list[torch.Tensor]:
         return [self.params[n].detach().clone() for n in self.frags[p].names]
 
-    def apply(self, p: int, s: int, tensors: Sequence[torch.Tensor]) -> bool:
-        """Adopt the merged fragment of syncer step ``s`` unless a newer one is applied."""
+    def outgoing(self, p: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What goes on the wire for fragment p: its parameters (float32), or, compressed,
+        the outer gradient ``anchor - theta`` plus the residual, encoded (quant.py), with
+        the syncer step of the anchor; the residual keeps what the encoding lost."""
+        cfg = self.cfg
+        if cfg.comm_bits == 32:
+            return {}, self.fragment(p)
+        anchor = self.anchor[p]
+        if anchor is None:  # no merged fragment yet (a replacement): the parameters, raw
+            return {"enc": "raw"}, self.fragment(p)
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for j, n in enumerate(self.frags[p].names):
+                v = anchor[j] - self.params[n].detach() + self.resid[p][j]
+                e = quant.encode(v, cfg.comm_bits, cfg.comm_block)
+                self.resid[p][j] = v - quant.decode(e, cfg.comm_block)
+                out += e.tensors()
+        return {"enc": cfg.comm_bits, "anchor": self.applied[p]}, out
+
+    def apply(self, p: int, s: int, tensors: Sequence[torch.Tensor], meta: Mapping[str, Any] | None = None) -> bool:
+        """Adopt the merged fragment of syncer step ``s`` unless a newer one is applied (a
+        compressed update decodes onto the fragment as this learner holds it)."""
         if s <= self.applied[p]:
             return False
+        enc = (meta or {}).get("enc")
+        if enc == "delta":
+            base = self.anchor[p]
+            if base is None or int((meta or {})["base"]) != self.applied[p]:
+                raise RuntimeError(f"fragment {p}: an update from syncer step {(meta or {}).get('base')} reached a "
+                                   f"learner holding step {self.applied[p]}")
+            tensors = [b + quant.decode(quant.Encoded(int((meta or {})["bits"]), tuple(b.shape), q, sc),
+                                        self.cfg.comm_block)
+                       for b, q, sc in zip(base, tensors[0::2], tensors[1::2])]
         with torch.no_grad():
             for n, t in zip(self.frags[p].names, tensors):
                 self.params[n].copy_(t)
+        if self.cfg.comm_bits != 32:
+            self.anchor[p] = [t.detach().clone() for t in tensors]
         self.applied[p] = s
         self.c_tokens[p] = 0
         self.c_steps[p] = 0
@@ -136,6 +175,12 @@ class LearnerCore:
         self.sched.load_state_dict(sd)
         self.t = int(meta["t"])
         self.applied = [int(x) for x in meta["applied"]]
+        if self.cfg.comm_bits != 32:
+            # Compressed: the syncer knows exactly which fragment each endpoint holds, and
+            # a new one holds none; it sends it every fragment whole first.
+            self.applied = [-1] * self.cfg.fragments
+            self.anchor = [None] * self.cfg.fragments
+            self.resid = [[torch.zeros_like(self.params[n]) for n in f.names] for f in self.frags]
         self.c_tokens = [0] * self.cfg.fragments
         self.c_steps = [0] * self.cfg.fragments
         # Continue this learner's own data stream at the adopted step.
@@ -348,7 +393,7 @@ class Learner:
             kind = msg.meta["kind"]
             tape.recv(ref)
             if kind == "merged":
-                core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors)
+                core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors, msg.meta)
             elif kind == "state_req":
                 # the step it was asked at: the recovery accounting's transfer wait
                 msg.meta["asked_at"] = core.t  # type: ignore[index]
@@ -408,7 +453,8 @@ class Learner:
                     snapshot=str(msg.meta["snapshot"]))
         self.views.refresh({
             "core": {"meta": meta, "tensors": tensors, "c_tokens": list(core.c_tokens), "c_steps": list(core.c_steps),
-                     "loader": core.loader.state_dict(), "last_loss": core.last_loss},
+                     "loader": core.loader.state_dict(), "last_loss": core.last_loss,
+                     **({"comm": {"anchor": core.anchor, "resid": core.resid}} if self.cfg.comm_bits != 32 else {})},
             "loop": loop})
         self.agent.take_marker(msg, unconsumed=list(self.link.box.values()))
 
@@ -494,10 +540,11 @@ class Learner:
             dt = time.perf_counter() - t0
             loop.step_ema = dt if loop.step_ema == 0.0 else loop.step_ema + cfg.ema_alpha * (dt - loop.step_ema)
             for p in cfg.fragments_due(t):
+                enc, tensors = core.outgoing(p)
                 meta = {"kind": "frag", "p": p, "t": t, "tokens": core.c_tokens[p], "steps": core.c_steps[p],
-                        "inc": ctx.incarnation, "started": out.started_at}
+                        "inc": ctx.incarnation, "started": out.started_at, **enc}
                 delay = loop.jitter_delay if t < loop.jitter_until else 0.0
-                loop.outbox.append((time.monotonic() + delay, meta, core.fragment(p), {"step_s": loop.step_ema}))
+                loop.outbox.append((time.monotonic() + delay, meta, tensors, {"step_s": loop.step_ema}))
             self.boundary(f"t{t}")
             self.lag_loop(t, 0)
         while not loop.stopped:
@@ -522,6 +569,11 @@ def restore_core(core: LearnerCore, part: Mapping[str, Any]) -> Mapping[str, Any
     core.load(c["meta"], list(c["tensors"]))
     core.c_tokens = [int(x) for x in c["c_tokens"]]
     core.c_steps = [int(x) for x in c["c_steps"]]
+    core.applied = [int(x) for x in c["meta"]["applied"]]  # a snapshot keeps them (load() may not)
+    comm = c.get("comm")
+    if comm is not None:
+        core.anchor = [None if a is None else list(a) for a in comm["anchor"]]
+        core.resid = [list(r) for r in comm["resid"]]
     core.loader.load_state_dict(c["loader"])
     core._it = None
     core.last_loss = float(c["last_loss"])

@@ -134,7 +134,10 @@ def part_entries(actor: str, tree: Mapping[str, Any]) -> tuple[dict[str, Any], A
     d = dict(tree["diloco"])
     rest = {k: v for k, v in tree.items() if k != "diloco"}
     if actor == "syncer":
-        return {"model": {"theta": d.pop("theta")}, "optim": {"mom": d.pop("mom")}, "messages": {"box": d.pop("box")},
+        optim = {"mom": d.pop("mom")}
+        if "comm" in d:  # compressed communication: what each learner holds, as the syncer mirrors it
+            optim["comm"] = d.pop("comm")
+        return {"model": {"theta": d.pop("theta")}, "optim": optim, "messages": {"box": d.pop("box")},
                 "diloco": d, **rest}, None
     core = dict(d["core"])
     meta = dict(core.pop("meta"))
@@ -142,6 +145,8 @@ def part_entries(actor: str, tree: Mapping[str, Any]) -> tuple[dict[str, Any], A
     model = {n: t for n, t in named if n.startswith("model.")}
     optim = {"tensors": {n: t for n, t in named if not n.startswith("model.")},
              "param_groups": meta.pop("param_groups"), "sched": meta.pop("sched")}
+    if "comm" in core:  # compressed communication: the held fragments and residuals
+        optim["comm"] = core.pop("comm")
     data = Tree(core.pop("loader"))
     d["core"] = {**core, "meta": meta}
     loop = dict(d["loop"])
@@ -156,13 +161,15 @@ def join_part(actor: str, entries: Mapping[str, Any], data: Any) -> dict[str, An
     optim = dict(entries["optim"])
     held = dict(entries["messages"])
     if actor == "syncer":
-        return {**d, "theta": entries["model"]["theta"], "mom": optim["mom"], "box": held["box"]}
+        return {**d, "theta": entries["model"]["theta"], "mom": optim["mom"], "box": held["box"],
+                **({"comm": optim["comm"]} if "comm" in optim else {})}
     core = dict(d["core"])
     meta = dict(core["meta"])
     model, inner = entries["model"], optim["tensors"]
     tensors = [model[n] if n in model else inner[n] for n in meta["names"]]
     meta.update(param_groups=optim["param_groups"], sched=optim["sched"])
-    d["core"] = {**core, "meta": meta, "tensors": tensors, "loader": data}
+    d["core"] = {**core, "meta": meta, "tensors": tensors, "loader": data,
+                 **({"comm": optim["comm"]} if "comm" in optim else {})}
     d["loop"] = {**d["loop"], "outbox": held["outbox"], "pending": held["pending"]}
     return d
 

@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from replay import Message
+from runs.diloco import quant
 from runs.diloco.chaos import Schedule
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
@@ -103,6 +104,74 @@ class SyncerCore:
         return out
 
 
+class SyncerComm:
+    """The syncer's side of compressed communication (``cfg.comm_bits`` < 32, quant.py).
+
+    Learners send outer gradients against the fragment they hold; the syncer mirrors, per
+    endpoint and fragment, exactly what that learner holds (the versions of the last few
+    syncer steps: a contribution names the one it is anchored at) and sends back the
+    encoded difference between the global fragment and that mirror, which also corrects
+    the previous send's error. An endpoint it mirrors nothing for (new, or a replacement)
+    is sent the fragment whole. The global fragments stay full precision."""
+
+    KEEP = 8  # mirrored versions per endpoint and fragment (bounded staleness needs far fewer)
+
+    def __init__(self, cfg: DiLoCoConfig, core: "SyncerCore", first: Sequence[str] = ()) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.hist: dict[str, list[dict[int, list[torch.Tensor]]]] = {}  # endpoint -> per fragment: step -> tensors
+        self.held: dict[str, list[int | None]] = {}  # endpoint -> per fragment: the step it holds
+        if cfg.comm_bits != 32:  # the first incarnations start from Theta_0: "step -1"
+            for e in first:
+                self.hist[e] = [{-1: [t.clone() for t in ts]} for ts in core.theta]
+                self.held[e] = [-1] * cfg.fragments
+
+    def contribution(self, p: int, m: Message) -> list[torch.Tensor]:
+        ts = list(m.tensors[: _nsem(m)])
+        enc = m.meta.get("enc")
+        if self.cfg.comm_bits == 32 or enc is None or enc == "raw":
+            return ts
+        base = self.hist.get(m.src, [{}] * self.cfg.fragments)[p].get(int(m.meta["anchor"]))
+        if base is None:
+            raise RuntimeError(f"{m.src}: a contribution anchored at syncer step {m.meta['anchor']} of fragment {p}, "
+                               "which the syncer no longer mirrors")
+        return [b - quant.decode(quant.Encoded(int(enc), tuple(b.shape), q, sc), self.cfg.comm_block)
+                for b, q, sc in zip(base, ts[0::2], ts[1::2])]
+
+    def outgoing(self, e: str, p: int, s: int, theta_p: Sequence[torch.Tensor]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        cfg = self.cfg
+        if cfg.comm_bits == 32:
+            return {}, list(theta_p)
+        hist = self.hist.setdefault(e, [{} for _ in range(cfg.fragments)])
+        held = self.held.setdefault(e, [None] * cfg.fragments)
+        prev = held[p]
+        if prev is None:
+            new, enc, out = [t.clone() for t in theta_p], {"enc": "full"}, [t.clone() for t in theta_p]
+        else:
+            base = hist[p][prev]
+            es = [quant.encode(t - b, cfg.comm_bits, cfg.comm_block) for t, b in zip(theta_p, base)]
+            new = [b + quant.decode(x, cfg.comm_block) for b, x in zip(base, es)]
+            enc, out = {"enc": "delta", "bits": cfg.comm_bits, "base": prev}, [t for x in es for t in x.tensors()]
+        hist[p][s] = new
+        held[p] = s
+        for old in sorted(hist[p])[: -self.KEEP]:
+            del hist[p][old]
+        return enc, out
+
+    def forget(self, e: str) -> None:
+        """``e`` is gone (dead, or restarting afresh): it holds nothing any more. Its
+        mirrored versions stay: contributions it sent before may still be merged."""
+        self.held.pop(e, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"hist": {e: [sorted(h.items()) for h in hs] for e, hs in sorted(self.hist.items())},
+                "held": {e: list(v) for e, v in sorted(self.held.items())}}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        self.hist = {str(e): [{int(k): list(v) for k, v in h} for h in hs] for e, hs in d["hist"].items()}
+        self.held = {str(e): [None if x is None else int(x) for x in v] for e, v in d["held"].items()}
+
+
 def grace_window(cfg: DiLoCoConfig, xi_step: float, xi_quorum: float, xi_sync: float) -> float:
     g = cfg.grace_gamma * (cfg.overlap_tau * xi_step - xi_quorum - xi_sync)
     return min(max(g, 0.0), cfg.grace_cap_s)
@@ -158,6 +227,9 @@ class SyncerOutcome:
     # first known (monotonic s), and each replacement's recovery as it reported it
     dead_wall: dict[str, float] = field(default_factory=dict)
     joins: list[dict[str, Any]] = field(default_factory=list)
+    # payload bytes of the fragments: learners -> syncer (merged contributions) and back
+    bytes_up: int = 0
+    bytes_down: int = 0
 
 
 @dataclass
@@ -211,6 +283,7 @@ class Syncer:
         self.tape = tape
         self.force = tape.mode == "force"
         self.core = SyncerCore(cfg, ctx.theta0)
+        self.comm = SyncerComm(cfg, self.core, first=[f"learner-{i}" for i in range(cfg.learners)])
         self.out = SyncerOutcome()
         self.names = [f"learner-{i}" for i in range(cfg.learners)]
         self.book = SyncerBook.fresh(self.names, cfg.fragments)
@@ -412,7 +485,8 @@ class Syncer:
         info = {"name": name, "participants": parts, "excluded": [list(x) for x in d["excluded"]],
                 "box_refs": box_refs, "lost": [list(x) for x in b.lost]}
         self.views.refresh({"s": s, "theta": self.core.theta, "mom": self.core.mom, "book": self.book_state(),
-                            "box": box, "schedule": ctx.schedule.to_json(), "snapshot": info})
+                            "box": box, "schedule": ctx.schedule.to_json(), "snapshot": info,
+                            **({"comm": self.comm.state_dict()} if self.cfg.comm_bits != 32 else {})})
         self.agent.initiate(name, participants=["syncer", *parts], exclude={str(a): str(w) for a, w in d["excluded"]})
         self.snap.clear()
         self.snap.update({**info, "s": s})
@@ -480,6 +554,8 @@ class Syncer:
         for e, v in zip(self._emas, self.book.ema):
             e.value = v
         self.s0 = int(tree["s"])
+        if "comm" in tree:
+            self.comm.load_state_dict(tree["comm"])
         info = tree["snapshot"]
         self.snap.update({"name": info["name"], "s": self.s0, "participants": list(info["participants"]),
                           "excluded": [list(x) for x in info["excluded"]], "box_refs": list(info["box_refs"]),
@@ -491,6 +567,7 @@ class Syncer:
         gone_now = {r.endpoint(a) for a in self._rejoin}
         for a in self._rejoin:
             self._add_lost([*r.lost_to.get(a, []), *r.lost_from.get(a, [])])
+            self.comm.forget(str(r.endpoint(a)))
         for a, why in r.policy.items():
             e = r.endpoint(a)
             if why == "dead" and e is not None:  # its death is processed after the cut
@@ -557,6 +634,8 @@ class Syncer:
             b.deaths_seen[a] = b.deaths_seen.get(a, 0) + 1
             kind = _death_kind(ctx.schedule, a, b.deaths_seen[a])
             tape.detected(kind, a, {"syncer_step": s, "endpoint": b.active.get(a)})
+            if e_dead is not None:
+                self.comm.forget(e_dead)
             b.active.pop(a, None)
             b.recovering.discard(a)
             b.dead_since[a] = s
@@ -581,8 +660,9 @@ class Syncer:
         for ref in refs:
             msgs.append(link.wait_ref(ref))
             tape.recv(ref)
+            self.out.bytes_up += sum(t.numel() * t.element_size() for t in msgs[-1].tensors[: _nsem(msgs[-1])])
         _, weights = tape.merge(key, refs, plan["weights"])
-        theta_p = self.core.merge(p, [m.tensors[: _nsem(m)] for m in msgs], [float(w) for w in weights])
+        theta_p = self.core.merge(p, [self.comm.contribution(p, m) for m in msgs], [float(w) for w in weights])
         for ref, m in zip(refs, msgs):
             if int(m.meta["t"]) // cfg.inner_h == cfg.rounds - 1:
                 self.book.exhausted[p].add(actor_of(m.src))
@@ -598,7 +678,9 @@ class Syncer:
                     tape.recv(r2)
                 link.pop(r2)
         for e in plan["send_to"]:
-            link.send(e, {"kind": "merged", "s": s, "p": p}, theta_p)
+            enc, tensors = self.comm.outgoing(e, p, s, theta_p)
+            link.send(e, {"kind": "merged", "s": s, "p": p, **enc}, tensors)
+            self.out.bytes_down += sum(t.numel() * t.element_size() for t in tensors)
 
     def step(self, s: int) -> None:
         cfg, ctx, tape = self.cfg, self.ctx, self.tape
