@@ -44,7 +44,10 @@ class DiLoCoConfig:
     weight_decay: float = 0.01
     warmup: int = 8
     outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    # Nesterov momentum of the outer SGD, tuned on the no-fault run (bench/diloco_outer.py):
+    # 0.9 (DiLoCo's value, for thousands of outer steps) over the demo's 16 outer steps per
+    # fragment keeps pushing along old rounds' directions; 0.6 ends 6% lower
+    outer_momentum: float = 0.6
     # communication: bits per element of the outer gradients learners send and of the
     # fragment updates the syncer sends back (32: float32 as is; 16, 8, 4, 2, 1: quant.py,
     # per-block scales of comm_block elements, with error feedback)
@@ -58,6 +61,10 @@ class DiLoCoConfig:
     overlap_tau: int = 2
     grace_cap_s: float = 0.25
     ema_alpha: float = 0.125
+    # heterogeneous learners: speed factors (1.0 = as fast as the machine allows, 0.25 = a
+    # step takes four times as long), dealt to the learners by a permutation seeded with
+    # chaos_seed; empty: all equal. Record mode only (a replay's timing is irrelevant).
+    speeds: tuple[float, ...] = ()
     # seeds and chaos
     seed: int = 1234
     chaos: bool = True
@@ -85,6 +92,9 @@ class DiLoCoConfig:
             raise ValueError(f"need 1 <= fragments ({self.fragments}) <= inner_h ({self.inner_h})")
         if self.steps < self.inner_h or self.steps % self.inner_h:
             raise ValueError(f"steps ({self.steps}) must be a positive multiple of inner_h ({self.inner_h})")
+        if self.speeds and (len(self.speeds) != self.learners or not all(0 < f <= 1 for f in self.speeds)):
+            raise ValueError(f"speeds must give each of the {self.learners} learners a factor in (0, 1], "
+                             f"got {self.speeds}")
         if self.comm_bits not in (1, 2, 4, 8, 16, 32) or self.comm_block < 1:
             raise ValueError(f"comm_bits must be one of 1, 2, 4, 8, 16, 32 (got {self.comm_bits}), comm_block >= 1")
         if self.transport not in ("threads", "gloo"):
@@ -121,8 +131,20 @@ class DiLoCoConfig:
         due = self.fragments_due(t)
         return due[0] if due else None
 
+    def speed_of(self, index: int) -> float:
+        """Learner ``index``'s speed factor (``speeds`` dealt by a permutation seeded with chaos_seed)."""
+        if not self.speeds:
+            return 1.0
+        import random
+
+        order = list(range(self.learners))
+        random.Random(self.chaos_seed * 7919 + 1).shuffle(order)
+        return float(self.speeds[order[index]])
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["speeds"] = list(self.speeds)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DiLoCoConfig":
@@ -130,7 +152,10 @@ class DiLoCoConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown DiLoCo config keys: {unknown}")
-        cfg = cls(**dict(d))
+        d = dict(d)
+        if "speeds" in d:  # a list once it went through msgpack
+            d["speeds"] = tuple(float(x) for x in d["speeds"])
+        cfg = cls(**d)
         if cfg.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {cfg.merge!r}")
         return cfg

@@ -513,6 +513,7 @@ class Learner:
         # it skipped never happened), so how many deaths a run saw depended on timing.
         deaths = [f for f in ctx.faults if f.kind in ("kill", "loss")]
         my_death = deaths[ctx.incarnation] if ctx.incarnation < len(deaths) else None
+        speed = cfg.speed_of(_index(ctx.actor))
         while core.t < cfg.steps and not loop.stopped:
             t = core.t
             for f in ctx.faults:
@@ -538,6 +539,9 @@ class Learner:
             tape.end_step()
             out.losses.append((t, loss))
             dt = time.perf_counter() - t0
+            if speed < 1.0 and tape.mode == "record":  # a slower machine: each step takes 1/speed as long
+                time.sleep(dt * (1.0 / speed - 1.0))
+                dt = time.perf_counter() - t0
             loop.step_ema = dt if loop.step_ema == 0.0 else loop.step_ema + cfg.ema_alpha * (dt - loop.step_ema)
             for p in cfg.fragments_due(t):
                 enc, tensors = core.outgoing(p)

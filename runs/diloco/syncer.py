@@ -61,6 +61,7 @@ class SyncerCore:
         params = dict(self.model.named_parameters())
         self.theta = [[params[n].detach().clone() for n in f.names] for f in self.frags]
         self.mom = [[torch.zeros_like(t) for t in ts] for ts in self.theta]
+        self.shrink: list[float] = []  # per merge: |merged outer gradient| / mean |learner's|
 
     def merge(self, p: int, contribs: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
         total = math.fsum(weights)
@@ -73,6 +74,13 @@ class SyncerCore:
             rda = average("rda", [[cur.to(torch.float64) - c[j].to(torch.float64)
                                    for j, cur in enumerate(self.theta[p])] for c in contribs], weights)
         new = []
+        # how much shorter the merged outer gradient is than the learners' own (their mean
+        # norm): disagreeing directions shrink a plain mean, and with it the outer step
+        grads = [[cur.to(torch.float64) - c[j].to(torch.float64) for j, cur in enumerate(self.theta[p])]
+                 for c in contribs]
+        own = math.fsum((w / total) * math.sqrt(math.fsum(float((g * g).sum()) for g in gs))
+                        for w, gs in zip(weights, grads))
+        deltas = []
         for j, cur in enumerate(self.theta[p]):
             if rda is not None:
                 delta = rda[j]
@@ -81,11 +89,15 @@ class SyncerCore:
                 for w, c in zip(weights, contribs):
                     acc += (w / total) * c[j].to(torch.float64)
                 delta = cur.to(torch.float64) - acc
+            deltas.append(delta)
             v = mu * self.mom[p][j].to(torch.float64) + delta
             self.mom[p][j] = v.to(torch.float32)
             upd = cur.to(torch.float64) - lr * (delta + mu * v)
             self.theta[p][j] = upd.to(torch.float32)
             new.append(self.theta[p][j].clone())
+        merged = math.sqrt(math.fsum(float((d * d).sum()) for d in deltas))
+        if own > 0:
+            self.shrink.append(merged / own)
         return new
 
     def val_loss(self, corpus: torch.Tensor) -> float:
@@ -230,6 +242,8 @@ class SyncerOutcome:
     # payload bytes of the fragments: learners -> syncer (merged contributions) and back
     bytes_up: int = 0
     bytes_down: int = 0
+    # per merge: the merged outer gradient's norm over the learners' mean norm (and members)
+    shrink: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -663,6 +677,8 @@ class Syncer:
             self.out.bytes_up += sum(t.numel() * t.element_size() for t in msgs[-1].tensors[: _nsem(msgs[-1])])
         _, weights = tape.merge(key, refs, plan["weights"])
         theta_p = self.core.merge(p, [self.comm.contribution(p, m) for m in msgs], [float(w) for w in weights])
+        if self.core.shrink:
+            self.out.shrink.append((len(msgs), self.core.shrink[-1]))
         for ref, m in zip(refs, msgs):
             if int(m.meta["t"]) // cfg.inner_h == cfg.rounds - 1:
                 self.book.exhausted[p].add(actor_of(m.src))
