@@ -11,7 +11,12 @@ learners' own outer gradients at the same steps (a plain mean of disagreeing dir
 is shorter than each of them: the step the outer optimiser takes shrinks as more
 learners contribute, which is the no-fault run's handicap).
 
-Usage: python bench/diloco_outer.py [--quick] [--lrs 0.7,1.0,1.4] [--moms 0.9] [--out DIR]
+``--lags`` also varies the staleness bound (``max_lag_rounds``: how many rounds a learner
+may run ahead of the merges it has applied), and ``--transport gloo`` runs the learners
+as processes, which run further ahead of the syncer than threads of one process do.
+
+Usage: python bench/diloco_outer.py [--quick] [--lrs 0.7,1.0,1.4] [--moms 0.9] [--lags 1] [--transport threads]
+       [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,35 +39,39 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the demo's quick size")
     ap.add_argument("--lrs", default="0.5,0.7,1.0,1.4")
     ap.add_argument("--moms", default="0.9,0.6")
+    ap.add_argument("--lags", default=None, help="max_lag_rounds values (default: the config's)")
+    ap.add_argument("--transport", default="threads", choices=("threads", "gloo"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="diloco-outer-"))
-    base = demo_config(quick=args.quick, transport="threads").with_(snapshot_every=0)
+    base = demo_config(quick=args.quick, transport=args.transport).with_(snapshot_every=0)
+    lags = [int(x) for x in args.lags.split(",")] if args.lags else [base.max_lag_rounds]
     sync = run_baseline(base.with_(chaos=False), NO_FAULTS, out / "baseline")
     ref = sync.val[-1][1]
     print(f"synchronous baseline (no faults): final val loss {ref:.4f}")
-    print(f"{'outer lr':>8} {'momentum':>8} {'no-fault val':>12} {'vs sync':>8} {'|avg|/avg|g|':>12}")
+    print(f"{'lag':>3} {'outer lr':>8} {'momentum':>8} {'no-fault val':>12} {'vs sync':>8} {'|avg|/avg|g|':>12}")
     best = None
-    for mom in [float(x) for x in args.moms.split(",")]:
-        for lr in [float(x) for x in args.lrs.split(",")]:
-            cfg = base.with_(chaos=False, outer_lr=lr, outer_momentum=mom)
-            res = record(out / f"nofault-{lr}-{mom}.tape", cfg)
-            v = res.syncer.val[-1][1]
-            sh = [r for n, r in res.syncer.shrink if n > 1]
-            ratio = sum(sh) / len(sh) if sh else float("nan")
-            print(f"{lr:>8.2f} {mom:>8.2f} {v:>12.4f} {v / ref:>7.3f}x {ratio:>12.3f}", flush=True)
-            if best is None or v < best[0]:
-                best = (v, lr, mom)
+    for lag in lags:
+        for mom in [float(x) for x in args.moms.split(",")]:
+            for lr in [float(x) for x in args.lrs.split(",")]:
+                cfg = base.with_(chaos=False, outer_lr=lr, outer_momentum=mom, max_lag_rounds=lag)
+                res = record(out / f"nofault-{lag}-{lr}-{mom}.tape", cfg)
+                v = res.syncer.val[-1][1]
+                sh = [r for n, r in res.syncer.shrink if n > 1]
+                ratio = sum(sh) / len(sh) if sh else float("nan")
+                print(f"{lag:>3} {lr:>8.2f} {mom:>8.2f} {v:>12.4f} {v / ref:>7.3f}x {ratio:>12.3f}", flush=True)
+                if best is None or v < best[0]:
+                    best = (v, lr, mom, lag)
     assert best is not None
-    v, lr, mom = best
-    chaos = record(out / f"chaos-{lr}-{mom}.tape", base.with_(outer_lr=lr, outer_momentum=mom))
+    v, lr, mom, lag = best
+    chaos = record(out / f"chaos-{lr}-{mom}.tape", base.with_(outer_lr=lr, outer_momentum=mom, max_lag_rounds=lag))
     cv = chaos.syncer.val[-1][1]
     by_n: dict[int, list[float]] = {}
     for n, r in chaos.syncer.shrink:
         by_n.setdefault(n, []).append(r)
     print("chaos run, |merged|/mean|own| by contributions merged: " +
           ", ".join(f"{n}: {sum(v_) / len(v_):.3f} ({len(v_)} merges)" for n, v_ in sorted(by_n.items())))
-    print(f"best without faults: outer lr {lr}, momentum {mom}: {v:.4f} ({v / ref:.3f}x the synchronous baseline); "
+    print(f"best without faults: outer lr {lr}, momentum {mom}, lag {lag}: {v:.4f} ({v / ref:.3f}x the synchronous baseline); "
           f"the chaos run with it: {cv:.4f} ({cv / ref:.3f}x; no-fault / chaos {v / cv:.3f}x)")
 
 

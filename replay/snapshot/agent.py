@@ -210,6 +210,8 @@ class SnapshotAgent:
     - ``data``, ``config``: the part's data-loader field (a Stateful) and the run's config;
     - ``part_of``: participant -> part name (default: the actor's own name), e.g. the
       restarted incarnations of one worker writing one part name;
+    - ``step``: the application's step recorded with this process's part (default: the
+      endpoint's ``step``);
     - ``store`` may be None: the protocol runs and nothing is written (a replay).
     """
 
@@ -235,6 +237,7 @@ class SnapshotAgent:
         data: Any = None,
         config: Any = None,
         part_of: Callable[[str], str] | None = None,
+        step: Callable[[], int] | None = None,
     ) -> None:
         if CHANNELS_KEY in state:
             raise SnapshotError(f"state entry name {CHANNELS_KEY!r} is reserved", key=CHANNELS_KEY)
@@ -268,6 +271,7 @@ class SnapshotAgent:
         self.config = config
         self.part_of = part_of or (lambda a: a)
         self.part = self.part_of(self.actor)
+        self._step_of = step or (lambda: self.ep.step)
         self.pool = StagingPool()
         self._snaps: dict[str, _Snap] = {}
         self._done: set[str] = set()
@@ -501,7 +505,7 @@ class SnapshotAgent:
     def _record_local(self, s: _Snap, first: str | None) -> None:
         t0 = time.perf_counter()
         s.recorded = True
-        s.step = self.ep.step
+        s.step = int(self._step_of())
         # The cut is the clock of the recorded event: on a tape (a ClockSink) that event
         # ticks the actor's one clock and its clock *is* the cut (spec/tape-format.md,
         # kind snapshot), so it is taken from the record call, never read separately
@@ -725,7 +729,7 @@ class SnapshotAgent:
         handle._finish(outcome)
 
     def _commit(self, s: _Snap, parts: Mapping[str, Mapping[str, Any]], excluded: set[str],
-                meta: Mapping[str, Any] | None = None) -> str:
+                meta: Mapping[str, Any] | None = None, step: int | None = None) -> str:
         """Commit the checkpoint (MANIFEST last); returns a failure reason or ""."""
         assert self.store is not None
         try:
@@ -743,7 +747,8 @@ class SnapshotAgent:
                 "channels": {name_of(a): p["summary"]["channels"] for a, p in sorted(parts.items())},
                 **dict(meta or {}),
             }
-            step = max(int(p["summary"]["step"]) for p in parts.values())
+            if step is None:
+                step = max(int(p["summary"]["step"]) for p in parts.values())
             self.store.commit(s.pending, [parts[a]["record"] for a in sorted(parts)], step=step, meta=full)
         except Exception as exc:  # any failure aborts cleanly
             return f"commit failed: {exc}"
@@ -794,14 +799,15 @@ class SnapshotAgent:
         return True
 
     def commit(self, name: str, *, dead: Iterable[str] = (),
-               meta: Mapping[str, Any] | Callable[[list[str], list[str]], Mapping[str, Any]] | None = None
-               ) -> dict[str, Any]:
+               meta: Mapping[str, Any] | Callable[[list[str], list[str]], Mapping[str, Any]] | None = None,
+               step: int | None = None) -> dict[str, Any]:
         """Write this coordinator's part, check the accounting and commit (or abort).
 
         Tapes nothing: the application tapes the returned outcome as its decision and
         passes it to :meth:`finish`. A participant without a durable part is excluded when
         it is dead (it must be excludable), and fails the snapshot otherwise. ``meta``: the
-        application's MANIFEST meta, or a function of the (parts, excluded) part names."""
+        application's MANIFEST meta, or a function of the (parts, excluded) part names;
+        ``step``: the checkpoint's step (default: the largest part step)."""
         s = self._open(name)
         if s.adopted is not None:  # restored from it: committed already, nothing to write
             m = s.adopted
@@ -848,7 +854,7 @@ class SnapshotAgent:
         if not reason:
             reason = _check_accounting(parts, excluded)
         if not reason:
-            reason = self._commit(s, parts, excluded, meta(inside, out_) if callable(meta) else meta)
+            reason = self._commit(s, parts, excluded, meta(inside, out_) if callable(meta) else meta, step)
         if reason:
             self.control.set(f"{key}/outcome", _pack({"committed": False, "reason": reason}))
             self._wait_writers(s, key)

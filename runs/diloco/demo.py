@@ -62,9 +62,11 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     for line in describe(chaos.schedule):
         echo("  " + line)
 
-    echo("no-fault run (same seed, threads)")
+    echo(f"no-fault run (same seed, {cfg.transport})")
     t0 = time.monotonic()
-    calm_cfg = cfg.with_(chaos=False, transport="threads", snapshot_every=0)
+    # the same transport as the chaos run: how far learners run ahead of the merges (and
+    # so the loss) depends on it, and the loss check compares the two runs
+    calm_cfg = cfg.with_(chaos=False, snapshot_every=0)
     nofault = record(out / "runs" / "nofault.tape", calm_cfg,
                      on_step=lambda s, plan: bar("no-fault run", s + 1, cfg.syncer_steps))
     wall["nofault"] = time.monotonic() - t0

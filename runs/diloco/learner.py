@@ -69,6 +69,7 @@ class LearnerCore:
         # holds it (the syncer mirrors it exactly) and the error-feedback residuals
         # (every learner starts from Theta_0, which the syncer mirrors as "step -1")
         self.anchor: list[list[torch.Tensor] | None] = [None] * cfg.fragments
+        self.held_v = [-1] * cfg.fragments  # the syncer step of each anchor
         if cfg.comm_bits != 32:
             self.anchor = [self.fragment(p) for p in range(cfg.fragments)]
         self.resid = [[torch.zeros_like(self.params[n]) for n in f.names] for f in self.frags]
@@ -116,27 +117,30 @@ class LearnerCore:
                 e = quant.encode(v, cfg.comm_bits, cfg.comm_block)
                 self.resid[p][j] = v - quant.decode(e, cfg.comm_block)
                 out += e.tensors()
-        return {"enc": cfg.comm_bits, "anchor": self.applied[p]}, out
+        return {"enc": cfg.comm_bits, "anchor": self.held_v[p]}, out
 
     def apply(self, p: int, s: int, tensors: Sequence[torch.Tensor], meta: Mapping[str, Any] | None = None) -> bool:
         """Adopt the merged fragment of syncer step ``s`` unless a newer one is applied (a
-        compressed update decodes onto the fragment as this learner holds it)."""
+        compressed update decodes onto the fragment as this learner holds it, which it
+        holds from then on even when its parameters are newer: a replacement's from its
+        peer)."""
+        if self.cfg.comm_bits != 32:
+            enc = (meta or {}).get("enc")
+            if enc == "delta":
+                base = self.anchor[p]
+                if base is None or int((meta or {})["base"]) != self.held_v[p]:
+                    raise RuntimeError(f"fragment {p}: an update from syncer step {(meta or {}).get('base')} reached "
+                                       f"a learner holding step {self.held_v[p]}")
+                tensors = [b + quant.decode(quant.Encoded(int((meta or {})["bits"]), tuple(b.shape), q, sc),
+                                            self.cfg.comm_block)
+                           for b, q, sc in zip(base, tensors[0::2], tensors[1::2])]
+            self.anchor[p] = [t.detach().clone() for t in tensors]
+            self.held_v[p] = s
         if s <= self.applied[p]:
             return False
-        enc = (meta or {}).get("enc")
-        if enc == "delta":
-            base = self.anchor[p]
-            if base is None or int((meta or {})["base"]) != self.applied[p]:
-                raise RuntimeError(f"fragment {p}: an update from syncer step {(meta or {}).get('base')} reached a "
-                                   f"learner holding step {self.applied[p]}")
-            tensors = [b + quant.decode(quant.Encoded(int((meta or {})["bits"]), tuple(b.shape), q, sc),
-                                        self.cfg.comm_block)
-                       for b, q, sc in zip(base, tensors[0::2], tensors[1::2])]
         with torch.no_grad():
             for n, t in zip(self.frags[p].names, tensors):
                 self.params[n].copy_(t)
-        if self.cfg.comm_bits != 32:
-            self.anchor[p] = [t.detach().clone() for t in tensors]
         self.applied[p] = s
         self.c_tokens[p] = 0
         self.c_steps[p] = 0
@@ -178,8 +182,8 @@ class LearnerCore:
         if self.cfg.comm_bits != 32:
             # Compressed: the syncer knows exactly which fragment each endpoint holds, and
             # a new one holds none; it sends it every fragment whole first.
-            self.applied = [-1] * self.cfg.fragments
             self.anchor = [None] * self.cfg.fragments
+            self.held_v = [-1] * self.cfg.fragments
             self.resid = [[torch.zeros_like(self.params[n]) for n in f.names] for f in self.frags]
         self.c_tokens = [0] * self.cfg.fragments
         self.c_steps = [0] * self.cfg.fragments
@@ -284,7 +288,8 @@ class Learner:
         self.views = PartViews(ctx.actor)
         self.agent = snapshot_agent(
             self.link, self.views, participants=sorted({"syncer", self.me, *learner_names(self.cfg)}),
-            snapshots=ctx.parts, coordinator=False, hub=self.tape.hub if isinstance(self.tape, LocalTape) else None)
+            snapshots=ctx.parts, coordinator=False, hub=self.tape.hub if isinstance(self.tape, LocalTape) else None,
+            step=lambda: self.core.t if self.core is not None else 0)
 
     # -- tape and wire helpers ---------------------------------------------------------------
     def quarantined(self, index: int, shard: Any, reason: str) -> None:
@@ -454,7 +459,8 @@ class Learner:
         self.views.refresh({
             "core": {"meta": meta, "tensors": tensors, "c_tokens": list(core.c_tokens), "c_steps": list(core.c_steps),
                      "loader": core.loader.state_dict(), "last_loss": core.last_loss,
-                     **({"comm": {"anchor": core.anchor, "resid": core.resid}} if self.cfg.comm_bits != 32 else {})},
+                     **({"comm": {"anchor": core.anchor, "held_v": list(core.held_v), "resid": core.resid}}
+                        if self.cfg.comm_bits != 32 else {})},
             "loop": loop})
         self.agent.take_marker(msg, unconsumed=list(self.link.box.values()))
 
@@ -577,6 +583,7 @@ def restore_core(core: LearnerCore, part: Mapping[str, Any]) -> Mapping[str, Any
     comm = c.get("comm")
     if comm is not None:
         core.anchor = [None if a is None else list(a) for a in comm["anchor"]]
+        core.held_v = [int(x) for x in comm["held_v"]]
         core.resid = [list(r) for r in comm["resid"]]
     core.loader.load_state_dict(c["loader"])
     core._it = None

@@ -245,7 +245,7 @@ class Snapshots:
 
 def snapshot_agent(link: Any, views: PartViews, *, participants: Sequence[str], snapshots: Snapshots | None,
                    coordinator: bool, hub: Any = None, control: Any = None, excludable: Sequence[str] = (),
-                   restore_from: Any = None) -> SnapshotAgent:
+                   step: Callable[[], int] | None = None) -> SnapshotAgent:
     """An actor's agent: application markers (taken through the actor's taped decisions)
     and, on the syncer, manual coordination; learners' channels other than the syncer's
     are out of scope (quiet at every cut). ``snapshots`` None (a replay): nothing written."""
@@ -256,7 +256,7 @@ def snapshot_agent(link: Any, views: PartViews, *, participants: Sequence[str], 
         markers="application", coordinate="manual", scope=None if coordinator else ("syncer",),
         channel_filter=recorded_form(hub) if coordinator else None, events=TapeSinkEvents(link.tape, hub),
         data=views.data, config=snapshots.config if snapshots is not None else None, part_of=actor_of,
-        grace_s=5.0)
+        grace_s=5.0, step=step)
     link.on_marker = agent.offer_marker
     return agent
 

@@ -307,6 +307,7 @@ class Syncer:
         self.snap: dict[str, Any] = {}  # the open snapshot (at most one): name, participants, refs
         self.s0 = 0
         self._rejoin: list[str] = []  # restore: learners left out alive, activated again at the start
+        self._cut_step = 0  # the syncer step of the snapshot being cut (its part's step)
         self._lost_later: dict[str, list[list[Any]]] = {}  # restore: an endpoint dead at the cut -> its lost
         self.link.on_dead = self.on_dead
         self.link.on_arrival = self.on_arrival
@@ -316,7 +317,8 @@ class Syncer:
         endpoints = [*self.names, *(e for a in self.names for e in ctx.spares.get(a, ()))]
         self.views = PartViews("syncer")
         self.agent = snapshot_agent(self.link, self.views, participants=["syncer", *endpoints],
-                                    snapshots=ctx.snapshots, coordinator=True, hub=tape.hub, excludable=endpoints)
+                                    snapshots=ctx.snapshots, coordinator=True, hub=tape.hub, excludable=endpoints,
+                                    step=lambda: self._cut_step)
         if ctx.restore is not None:
             self._restore(ctx.restore)
 
@@ -501,6 +503,7 @@ class Syncer:
         self.views.refresh({"s": s, "theta": self.core.theta, "mom": self.core.mom, "book": self.book_state(),
                             "box": box, "schedule": ctx.schedule.to_json(), "snapshot": info,
                             **({"comm": self.comm.state_dict()} if self.cfg.comm_bits != 32 else {})})
+        self._cut_step = s
         self.agent.initiate(name, participants=["syncer", *parts], exclude={str(a): str(w) for a, w in d["excluded"]})
         self.snap.clear()
         self.snap.update({**info, "s": s})
@@ -534,7 +537,7 @@ class Syncer:
                 return {"syncer_step": s_, "restorable": True, "exact": ok,
                         "metrics": {"restorable_step": s_, "exact_step": s_ if ok else -1}}
 
-            out = agent.commit(name, dead=self._dead(), meta=meta)
+            out = agent.commit(name, dead=self._dead(), meta=meta, step=int(snap["s"]))
             out["exact"] = bool(out["committed"]) and exact(list(out["excluded"]))
             assert ctx.snapshots is not None
             ctx.snapshots.committed(out)

@@ -75,6 +75,7 @@ def test_snapshots_committed_kept_by_retention_and_on_the_tape(snap_run) -> None
         ckpt.open(k["path"]).verify()
         assert k["meta"]["format"] == "replay-snapshot" and k["meta"]["parts"][0] == "syncer"
         assert k["meta"]["exact"] == next(o["exact"] for o in outcomes if Path(o["path"]).name == k["name"])
+        assert ckpt.open(k["path"]).step == k["meta"]["syncer_step"] == k["step"]  # the checkpoint's step: the cut's
         r = CliRunner().invoke(cli, ["inspect", k["path"]])
         assert r.exit_code == 0 and f"snapshot {k['name']} (coordinator syncer)" in r.output
         assert CliRunner().invoke(cli, ["verify", k["path"]]).exit_code == 0
