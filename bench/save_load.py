@@ -203,7 +203,7 @@ def bench_fresh(tensors, base, rounds, ckpt_dir):
 def bench_inspect(base, big_dir, rounds):
     small = os.path.join(base, "small")
     ckpt.save(small, {"state": {"x": torch.zeros(4)}}, step=0)
-    cmd = [sys.executable, "-m", "cli", "inspect"]
+    cmd = [sys.executable, "-m", "ckpt_cli", "inspect"]
     env = {**os.environ, "PYTHONPATH": ROOT}
     ts, tb = [], []
     for _ in range(max(3, rounds // 2)):

@@ -50,18 +50,21 @@ class ExactnessWarning(RuntimeWarning):
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
+    """What ``ckpt.load`` did. Its repr is short: the context (RNG states: tens of KiB),
+    the manifest and ``extra`` are left out of it (read them as attributes)."""
+
     path: str
     id: str
     step: int | None
     part: str
-    context: dict[str, Any]
-    manifest: Manifest
+    context: dict[str, Any] = field(repr=False)
+    manifest: Manifest = field(repr=False)
     env_differences: tuple[str, ...] = ()
     exact: bool = True
     restored_rng: tuple[str, ...] = ()
     in_place: int = 0
     fresh: int = 0
-    extra: Any = None
+    extra: Any = field(default=None, repr=False)
 
 
 def _stateful(obj: Any) -> bool:
@@ -235,13 +238,14 @@ def _reaches_live(module: torch.nn.Module, cur: Mapping[str, Any]) -> bool:
 
 @dataclass(slots=True)
 class _Read:
-    """One part's tensor file: what pass 2 still has to read, through which handle."""
+    """One data file of a part: what pass 2 still has to read, through which handle."""
 
     pe: PartEntry
+    index: int  # the file's index in the part (format 2.0: a part may have several)
     handle: Any  # ckpt.storage.ReadHandle
     file: FileEntry
     wanted: set[str]
-    whole: bool  # every tensor of the part is wanted: stream the file in order
+    whole: bool  # every tensor of the file is wanted: stream the file in order
     done: bool = False  # read in pass 1 (nothing in it lands in a target)
 
 
@@ -290,11 +294,11 @@ class PreparedLoad:
                 continue
             try:
                 if r.whole:
-                    self.reader.stream_part_into(
-                        r.pe, plan.dest(r.pe.name), verify=self.verify, handle=r.handle
+                    self.reader.stream_file_into(
+                        r.pe, r.index, plan.dest(r.pe.name), verify=self.verify, handle=r.handle
                     )
                 else:
-                    for t in r.pe.tensors:
+                    for t in r.pe.tensors_in(r.index):
                         if t.key in r.wanted:
                             self.reader.read_tensor_bytes_into(
                                 r.pe, t, plan.dest(r.pe.name)(t), verify=self.verify, handle=r.handle
@@ -456,34 +460,36 @@ def prepare_load(
         if ctx.get("data") is None:
             raise StateMismatchError("checkpoint holds no data-loader state", path=reader.path, key="@data")
         plan.walk(ctx["data"], None, pe, "@data")
+    if ctx.get("extra") is not None:
+        plan.walk(ctx["extra"], None, pe, "@extra")  # LoadResult.extra: its tensors come back fresh
     _check_rng_targets(reader, ctx, generators, restore_rng_state)
 
     prepared = PreparedLoad(reader, pe, ctx, plan, entries, [], data, generators, restore_rng_state, verify, diffs)
     try:
         for p in parts.values():
-            wanted = {t.key for t in p.tensors if (p.name, t.key) in plan.cpu_dest}
-            if not wanted:
-                continue
-            # Read twice (pass 1 hashes, pass 2 copies) when bytes land in targets.
-            twice = verify and any((p.name, k) in plan.targets for k in wanted)
-            opened = reader.open_tensor_file(p, reread=True) if twice else reader.open_tensor_file(p)
-            if opened is None:
-                continue
-            handle, f = opened
-            r = _Read(p, handle, f, wanted, whole=len(wanted) == len(p.tensors))
-            prepared.reads.append(r)
-            if not any((p.name, k) in plan.targets for k in wanted):
-                # Nothing here lands in a target: read it (verified) now, once.
-                _read_now(reader, r, plan, verify)
-                r.done = True
-            elif verify:
-                # Pass 1: hash every chunk that pass 2 will copy, nothing written.
-                if r.whole:
-                    reader.verify_file(f, handle=handle)
-                else:
-                    for t in p.tensors:
-                        if t.key in wanted:
-                            reader.verify_file(f, handle=handle, span=(t.offset, t.offset + t.nbytes))
+            for index in p.data_files():
+                entries = p.tensors_in(index)
+                wanted = {t.key for t in entries if (p.name, t.key) in plan.cpu_dest}
+                if not wanted:
+                    continue
+                f = p.files[index]
+                # Read twice (pass 1 hashes, pass 2 copies) when bytes land in targets.
+                twice = verify and any((p.name, k) in plan.targets for k in wanted)
+                handle = reader.open_data_file(p, index, reread=True) if twice else reader.open_data_file(p, index)
+                r = _Read(p, index, handle, f, wanted, whole=len(wanted) == len(entries))
+                prepared.reads.append(r)
+                if not any((p.name, k) in plan.targets for k in wanted):
+                    # Nothing here lands in a target: read it (verified) now, once.
+                    _read_now(reader, r, plan, verify)
+                    r.done = True
+                elif verify:
+                    # Pass 1: hash every chunk that pass 2 will copy, nothing written.
+                    if r.whole:
+                        reader.verify_file(f, handle=handle)
+                    else:
+                        for t in entries:
+                            if t.key in wanted:
+                                reader.verify_file(f, handle=handle, span=(t.offset, t.offset + t.stored_nbytes))
     except BaseException:
         prepared.close()
         raise
@@ -492,9 +498,9 @@ def prepare_load(
 
 def _read_now(reader: TensorSource, r: _Read, plan: _Plan, verify: bool) -> None:
     if r.whole:
-        reader.stream_part_into(r.pe, plan.dest(r.pe.name), verify=verify, handle=r.handle)
+        reader.stream_file_into(r.pe, r.index, plan.dest(r.pe.name), verify=verify, handle=r.handle)
         return
-    for t in r.pe.tensors:
+    for t in r.pe.tensors_in(r.index):
         if t.key in r.wanted:
             reader.read_tensor_bytes_into(r.pe, t, plan.dest(r.pe.name)(t), verify=verify, handle=r.handle)
 

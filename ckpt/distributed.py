@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from .errors import CkptError
-from .format.manifest import Manifest, PartEntry
+from ._partfiles import Reuse
+from .format.manifest import Manifest, part_record
+from .knobs import knobs
 from .storage import Storage, first_errno, resolve
 from .writer import PendingCheckpoint, Replicated, abort, begin, commit, part_name_for_rank, write_part
 
@@ -125,13 +127,24 @@ class DistributedCheckpointer:
         overwrite: bool = False,
         code_dir: str | None = None,
         storage: Storage | None = None,
+        compress: Any = None,
+        reuse: Reuse | None = None,
+        dedup: bool = False,
+        part_manifests: bool | None = None,
     ) -> Manifest | None:
-        """Collective save. Returns the manifest on rank 0 and ``None`` elsewhere."""
+        """Collective save. Returns the manifest on rank 0 and ``None`` elsewhere.
+
+        ``compress``, ``reuse`` (this rank's part of the previous checkpoint) and ``dedup``
+        are as for ``ckpt.write_part`` (format 2.0). ``part_manifests``: list parts by
+        reference (default: when the job has more ranks than ``CKPT_INLINE_PARTS_MAX``).
+        """
         storage, final = resolve(path, storage)
+        if part_manifests is None:
+            part_manifests = self.world_size > knobs().inline_parts_max
         # 1. rank 0 creates the temporary directory
         if self.rank == 0:
             try:
-                pending = begin(final, overwrite=overwrite, storage=storage)
+                pending = begin(final, overwrite=overwrite, storage=storage, part_manifests=part_manifests)
                 msg = _pack({"tmp": pending.tmp_dir, "tag": pending.tag})
             except Exception as e:  # noqa: BLE001 - every rank must hear about it
                 msg = _pack(_error_record(e))
@@ -141,7 +154,9 @@ class DistributedCheckpointer:
         if "error" in got:
             raise DistributedSaveError(f"rank 0 could not start the save: {got['error']}", path=final, errno=got.get("errno"))
         # overwrite travels with the pending record: the commit enforces it atomically.
-        pending = PendingCheckpoint(final=final, tmp_dir=got["tmp"], overwrite=overwrite, tag=got.get("tag", ""))
+        pending = PendingCheckpoint(
+            final=final, tmp_dir=got["tmp"], overwrite=overwrite, tag=got.get("tag", ""), part_manifests=part_manifests
+        )
 
         # 2. every rank writes its part
         missing = [k for k in replicated if k not in state]
@@ -165,6 +180,9 @@ class DistributedCheckpointer:
                 lineage=lineage,
                 code_dir=code_dir,
                 storage=storage,
+                compress=compress,
+                reuse=reuse,
+                dedup=dedup,
             )
             report = _pack({"part": part.to_dict()})
         except Exception as e:  # noqa: BLE001
@@ -181,7 +199,7 @@ class DistributedCheckpointer:
                 outcome = _pack({"error": "; ".join(errors), "errno": errnos[0] if errnos else None})
             else:
                 try:
-                    parts = [PartEntry.from_dict(rep["part"]) for rep in reports]
+                    parts = [part_record(rep["part"]) for rep in reports]
                     manifest = commit(pending, parts, step=step, meta=meta, storage=storage)
                     outcome = _pack({"ok": manifest.id})
                 except Exception as e:  # noqa: BLE001

@@ -9,6 +9,8 @@ keeps working for callers who do not know this package::
     │   └── CheckpointVanishedError                      removed (e.g. by retention) while read
     ├── IncompleteCheckpointError    (CkptError)          uncommitted / temporary dir
     ├── FormatError                  (ValueError)         bytes that do not parse
+    │   ├── NotACheckpointError                           a file, run directory, tape, DCP or HF
+    │   │                                                 directory where a checkpoint was expected
     │   ├── UnsupportedVersionError                       unknown major version
     │   ├── LimitExceededError                            a size above a documented limit
     │   └── UnsafePathError                               ../, absolute path, symlink escape
@@ -50,6 +52,7 @@ __all__ = [
     "CheckpointVanishedError",
     "IncompleteCheckpointError",
     "FormatError",
+    "NotACheckpointError",
     "UnsupportedVersionError",
     "LimitExceededError",
     "UnsafePathError",
@@ -141,6 +144,18 @@ class FormatError(CkptError, ValueError):
     """The bytes do not follow the format (bad magic, malformed header, bad msgpack)."""
 
     exit_code = 3
+
+
+class NotACheckpointError(FormatError):
+    """The path holds something else: a file, a run directory, a step ledger, a tape, a
+    DCP checkpoint or a Hugging Face directory. ``kind`` says which (``ckpt.probe``
+    kinds) and the message names the command that reads it. Exit code 7 in the CLI."""
+
+    exit_code = 7
+
+    @property
+    def kind(self) -> str:
+        return str(self.context.get("kind", "file"))
 
 
 class UnsupportedVersionError(FormatError):

@@ -32,6 +32,15 @@ class Knobs:
     zstd_level: int = _env_int("CKPT_ZSTD_LEVEL", 3)
     #: request size for reads straight into tensor memory.
     read_request: int = _env_int("CKPT_READ_REQUEST", 16 * MiB)
+    # --- format 2.0 writers (spec/format-2.md §V.7): none of these changes what readers accept ---
+    #: raw bytes per BPZ1 block: a block is the unit a thread encodes and a reader decodes.
+    bpz_block: int = _env_int("CKPT_BPZ_BLOCK", 4 * MiB)
+    #: threads encoding BPZ1 blocks while the writing thread writes the previous ones.
+    bpz_threads: int = _env_int("CKPT_BPZ_THREADS", 2)
+    #: compress=True leaves smaller tensors unencoded (their span headers would not pay).
+    compress_min_bytes: int = _env_int("CKPT_COMPRESS_MIN_BYTES", 64 * 1024)
+    #: a distributed save of more ranks than this lists parts by reference (part manifests).
+    inline_parts_max: int = _env_int("CKPT_INLINE_PARTS_MAX", 16)
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB

@@ -59,6 +59,17 @@ the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves ar
 cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
 by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
 
+**Compression and dedup** (format 2.0, spec/format-2.md; both off by default).
+``compress=`` is passed to every save (``True``: float tensors stored as BPZ1 byte planes +
+zstd). ``dedup=True`` records a digest of every tensor, and a save shares by hard link the
+files of the previous checkpoint (the last one committed or resumed from) whose tensors are
+all unchanged, writing only the rest: frozen weights, embeddings and rarely updated EMA
+copies cost their bytes once per run. Each checkpoint stays complete on its own (its own
+directory entry for every byte), so retention deletes checkpoints as before and the
+filesystem frees a file's bytes when no kept checkpoint links it. Shared bytes share their
+fate (a damaged file fails every checkpoint that links it): ``dedup_full_every=K`` writes
+everything at every K-th save.
+
 **Signals.** The SIGTERM/SIGUSR1 handlers chain: the handler installed before the
 manager's is still called (after the flag is set), and ``close()`` puts it back unless
 someone installed another handler after the manager's.
@@ -350,6 +361,9 @@ class CheckpointManager:
         ledger: bool = True,
         ledger_params_every: int = 10,
         verify_resume: Literal["strict", "warn", "off"] = "warn",
+        compress: Any = None,
+        dedup: bool = False,
+        dedup_full_every: int = 0,
     ) -> None:
         if every_steps is not None and every_steps < 1:
             raise ValueError(f"every_steps must be >= 1 or None, got {every_steps}")
@@ -357,6 +371,8 @@ class CheckpointManager:
             raise ValueError(f"every_seconds must be > 0 or None, got {every_seconds}")
         if exactness not in ("strict", "warn", "off"):
             raise ValueError(f"exactness must be 'strict', 'warn' or 'off', not {exactness!r}")
+        if dedup_full_every < 0:
+            raise ValueError(f"dedup_full_every must be >= 0 (0: never), got {dedup_full_every}")
         _check_data_source(data)
         # The one resolver: a local directory, or an object-store prefix (s3://...).
         self._storage, self.run_dir = resolve(run_dir, storage)
@@ -371,6 +387,14 @@ class CheckpointManager:
         self.replicated = tuple(replicated)
         self.exactness = exactness
         self.code_dir = code_dir
+        #: format 2.0 options passed to every save (spec/format-2.md): ``compress`` as for
+        #: ``ckpt.save``; ``dedup`` shares the files of the previous checkpoint whose tensors
+        #: did not change (hard links); every ``dedup_full_every``-th save writes everything
+        self.compress = compress
+        self.dedup = dedup
+        self.dedup_full_every = dedup_full_every
+        self._dedup_source: str | None = None  # the checkpoint the next save may share files of
+        self._dedup_saves = 0
         self._clock = clock
         self.run_id = run_id or uuid.uuid4().hex[:16]
         self.resumed_from: dict[str, Any] | None = None
@@ -676,6 +700,7 @@ class CheckpointManager:
     def _loaded(self, result: Any, choice: str) -> None:
         self.resumed_from = {"id": result.id, "name": choice, "step": result.step}
         self.last_load = result
+        self._dedup_source = os.path.join(self.run_dir, choice)
         self._start_step = int(result.step or 0)
         self._last_save_step = self._start_step
         self._last_save_time = self._clock()
@@ -897,6 +922,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         freed: tuple[str, ...] = ()
         try:
+            reuse = self._reuse()
             if self._space_short and self.rank == 0:
                 # The disk filled up before: retention after a commit can never run
                 # again if no commit fits, so delete now what the commit would delete.
@@ -915,6 +941,9 @@ class CheckpointManager:
                     overwrite=True,
                     code_dir=self.code_dir,
                     storage=self._storage,
+                    compress=self.compress,
+                    reuse=reuse,
+                    dedup=self.dedup,
                 )
             else:
                 # overwrite: a step re-run after falling back past a corrupt checkpoint
@@ -933,11 +962,16 @@ class CheckpointManager:
                         lineage=job.lineage,
                         code_dir=self.code_dir,
                         storage=self._storage,
+                        compress=self.compress,
+                        reuse=reuse,
+                        dedup=self.dedup,
                     )
                     commit(pending, [part], step=job.step, meta=job.meta, storage=self._storage)
                 except BaseException:
                     abort(pending, storage=self._storage)
                     raise
+            if self.dedup:
+                self._dedup_source = job.path  # the newest commit: retention never deletes it
             deleted = freed + (self._apply_retention() if self.rank == 0 else ())
             job.report = SaveReport(job.step, job.path, job.asynchronous, job.stall_s, time.perf_counter() - t0, job.nbytes, deleted)
             self.reports.append(job.report)
@@ -952,6 +986,19 @@ class CheckpointManager:
             job.state = {}
             job.data = None
             job.done.set()
+
+    def _reuse(self) -> Any:
+        """This rank's part of the previous checkpoint, for a dedup save to share files of
+        (format-2.md §V.4); None for a full save. Every rank decides alike: the source and
+        the save count are the same on all of them."""
+        if not self.dedup or self._dedup_source is None:
+            return None
+        self._dedup_saves += 1
+        if self.dedup_full_every and self._dedup_saves % self.dedup_full_every == 0:
+            return None  # a full save bounds how many checkpoints share one file's fate
+        from .writer import part_name_for_rank, reuse_from
+
+        return reuse_from(self._dedup_source, part_name_for_rank(self.rank), storage=self._storage)
 
     def _save_sharded(self, step: int, metrics: Mapping[str, Any] | None, extra: Any, t0: float) -> None:
         """Sharded hook (ckpt.dcp): a collective DCP save on this thread, every rank

@@ -27,16 +27,27 @@ from .errors import (
     IncompleteCheckpointError,
     LimitExceededError,
     MissingFileError,
+    NotACheckpointError,
     SizeMismatchError,
     UnexpectedFileError,
     UnsafePathError,
 )
-from .format.codec import zstd_decompress
+from .format.codec import unpackb, zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
 from .format.context import check_context, check_entry_names
-from .format.manifest import MANIFEST_NAME, TMP_PREFIX, FileEntry, Manifest, PartEntry, TensorEntry, decode_manifest
+from .format.manifest import (
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    FileEntry,
+    Manifest,
+    PartEntry,
+    PartRef,
+    TensorEntry,
+    decode_manifest,
+    decode_part_manifest,
+)
 from .format.safetensors import check_against_manifest, parse_header
-from .format.tree import decode_tree
+from .format.tree import TensorRef, decode_tree
 from .knobs import knobs
 from .storage import ReadHandle, Storage, resolve
 
@@ -50,6 +61,65 @@ class VerifyReport:
     chunks: int = 0
     bytes: int = 0
     quick: bool = False
+    shared: int = 0  # files shared with an earlier checkpoint (format 2.0 dedup)
+
+
+class _DigestCheck:
+    """Hash each tensor's values from the pieces of its file as verification reads them,
+    and compare with the entry's ``digest`` (format-2.md §V.6). Packed tensors are decoded
+    block by block into one reused buffer."""
+
+    def __init__(self, path: str, entries: list[TensorEntry]) -> None:
+        self.path = path
+        self._todo = sorted(entries, key=lambda t: t.offset)
+        self._i = 0
+        self._cur: tuple[TensorEntry, Any, Any] | None = None  # (entry, hasher, decoder)
+
+    def __bool__(self) -> bool:
+        return bool(self._todo)
+
+    def _start(self, t: TensorEntry) -> None:
+        import xxhash
+
+        from .format import bpz, dtypes
+
+        h = xxhash.xxh3_128()
+        dec = None
+        if t.encoding is not None:
+            dec = bpz.SpanDecoder(None, dtypes.itemsize(t.dtype), t.stored_nbytes, path=self.path, offset=t.offset,
+                                  key=t.key, nbytes=t.nbytes, sink=h.update)
+        self._cur = (t, h, dec)
+
+    def observe(self, at: int, piece: memoryview) -> None:
+        end = at + len(piece)
+        while True:
+            if self._cur is None:
+                if self._i >= len(self._todo) or self._todo[self._i].offset >= end:
+                    return
+                self._start(self._todo[self._i])
+                self._i += 1
+            t, h, dec = self._cur  # type: ignore[misc]
+            lo, hi = t.offset, t.offset + t.stored_nbytes
+            a, b = max(lo, at), min(hi, end)
+            if a < b:
+                (dec.feed if dec is not None else h.update)(piece[a - at : b - at])
+            if hi > end:
+                return
+            self._done()
+
+    def _done(self) -> None:
+        t, h, dec = self._cur  # type: ignore[misc]
+        self._cur = None
+        if dec is not None:
+            dec.finish()
+        if h.digest() != t.digest:
+            raise ChecksumMismatchError(
+                "tensor values do not match the digest the manifest records", path=self.path, offset=t.offset, key=t.key
+            )
+
+    def finish(self) -> None:
+        if self._cur is not None or self._i < len(self._todo):
+            raise SizeMismatchError("file ended before the tensors its manifest lists", path=self.path)
 
 
 class _ChunkVerifier:
@@ -152,7 +222,7 @@ class CheckpointReader:
         self._manifest_bytes = b""
         self.manifest: Manifest = self._open()
         self._trees: dict[str, Any] = {}
-        self._headers: dict[str, tuple[int, dict]] = {}
+        self._headers: dict[tuple[str, int], tuple[int, dict]] = {}  # (part, file index) -> safetensors header
 
     # -- structure ---------------------------------------------------------------------
     def _open(self) -> Manifest:
@@ -167,7 +237,7 @@ class CheckpointReader:
             self.path = p = self._storage.realpath(p)
             st = self._storage.lstat(p)
         if not stat.S_ISDIR(st.st_mode):
-            raise FormatError("a checkpoint is a directory; this is not one", path=p)
+            raise _not_a_checkpoint(p, self._storage)
         # After resolving: a link named "latest" to a temporary dir is still temporary.
         if os.path.basename(p).startswith(TMP_PREFIX):
             raise IncompleteCheckpointError("temporary directory of an unfinished save, not a checkpoint", path=p)
@@ -179,7 +249,7 @@ class CheckpointReader:
                 self._storage.lstat(p)
             except FileNotFoundError:  # the directory itself went away after the first lstat
                 raise CheckpointVanishedError("the checkpoint was removed while it was being opened", path=p) from None
-            raise IncompleteCheckpointError("no MANIFEST: the save never committed", path=p) from None
+            raise _not_a_checkpoint(p, self._storage) from None
         if not stat.S_ISREG(mst.st_mode):
             raise UnsafePathError("MANIFEST is not a regular file", path=mpath)
         limit = knobs().max_manifest_bytes + 64
@@ -191,6 +261,8 @@ class CheckpointReader:
         except FileNotFoundError:
             raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
         manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
+        # Part references (format 2.0 §V.5) are read when their part is first needed.
+        manifest.parts.bind(lambda ref: self._load_part(ref, manifest))
         try:
             self._check_files(manifest)
         except MissingFileError:
@@ -214,9 +286,15 @@ class CheckpointReader:
             # reader opened belong to the old one.
             raise CheckpointVanishedError("the checkpoint was replaced while it was being read", path=self.path)
 
+    def _load_part(self, ref: PartRef, m: Manifest) -> PartEntry:
+        fp = os.path.join(self.path, ref.manifest)
+        data = self._read(fp, 0, ref.manifest_size)
+        return decode_part_manifest(data, ref, m.version, path=fp)
+
     def _check_files(self, m: Manifest) -> None:
         expected = {MANIFEST_NAME}
-        for f in m.files:
+        for name, size, _ in m.parts.file_sizes():
+            f = FileEntry(name, "", size, 0, b"")
             fp = os.path.join(self.path, f.name)
             expected.add(f.name)
             try:
@@ -313,23 +391,50 @@ class CheckpointReader:
         return self._trees[pe.name]
 
     def context(self, part: str | None = None) -> dict[str, Any]:
-        return self.tree(part)["context"]
+        """A part's context (step, rng, data, config, topology, commit, env, lineage, extra).
+
+        Reads only the structure file, except where ``extra`` holds tensors: those are
+        read (verified) and returned as tensors, never as placeholders."""
+        ctx = self.tree(part)["context"]
+        if not _holds_tensor_ref(ctx.get("extra")):
+            return ctx
+        from ._materialize import resolve_lazily
+
+        return {**ctx, "extra": resolve_lazily(self, self.part(part), ctx["extra"])}
+
+    def config(self, part: str | None = None) -> Any:
+        """The config saved with ``config=`` (its canonical form: maps, lists, plain values),
+        or None when the save had none. Reads only the part's small structure file, never
+        a tensor: read it first, then build the model (``ckpt.open(p).config()["model"]``)."""
+        cfg = self.tree(part)["context"].get("config")
+        if not cfg:
+            return None
+        pe = self.part(part)
+        where = self._fp(pe.file("state")) if pe.file("state") is not None else self.path
+        return unpackb(cfg["canonical"], path=where, what="config")
+
+    def entries(self, part: str | None = None) -> tuple[str, ...]:
+        """The names of a part's top-level state entries (``"model"``, ``"optim"``, ...)."""
+        return tuple(self.tree(part)["state"])
 
     # -- tensors -------------------------------------------------------------------------
     def tensor_entries(self, part: str | None = None) -> tuple[TensorEntry, ...]:
         return self.part(part).tensors
 
-    def _header(self, pe: PartEntry) -> None:
-        f = pe.file("tensors")
-        if f is None or pe.name in self._headers:
-            return
-        fp = self._fp(f)
-        prefix = self._read(fp, 0, 8)
-        n, _ = parse_header(prefix, f.size, path=fp)
-        full = self._read(fp, 0, 8 + n)
-        n, header = parse_header(full, f.size, path=fp)
-        check_against_manifest(header, n, f.size, pe.tensors, path=fp)
-        self._headers[pe.name] = (n, header)
+    def _header(self, pe: PartEntry, index: int | None = None) -> None:
+        """Parse and check the safetensors header of tensor file ``index`` (every one of
+        the part's when None) against the entries that reference it (§6.1, §V.2.4)."""
+        for i in (pe.data_files() if index is None else [index]):
+            f = pe.files[i]
+            if f.role != "tensors" or (pe.name, i) in self._headers:
+                continue
+            fp = self._fp(f)
+            prefix = self._read(fp, 0, 8)
+            n, _ = parse_header(prefix, f.size, path=fp)
+            full = self._read(fp, 0, 8 + n)
+            n, header = parse_header(full, f.size, path=fp)
+            check_against_manifest(header, n, f.size, pe.tensors_in(i), path=fp, shared=f.origin is not None)
+            self._headers[(pe.name, i)] = (n, header)
 
     def _entry(self, key: str, part: str | None) -> tuple[PartEntry, TensorEntry]:
         pe = self.part(part)
@@ -343,11 +448,15 @@ class CheckpointReader:
     ) -> None:
         """Read one tensor's bytes into ``dst``, verifying every chunk it overlaps.
 
-        ``handle``: read through this open tensor file (see :meth:`open_tensor_file`)
+        ``handle``: read through this open file of the tensor (see :meth:`open_data_file`)
         instead of through the storage by path. Only the chunks the tensor overlaps are
-        read (ranged requests on an object store).
+        read (ranged requests on an object store). A packed tensor (format 2.0) is decoded
+        into ``dst`` from the chunks its span overlaps.
         """
-        self._header(pe)
+        if t.encoding is not None:
+            self._read_encoded_into(pe, t, dst, verify=verify, handle=handle)
+            return
+        self._header(pe, t.file)
         f = pe.files[t.file]
         fp = self._fp(f)
 
@@ -398,6 +507,118 @@ class CheckpointReader:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
 
+    def read_tensors_into(
+        self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True
+    ) -> None:
+        """Read several tensors of one part into fresh memory, hashing each chunk they
+        overlap once: tensors whose chunks touch are read as one run, in file order.
+
+        For fresh destinations only (``state(ENTRY)``, an export): bytes are copied out as
+        their piece is read, so after an error a destination may hold part of its bytes.
+        Reading tensors one by one would hash a whole chunk for each small tensor in it.
+        """
+        if not items:
+            return  # a tensor-free entry never touches the tensor file
+        # Packed tensors (format 2.0) decode span by span; unverified reads need no runs.
+        single = [(t, dst) for t, dst in items if not verify or t.encoding is not None]
+        for t, dst in single:
+            self.read_tensor_bytes_into(pe, t, dst, verify=verify)
+        plain = [(t, dst) for t, dst in items if verify and t.encoding is None]
+        for index in sorted({t.file for t, _ in plain}):  # 2.0: a part's tensors may span files
+            self._read_runs_into(pe, index, [(t, dst) for t, dst in plain if t.file == index])
+
+    def _read_runs_into(self, pe: PartEntry, index: int, items: list[tuple[TensorEntry, memoryview]]) -> None:
+        """``read_tensors_into`` for the plain tensors of one data file."""
+        self._header(pe, index)
+        f = pe.files[index]
+        fp, cs = self._fp(f), f.chunk_size
+        runs: list[tuple[int, int, list[tuple[TensorEntry, memoryview]]]] = []
+        for t, dst in sorted(items, key=lambda it: it[0].offset):
+            if not t.nbytes:
+                continue
+            first, last = t.offset // cs, (t.offset + t.nbytes - 1) // cs
+            if runs and first <= runs[-1][1] + 1:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], last), runs[-1][2] + [(t, dst)])
+            else:
+                runs.append((first, last, [(t, dst)]))
+        try:
+            for first, last, group in runs:
+                lo, hi = first * cs, min((last + 1) * cs, f.size)
+                verifier = _ChunkVerifier(fp, f, first=first)
+                scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
+                pos, k = lo, 0
+                while pos < hi:
+                    n = min(len(scratch), hi - pos)
+                    piece = scratch[:n]
+                    got = self._storage.pread_into(fp, pos, piece)
+                    if got != n:
+                        raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got)
+                    verifier.update(piece)
+                    while k < len(group) and group[k][0].offset + group[k][0].nbytes <= pos:
+                        k += 1  # tensors that ended before this piece
+                    for t, dst in group[k:]:
+                        if t.offset >= pos + n:
+                            break
+                        a, b = max(pos, t.offset), min(pos + n, t.offset + t.nbytes)
+                        if a < b:
+                            out = dst.cast("B") if dst.format != "B" or dst.ndim != 1 else dst
+                            out[a - t.offset : b - t.offset] = piece[a - pos : b - pos]
+                    pos += n
+                verifier.finish()
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
+    def _read_encoded_into(
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool, handle: ReadHandle | None
+    ) -> None:
+        """Decode a BPZ1 span (format-2.md §V.3) into ``dst``: the chunks the span overlaps
+        are read in pieces of at most _VERIFY_PIECE, each hashed before it is decoded."""
+        from .format import bpz, dtypes  # numpy: only when a packed tensor is read (inspect stays light)
+
+        f = pe.files[t.file]
+        fp = self._fp(f)
+        stored = t.stored_nbytes
+        dec = bpz.SpanDecoder(dst, dtypes.itemsize(t.dtype), stored, path=fp, offset=t.offset, key=t.key)
+        cs = f.chunk_size
+        lo, hi = t.offset, t.offset + stored
+        if verify:
+            lo, hi = (lo // cs) * cs, min(((hi - 1) // cs + 1) * cs, f.size)
+        verifier = _ChunkVerifier(fp, f, first=lo // cs, key=t.key) if verify else None
+        scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
+        failed: FormatError | None = None
+        stop = hi
+        pos = lo
+        try:
+            while pos < stop:
+                n = min(len(scratch), stop - pos)
+                piece = scratch[:n]
+                got = handle.pread_into(pos, piece) if handle is not None else self._storage.pread_into(fp, pos, piece)
+                if got != n:
+                    raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got, key=t.key)
+                if verifier is not None:
+                    verifier.update(piece)  # a corrupt chunk is named before its bytes are decoded
+                a, b = max(pos, t.offset), min(pos + n, t.offset + stored)
+                if failed is None and a < b:
+                    try:
+                        dec.feed(piece[a - pos : b - pos])
+                    except FormatError as e:
+                        # Hash on to the end of this chunk first: if its bytes are damaged,
+                        # that is the error to report, not what the decoder made of them.
+                        failed = e
+                        if verifier is None:
+                            raise
+                        stop = min(((pos + n - 1) // cs + 1) * cs, f.size)
+                pos += n
+            if verifier is not None:
+                verifier.finish()
+            if failed is not None:
+                raise failed
+            dec.finish()
+        except FileNotFoundError:
+            self._raise_if_vanished()
+            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
     def stream_part_into(
         self,
         pe: PartEntry,
@@ -406,19 +627,53 @@ class CheckpointReader:
         verify: bool = True,
         handle: ReadHandle | None = None,
     ) -> None:
-        """Read every tensor of a part in file order straight into caller memory.
+        """Read every tensor of a part straight into caller memory, file by file (see
+        :meth:`stream_file_into`). ``handle``: the part's only data file, opened."""
+        files = pe.data_files()
+        if handle is not None and len(files) > 1:
+            raise ValueError("one handle for a part with several tensor files")
+        for i in files:
+            self.stream_file_into(pe, i, destinations, verify=verify, handle=handle)
 
-        Verification hashes the destination memory right after each read, so a full
-        load costs one read and one hash pass, with no scratch copy. Because tensors
-        tile the data region (checked against the safetensors header), the hashed
-        ranges cover every byte of the file. ``handle``: read through this open file
-        (from :meth:`open_tensor_file`; the caller closes it) instead of opening the path.
+    def stream_file_into(
+        self,
+        pe: PartEntry,
+        index: int,
+        destinations: Callable[[TensorEntry], memoryview],
+        *,
+        verify: bool = True,
+        handle: ReadHandle | None = None,
+    ) -> None:
+        """Read every tensor of data file ``index`` of a part into caller memory.
+
+        A safetensors file written by this checkpoint is read in file order straight into
+        the destinations: verification hashes the destination memory right after each
+        read, so a full load costs one read and one hash pass, with no scratch copy, and
+        because tensors tile the data region (checked against the safetensors header),
+        the hashed ranges cover every byte of the file. A shared file (format 2.0, which
+        may hold tensors this checkpoint does not reference) and a packed file are read
+        tensor by tensor (:meth:`read_tensor_bytes_into`). ``handle``: read through this
+        open file (from :meth:`open_data_file`; the caller closes it).
         """
-        f = pe.file("tensors")
-        if f is None:
+        f = pe.files[index]
+        entries = pe.tensors_in(index)
+        if f.role == "packed" or f.origin is not None:
+            own = handle is None
+            if handle is None:
+                handle = self.open_data_file(pe, index)
+            ordered = sorted(entries, key=lambda e: e.offset)
+            try:
+                if f.role == "packed":
+                    self._decode_file(f, ordered, destinations, verify=verify, handle=handle)
+                else:
+                    for t in ordered:
+                        self.read_tensor_bytes_into(pe, t, destinations(t), verify=verify, handle=handle)
+            finally:
+                if own:
+                    handle.close()
             return
-        self._header(pe)
-        n, _ = self._headers[pe.name]
+        self._header(pe, index)
+        n, _ = self._headers[(pe.name, index)]
         fp = self._fp(f)
         own = handle is None
         if handle is None:
@@ -435,7 +690,7 @@ class CheckpointReader:
                 handle.pread_into(0, memoryview(head))
                 verifier.update(head)
             request = knobs().read_request
-            ordered = sorted(pe.tensors, key=lambda e: e.offset)
+            ordered = sorted(entries, key=lambda e: e.offset)
             if verifier is None and f.size >= _PIPELINE_MIN_BYTES:
                 # Without hashing, the second core has nothing to do: split the reads
                 # between two threads (the kernel copy from the page cache is the cost).
@@ -457,8 +712,69 @@ class CheckpointReader:
             if own:
                 handle.close()
 
-    def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[ReadHandle, FileEntry] | None:
-        """Check a part's safetensors header and open its tensor file (caller closes it).
+    def _decode_file(
+        self,
+        f: FileEntry,
+        ordered: list[TensorEntry],
+        destinations: Callable[[TensorEntry], memoryview],
+        *,
+        verify: bool,
+        handle: ReadHandle,
+    ) -> None:
+        """Decode every span of a packed file in one pass over it: each piece is hashed
+        (on verify_file's second thread, while the next one is read) before it is decoded,
+        so every byte is read and hashed once. A span that does not decode is reported only
+        after the chunks are known good: damaged bytes are a checksum error, not a decoding
+        one."""
+        from collections import deque
+
+        from .format import bpz, dtypes
+
+        fp = self._fp(f)
+        spans = deque(
+            (t, bpz.SpanDecoder(destinations(t), dtypes.itemsize(t.dtype), t.stored_nbytes, path=fp, offset=t.offset, key=t.key))
+            for t in ordered
+        )
+        failed: list[FormatError] = []
+
+        def observe(at: int, piece: memoryview) -> None:
+            end = at + len(piece)
+            while spans:
+                t, dec = spans[0]
+                lo, hi = t.offset, t.offset + t.stored_nbytes
+                if lo >= end:
+                    return
+                try:
+                    if not failed:
+                        a, b = max(lo, at), min(hi, end)
+                        if a < b:
+                            dec.feed(piece[a - at : b - at])
+                        if hi <= end:
+                            dec.finish()
+                except FormatError as e:
+                    failed.append(e)
+                if hi > end:
+                    return
+                spans.popleft()
+
+        if verify:
+            self.verify_file(f, handle=handle, observe=observe)
+        else:
+            buf = memoryview(bytearray(min(f.size, _VERIFY_PIECE)))
+            for pos in range(0, f.size, len(buf) or 1):
+                n = min(len(buf), f.size - pos)
+                got = handle.pread_into(pos, buf[:n])
+                if got != n:
+                    raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                observe(pos, buf[:n])
+        if failed:
+            raise failed[0]
+        if spans:
+            raise SizeMismatchError("file ended before the tensors its manifest lists", path=fp, key=spans[0][0].key)
+
+    def open_data_file(self, pe: PartEntry, index: int, *, reread: bool = False) -> ReadHandle:
+        """Check data file ``index``'s safetensors header (if it is one) and open it
+        (caller closes it).
 
         A held local descriptor keeps reading the same bytes even if the checkpoint is
         renamed or deleted meanwhile (retention renames before it deletes); an object
@@ -467,11 +783,18 @@ class CheckpointReader:
         per file. ``reread``: the caller reads the bytes twice (verify, then copy); an
         object store keeps the first pass's bytes locally instead of downloading twice.
         """
-        f = pe.file("tensors")
-        if f is None:
+        self._header(pe, index)
+        return self._open_handle(self._fp(pe.files[index]), reread=reread)
+
+    def open_tensor_file(self, pe: PartEntry, *, reread: bool = False) -> tuple[ReadHandle, FileEntry] | None:
+        """The part's one safetensors file, checked and opened (None if it has none); see
+        :meth:`open_data_file` for parts with several data files."""
+        files = pe.data_files()
+        if not files:
             return None
-        self._header(pe)
-        return self._open_handle(self._fp(f), reread=reread), f
+        if len(files) > 1 or pe.files[files[0]].role != "tensors":
+            raise ValueError(f"part {pe.name!r} has {len(files)} data files; open them with open_data_file")
+        return self.open_data_file(pe, files[0], reread=reread), pe.files[files[0]]
 
     def verify_bytes(self, f: FileEntry, data: Any) -> None:
         """Check the whole content of file ``f``, already in memory, against its digests."""
@@ -486,10 +809,13 @@ class CheckpointReader:
         handle: ReadHandle | None = None,
         span: tuple[int, int] | None = None,
         progress: Callable[[int], None] | None = None,
+        observe: Callable[[int, memoryview], None] | None = None,
     ) -> int:
         """Re-hash every chunk of file ``f`` in bounded pieces; returns the bytes hashed.
 
-        ``span=(lo, hi)``: only the chunks that bytes ``lo..hi`` overlap.
+        ``span=(lo, hi)``: only the chunks that bytes ``lo..hi`` overlap. ``observe(offset,
+        piece)`` sees every piece, in file order, after it was hashed (verify checks tensor
+        digests with it in the same pass).
         """
         fp = self._fp(f)
         cs = f.chunk_size
@@ -515,11 +841,13 @@ class CheckpointReader:
                     free.put(memoryview(bytearray(step)))
                 failed: list[BaseException] = []
 
-                def consume(item: tuple[memoryview, int]) -> None:
-                    buf, n = item
+                def consume(item: tuple[memoryview, int, int]) -> None:
+                    buf, n, at = item
                     try:
                         if not failed:
                             v.update(buf[:n])
+                            if observe is not None:
+                                observe(at, buf[:n])
                     except BaseException as e:  # re-raised on the reading thread
                         failed.append(e)
                     finally:
@@ -533,7 +861,7 @@ class CheckpointReader:
                         got = handle.pread_into(pos, mv[:want])
                         if got != want:
                             raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
-                        feeder.feed((mv, want))
+                        feeder.feed((mv, want, pos))
                         pos += want
                         if progress is not None:
                             progress(want)
@@ -550,6 +878,8 @@ class CheckpointReader:
                     if got != want:
                         raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
                     v.update(mv[:want])
+                    if observe is not None:
+                        observe(pos, mv[:want])
                     pos += want
                     if progress is not None:
                         progress(want)
@@ -568,11 +898,17 @@ class CheckpointReader:
             # Decoded and checked as load would take it: a checkpoint that verifies
             # does not fail in load on its own content (spec §13).
             check_part(self, pe, verify=not quick)
-            for f in pe.files:
+            for i, f in enumerate(pe.files):
                 report.files += 1
+                if f.origin is not None:
+                    report.shared += 1
                 if quick:
                     continue
-                report.bytes += self.verify_file(f, progress=progress)
+                # Format 2.0: tensor digests are checked against the values in the same
+                # pass (packed values decoded block by block, never held whole).
+                check = _DigestCheck(self._fp(f), [t for t in pe.tensors_in(i) if t.digest is not None])
+                report.bytes += self.verify_file(f, progress=progress, observe=check.observe if check else None)
+                check.finish()
                 report.chunks += chunk_count(f.size, f.chunk_size)
         return report
 
@@ -588,21 +924,77 @@ class CheckpointReader:
         return read_tensor(self, pe, t, map_location=map_location, verify=verify)
 
     def state(
-        self, part: str | None = None, *, map_location: Any = None, verify: bool = True, mmap: bool = False
-    ) -> dict[str, Any]:
-        """The whole saved state of a part, as plain trees of fresh tensors.
+        self,
+        entry: str | None = None,
+        *,
+        part: str | None = None,
+        map_location: Any = None,
+        verify: bool = True,
+        mmap: bool = False,
+    ) -> Any:
+        """The saved state of a part as plain trees of fresh tensors: every entry, or one.
 
+        ``state("model")`` is that entry alone, as it was saved: for a module, a plain
+        ``state_dict`` with the entry prefix stripped (``{"0.weight": ...}``), ready for
+        ``module.load_state_dict(sd, strict=True)``; only its own tensors are read (an
+        optimizer in the same file is not). ``state()`` maps every entry name to that.
         ``mmap=True`` backs the tensors by a private copy-on-write mapping of the file
         instead of reading them into new memory (faster; see ``_materialize._mmap_fresh``
         for the one caveat: do not truncate the file while the tensors are alive).
         """
-        from ._materialize import materialize_state
+        from ._materialize import materialize_entry, materialize_state
 
+        if entry is not None and part is None:
+            entry, part = self._entry_or_part(entry)
         if part is None and "sharded" in self.meta:  # sharded hook: global tensors (ckpt.dcp)
             from .dcp.full import full_state
 
-            return full_state(self, verify=verify)
-        return materialize_state(self, self.part(part), map_location=map_location, verify=verify, mmap=mmap)
+            full = full_state(self, verify=verify)
+            if entry is None:
+                return full
+            if entry not in full:
+                raise FormatError(f"no entry {entry!r} in this checkpoint (it has {sorted(full)})", path=self.path, key=entry)
+            return full[entry]
+        pe = self.part(part)
+        if entry is None:
+            return materialize_state(self, pe, map_location=map_location, verify=verify, mmap=mmap)
+        return materialize_entry(self, pe, entry, map_location=map_location, verify=verify, mmap=mmap)
+
+    def _entry_or_part(self, name: str) -> tuple[str | None, str | None]:
+        """``state(NAME)`` selects an entry. A part name there is the old signature
+        (``state(part)``): still accepted, with a DeprecationWarning."""
+        if "sharded" in self.meta or not any(pe.name == name for pe in self.parts):
+            return name, None
+        if len(self.parts) == 1 and name in self.tree(name)["state"]:
+            return name, None  # an entry that happens to share the part's name
+        import warnings
+
+        warnings.warn(f"state({name!r}) names a part: use state(part={name!r}); state(NAME) selects an entry",
+                      DeprecationWarning, stacklevel=3)
+        return None, name
+
+
+def _holds_tensor_ref(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, TensorRef):
+            return True
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return False
+
+
+def _not_a_checkpoint(path: str, storage: Any = None) -> CkptError:
+    """No MANIFEST (or not a directory): say what the path holds instead (ckpt.probe)."""
+    from .probe import FOREIGN_KINDS, probe_path
+
+    found = probe_path(path, storage=storage)
+    if found.kind in FOREIGN_KINDS:
+        return NotACheckpointError(f"not a checkpoint: {found.describe()}", path=path, kind=found.kind)
+    return IncompleteCheckpointError(found.what, path=path)
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> CheckpointReader:

@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .errors import CkptError
 
@@ -500,8 +500,11 @@ def check_resume(
     work_dir: str | None = None,
     timeout: float = 300.0,
     isolation: str = "forkserver",
+    progress: Callable[[int, int], None] | None = None,
 ) -> ResumeCheckResult:
     """Run ``entry`` straight through and killed-and-resumed; compare bit for bit.
+
+    ``progress(done, total)`` counts the attempts that have finished.
 
     ``kill_at`` defaults to the step right after the first save and a step mid-run.
     ``resume_env`` adds environment variables to the resumed attempts only (to show that
@@ -546,6 +549,8 @@ def check_resume(
             att.available = committed[-1] if committed else None
             _wait(att, timeout)
             attempts.append(att)
+            if progress is not None:
+                progress(i + 1, len(kills) + 1)
     finally:
         _wait(ref, timeout)
     return _compare(entry, steps, kills, world_size, work, ref_dir, os.path.join(ref_dir, "run"), attempts)
@@ -663,7 +668,7 @@ def compare_checkpoints(a: Any, b: Any, *, part_a: str | None = None, part_b: st
         part_a = None
     if part_b is not None and len(b.parts) == 1:
         part_b = None
-    sa, sb = a.state(part_a), b.state(part_b)
+    sa, sb = a.state(part=part_a), b.state(part=part_b)
     out: list[tuple[str, str | None, str]] = []
     count = [0]
     for name in list(sa) + [n for n in sb if n not in sa]:

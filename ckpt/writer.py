@@ -18,13 +18,13 @@ every instant at least one complete copy of the checkpoint exists.
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import os
 import re
 import secrets
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
@@ -38,22 +38,32 @@ from .context.topology import capture_topology
 from .errors import CheckpointExistsError, CkptError, DistributedUsageError, UnsupportedValueError
 from .format import dtypes
 from .format.codec import packb, zstd_compress
+from .format.digest import digest_bytes
 from .format.manifest import (
     MANIFEST_NAME,
     TMP_PREFIX,
+    V1,
+    V2,
     FileEntry,
     Manifest,
     PartEntry,
+    PartRef,
     TensorEntry,
     check_name,
     content_id,
     decode_manifest,
     encode_manifest,
+    encode_part_manifest,
+    part_record,
+    uses_v2,
 )
 from .format.safetensors import TensorSlot, build_header
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import Storage, commits_by_manifest, resolve
+from . import _partfiles
+from ._partfiles import Compress, Reuse, reuse_from
+from ._tensorbytes import tensor_memoryview
 
 __all__ = [
     "PendingCheckpoint",
@@ -66,6 +76,8 @@ __all__ = [
     "part_name_for_rank",
     "recover",
     "Recovery",
+    "Reuse",
+    "reuse_from",
 ]
 
 #: suffix of a replaced checkpoint moved aside (fallback overwrite, §10)
@@ -88,6 +100,8 @@ class PendingCheckpoint:
     tmp_dir: str
     overwrite: bool = False
     tag: str = ""
+    #: format 2.0: each part writes a part manifest and returns a PartRef (many ranks)
+    part_manifests: bool = False
 
     def file_name(self, part: str, suffix: str) -> str:
         """The name of a part's file in this save: ``<part><tag><suffix>``."""
@@ -110,12 +124,18 @@ def part_name_for_rank(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def begin(path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage | None = None) -> PendingCheckpoint:
+def begin(
+    path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage | None = None, part_manifests: bool = False
+) -> PendingCheckpoint:
+    """Create the temporary directory of a save. ``part_manifests``: every part is written
+    with a part manifest and listed by reference in the MANIFEST (format 2.0 §V.5: a job
+    of many ranks keeps its MANIFEST small and its commit cheap)."""
     storage, final = resolve(path, storage)
     parent, name = os.path.split(final)
     check_name(name, what="checkpoint directory", path=final)
     if commits_by_manifest(storage):  # an object store: no temporary directory (§10.6)
-        return storage.begin(final, overwrite=overwrite)  # type: ignore[attr-defined]
+        pending = storage.begin(final, overwrite=overwrite)  # type: ignore[attr-defined]
+        return dataclasses.replace(pending, part_manifests=True) if part_manifests else pending
     storage.makedirs(parent)
     if storage.exists(final) and not overwrite:
         # Early refusal only; commit() enforces it atomically (another writer may
@@ -123,7 +143,7 @@ def begin(path: str | os.PathLike[str], *, overwrite: bool = False, storage: Sto
         raise CheckpointExistsError("a checkpoint already exists here; pass overwrite=True to replace it", path=final)
     tmp = os.path.join(parent, tmp_name(name))
     storage.mkdir(tmp)
-    return PendingCheckpoint(final=final, tmp_dir=tmp, overwrite=overwrite)
+    return PendingCheckpoint(final=final, tmp_dir=tmp, overwrite=overwrite, part_manifests=part_manifests)
 
 
 def abort(pending: PendingCheckpoint, *, storage: Storage | None = None) -> None:
@@ -154,6 +174,7 @@ class _Collector:
         self._by_view: dict[tuple, str] = {}
         self._keys: set[str] = set()
         self.counts: dict[str, list[int]] = {}  # top-level entry -> [n tensors, bytes]
+        self.tops: dict[str, str] = {}  # tensor key -> its top-level entry (compress= by entry)
 
     def __call__(self, obj: Any, path: tuple[Any, ...]) -> msgpack.ExtType | None:
         torch = self._torch
@@ -208,6 +229,7 @@ class _Collector:
         if t.numel() > 0:
             self._by_view[view] = key
         top = str(path[0]) if path else ""
+        self.tops[key] = top
         c = self.counts.setdefault(top, [0, 0])
         c[0] += 1
         c[1] += src.numel() * src.element_size()
@@ -230,14 +252,6 @@ def tensor_view_key(t: Any) -> tuple[Any, ...]:
         t.is_conj(),
         t.is_neg(),
     )
-
-
-def tensor_memoryview(t: Any) -> memoryview:
-    """Zero-copy view of a CPU contiguous tensor's bytes (no numpy needed)."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _stateful(obj: Any) -> bool:
@@ -263,8 +277,19 @@ def write_part(
     lineage: Mapping[str, Any] | None = None,
     code_dir: str | None = None,
     storage: Storage | None = None,
+    compress: Compress = None,
+    reuse: Reuse | None = None,
+    dedup: bool = False,
 ) -> PartEntry:
-    """Write one part (a process's share) into ``pending.tmp_dir``; durable on return."""
+    """Write one part (a process's share) into ``pending.tmp_dir``; durable on return.
+
+    ``compress``: encode tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
+    float tensor of at least 64 KiB, a list of top-level entry names, or a callable
+    ``(key, dtype name, nbytes) -> bool``. ``reuse``: the same part of the previous
+    checkpoint of the run, whose unchanged files are shared by hard link instead of written
+    (format 2.0 dedup; implies ``dedup``). ``dedup``: record a digest of every tensor so a
+    later save can share this one's files.
+    """
     storage, _ = resolve(pending.final, storage)
     check_name(name, what="part")
     if not isinstance(state, Mapping):
@@ -309,26 +334,38 @@ def write_part(
     }
     k = knobs()
     files: list[FileEntry] = []
-    tensors: list[TensorEntry] = []
-    if collector.tensors:
+    placed: list[tuple[str, TensorEntry]] = []  # (file name, entry): indices are set at the end
+    layout = _partfiles.plan(name, collector.tensors, collector.tops, compress=compress, reuse=reuse, dedup=dedup,
+                             storage=storage, file_name=pending.file_name)
+    # Shared files first (format-2.md §V.4): a file that cannot be linked is written below.
+    for fe, entries in _partfiles.link_shared(name, layout, pending.tmp_dir, storage, file_name=pending.file_name):
+        files.append(fe)
+        placed.extend((fe.name, e) for e in entries)
+    plain = layout.plain
+    if plain:
         # Largest element size first (stable): every tensor then starts at a multiple of
         # its element size, as stock safetensors lays files out, so readers can map it.
-        collector.tensors.sort(key=lambda kt: -kt[1].element_size())
-        fname = pending.file_name(name, ".safetensors")
-        slots = [TensorSlot(key, dtypes.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for key, t in collector.tensors]
+        plain.sort(key=lambda kt: -kt[1].element_size())
+        fname = layout.plain_name
+        slots = [TensorSlot(key, dtypes.dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for key, t in plain]
         header, offsets = build_header(slots, {"format": "pt", "writer": f"ckpt-replay {__version__}"})
         sink = storage.create(os.path.join(pending.tmp_dir, fname), k.chunk_size)
         try:
             sink.write(header)
-            for (key, t), slot, off in zip(collector.tensors, slots, offsets):
+            for (key, t), slot, off in zip(plain, slots, offsets):
                 sink.write(tensor_memoryview(t))
-                tensors.append(TensorEntry(key, slot.dtype, slot.shape, 0, off, slot.nbytes))
+                placed.append((fname, TensorEntry(key, slot.dtype, slot.shape, -1, off, slot.nbytes, layout.digests.get(key))))
             size, digests = sink.close()
         except BaseException:
             sink.discard()
             raise
         files.append(FileEntry(fname, "tensors", size, k.chunk_size, digests))
-        # collector.tensors holds staging copies alive until here; drop them now.
+    packed = _partfiles.write_packed(layout, pending.tmp_dir, storage)
+    if packed is not None:
+        files.append(packed[0])
+        placed.extend((packed[0].name, e) for e in packed[1])
+    # the layout holds staging copies alive until here; drop them now.
+    del layout, plain
     raw = packb({"state": wire_state, "context": context})
     if len(raw) > k.max_state_raw_bytes:
         raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
@@ -343,11 +380,11 @@ def write_part(
         raise
     # The state file comes first so readers can find the structure without scanning.
     files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
-    if tensors:
-        tensors = [TensorEntry(t.key, t.dtype, t.shape, 1, t.offset, t.nbytes) for t in tensors]
+    index = {f.name: i for i, f in enumerate(files)}
+    tensors = [dataclasses.replace(e, file=index[fname]) for fname, e in placed]
     summary = {
         "step": step,
-        "entries": {key: {"type": entry_types[key], "tensors": collector.counts.get(key, [0, 0])[0], "bytes": collector.counts.get(key, [0, 0])[1]} for key in wire_state},
+        "entries": {key: _entry_summary(state[key], entry_types[key], collector.counts.get(key, [0, 0])) for key in wire_state},
         "rng": rng_kinds(rng_state) if rng_state else [],
         "data": None if data is None else {"type": context["data_type"], "state": _preview(data_state)},
         "config_hash": context["config"]["hash"] if context["config"] else None,
@@ -356,7 +393,37 @@ def write_part(
         "env": {key: env.get(key) for key in ("python", "torch", "cuda", "cudnn", "deterministic_algorithms", "num_threads", "ckpt_replay")},
         "lineage": context["lineage"],
     }
-    return PartEntry(name, tuple(files), tuple(tensors), summary)
+    part = PartEntry(name, tuple(files), tuple(tensors), summary)
+    if pending.part_manifests:
+        return _write_part_manifest(pending, part, storage)  # type: ignore[return-value]
+    return part
+
+
+def _write_part_manifest(pending: PendingCheckpoint, part: PartEntry, storage: Storage) -> PartRef:
+    """The part's detail in its own file (format-2.md §V.5.1), durable; the committer gets
+    only the short reference."""
+    blob = encode_part_manifest(part, V2)
+    mname = pending.file_name(part.name, ".part")
+    _write_whole(storage, os.path.join(pending.tmp_dir, mname), blob)
+    return PartRef(part.name, mname, len(blob), digest_bytes(blob), tuple((f.name, f.size) for f in part.files))
+
+
+def _write_whole(storage: Storage, path: str, blob: bytes) -> tuple[int, bytes]:
+    """One small file in one write, durable (fsync) on return: (size, chunk digests)."""
+    sink = storage.create(path, max(knobs().chunk_size, 4096))
+    try:
+        sink.write(blob)
+        return sink.close()
+    except BaseException:
+        sink.discard()
+        raise
+
+
+def _entry_summary(obj: Any, type_name: str, counts: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": type_name, "tensors": counts[0], "bytes": counts[1]}
+    if isinstance(obj, Replicated):
+        out["replica_of"] = obj.part  # its bytes (and its type) are in that part (spec §4.6)
+    return out
 
 
 def _preview(wire: Any) -> Any:
@@ -372,7 +439,7 @@ def _preview(wire: Any) -> Any:
 
 def commit(
     pending: PendingCheckpoint,
-    parts: Sequence[PartEntry | Mapping[str, Any]],
+    parts: Sequence[PartEntry | PartRef | Mapping[str, Any]],
     *,
     kind: str = "checkpoint",
     step: int | None = None,
@@ -383,13 +450,14 @@ def commit(
     object store: put MANIFEST last, conditionally, spec/object-storage.md).
 
     ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
-    crosses process boundaries as plain data)."""
+    crosses process boundaries as plain data). The MANIFEST is format 1.0 unless a part
+    uses a 2.0 feature (packed or shared files, tensor digests, a part reference)."""
     storage, _ = resolve(pending.final, storage)
-    parts = [p if isinstance(p, PartEntry) else PartEntry.from_dict(dict(p)) for p in parts]
+    parts = [p if isinstance(p, (PartEntry, PartRef)) else part_record(dict(p)) for p in parts]
     names = [p.name for p in parts]
     if len(set(names)) != len(names):
         raise CkptError(f"duplicate part names {names}", path=pending.final)
-    if step is None and parts:
+    if step is None and parts and isinstance(parts[0], PartEntry):
         step = parts[0].summary.get("step")
     # Sorting parts by name makes the manifest independent of arrival order.
     ordered = tuple(sorted(parts, key=lambda p: p.name))
@@ -401,18 +469,13 @@ def commit(
         package_version=__version__,
         parts=ordered,
         meta=dict(meta or {}),
+        version=V2 if uses_v2(ordered) else V1,
     )
     blob = encode_manifest(manifest)
     if commits_by_manifest(storage):
         storage.publish(pending, blob)  # type: ignore[attr-defined]
         return manifest
-    sink = storage.create(os.path.join(pending.tmp_dir, MANIFEST_NAME), max(knobs().chunk_size, 4096))
-    try:
-        sink.write(blob)
-        sink.close()
-    except BaseException:
-        sink.discard()
-        raise
+    _write_whole(storage, os.path.join(pending.tmp_dir, MANIFEST_NAME), blob)
     storage.fsync_dir(pending.tmp_dir)
     _publish(pending, storage)
     return manifest
@@ -483,9 +546,9 @@ def is_complete(path: str, *, storage: Storage | None = None) -> bool:
         if not stat.S_ISREG(st.st_mode) or st.st_size > knobs().max_manifest_bytes + 64:
             return False
         man = decode_manifest(storage.read(mpath, 0, st.st_size), path=mpath)
-        for f in man.files:
-            fst = storage.lstat(os.path.join(path, f.name))
-            if not stat.S_ISREG(fst.st_mode) or fst.st_size != f.size:
+        for fname, fsize, _ in man.parts.file_sizes():
+            fst = storage.lstat(os.path.join(path, fname))
+            if not stat.S_ISREG(fst.st_mode) or fst.st_size != fsize:
                 return False
     except (OSError, CkptError):
         return False
@@ -558,11 +621,13 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
 
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
+    """A committed checkpoint (what ``save`` returns); the manifest is left out of its repr."""
+
     path: str
     id: str
     step: int | None
     bytes: int
-    manifest: Manifest
+    manifest: Manifest = field(repr=False)
 
 
 def save(
@@ -581,6 +646,9 @@ def save(
     meta: Mapping[str, Any] | None = None,
     this_rank_only: bool = False,
     storage: Storage | None = None,
+    compress: Compress = None,
+    dedup_from: str | os.PathLike[str] | None = None,
+    dedup: bool = False,
 ) -> CheckpointInfo:
     """Save all seven fields of one process's training state, atomically.
 
@@ -589,16 +657,26 @@ def save(
     ``rank-00000`` to one path. Use ``ckpt.distributed.DistributedCheckpointer.save``
     (every rank calls it) or ``CheckpointManager``; a deliberate single-writer save
     from one rank passes ``this_rank_only=True``.
+
+    ``compress``: store tensors encoded (format 2.0; see :func:`write_part`). Stock
+    safetensors cannot read encoded tensors; uncompressed is the default.
+    ``dedup_from``: an earlier checkpoint of the same run directory: files whose tensors
+    are unchanged are shared by hard link, not written (format 2.0 §V.4). ``dedup``:
+    record tensor digests so that a later save can share this one's files.
     """
     if not this_rank_only:
         _refuse_under_process_group(path)
     storage, path = resolve(path, storage)
     pending = begin(path, overwrite=overwrite, storage=storage)
     try:
+        reuse = reuse_from(dedup_from, part_name_for_rank(0), storage=storage) if dedup_from is not None else None
         part = write_part(
             pending,
             part_name_for_rank(0),
             state,
+            compress=compress,
+            reuse=reuse,
+            dedup=dedup or dedup_from is not None,
             step=step,
             config=config,
             data=data,

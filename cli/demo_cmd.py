@@ -12,12 +12,11 @@ names them. Every demo ends with its named checks; the exit status is 1 when any
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Sequence
 
 import click
 
-from ckpt_cli._common import handle_errors
+from ckpt_cli._common import dump_json, handle_errors, json_option, progress_enabled, refuse_nonempty
 from runs import DEMOS  # strings only: importing `runs` stays torch-free, so `--help` stays fast
 
 
@@ -38,17 +37,26 @@ class _Shell:
 
 @click.command("demo")
 @click.argument("name", required=False, type=click.Choice(list(DEMOS)))
-@click.option("--out", "out_dir", default="demo-out", show_default=True, type=click.Path(file_okay=False, path_type=str))
+@click.option("--out", "out_dir", default="demo-out", show_default=True, type=click.Path(file_okay=False, path_type=str),
+              help="Output directory: it must be new or empty (a demo never overwrites what an earlier one wrote).")
 @click.option("--list", "list_", is_flag=True, help="List the demos, one line each, and exit.")
 @click.option("--basic", is_flag=True, help="Alias of NAME=basic.")
 @click.option("--quick", is_flag=True, help="diloco, stages: a small reference run (for tests).")
 @click.option("--transport", type=click.Choice(["gloo", "threads"]), default="gloo", show_default=True,
               help="diloco, stages: workers as processes over torch.distributed gloo, or as threads of one process.")
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=10), help="basic: training steps.")
+@json_option("§4.15")
 @handle_errors
-def demo_cmd(name: str | None, out_dir: str, list_: bool, basic: bool, quick: bool, transport: str, steps: int) -> None:
-    """Run a reference run (default: diloco, Decoupled DiLoCo under chaos) and print what it proves."""
+def demo_cmd(name: str | None, out_dir: str, list_: bool, basic: bool, quick: bool, transport: str, steps: int,
+             as_json: bool) -> None:
+    """Run a reference run (default: diloco, Decoupled DiLoCo under chaos) and print what it proves.
+
+    Exit 0 when every check passed; 1 when one failed (each failed check is named);
+    2 --out is not empty. With --json the report goes to stderr and stdout gets the checks."""
     if list_:
+        if as_json:
+            dump_json({"demos": [{"name": n, "line": d.line} for n, d in DEMOS.items()]})
+            return
         for n, demo in DEMOS.items():
             click.echo(f"{n:<8} {demo.line}")
         return
@@ -57,16 +65,24 @@ def demo_cmd(name: str | None, out_dir: str, list_: bool, basic: bool, quick: bo
             raise click.UsageError(f"--basic names the basic demo; got NAME {name}")
         name = "basic"
     name = name or next(iter(DEMOS))
+    refuse_nonempty(out_dir, "--out", "a demo never overwrites an earlier one: pass a new or empty directory")
     mod_name, fn_name = DEMOS[name].entry.split(":")
     fn = getattr(importlib.import_module(mod_name), fn_name)
     options = {"transport": transport, "steps": steps, "shell": _Shell()}
-    checks = fn(out_dir, quick=quick, echo=click.echo, progress=sys.stdout.isatty(), options=options)
-    _verdict(checks)
+    echo = (lambda line: click.echo(line, err=True)) if as_json else click.echo
+    checks = fn(out_dir, quick=quick, echo=echo, progress=progress_enabled(), options=options)
+    _verdict(checks, name=name, out_dir=out_dir, as_json=as_json)
 
 
-def _verdict(checks: Sequence[tuple[str, bool]]) -> None:
+def _verdict(checks: Sequence[tuple[str, bool]], *, name: str = "", out_dir: str = "", as_json: bool = False) -> None:
     failed = [n for n, ok in checks if not ok]
-    click.echo("checks: " + ", ".join(f"{n} {'ok' if ok else 'FAILED'}" for n, ok in checks))
-    click.echo("demo: " + ("all checks passed" if not failed else "A CHECK FAILED: " + ", ".join(failed)))
+    if as_json:
+        import os
+
+        dump_json({"demo": name, "out_dir": os.path.abspath(out_dir), "passed": not failed,
+                   "checks": [{"name": n, "ok": bool(ok)} for n, ok in checks], "failed": failed})
+    else:
+        click.echo("checks: " + ", ".join(f"{n} {'ok' if ok else 'FAILED'}" for n, ok in checks))
+        click.echo("demo: " + ("all checks passed" if not failed else "A CHECK FAILED: " + ", ".join(failed)))
     if failed:
         raise click.exceptions.Exit(1)

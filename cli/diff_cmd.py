@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ckpt_cli._common import dump_json, handle_errors
+from ckpt_cli._common import ANY_PATH, dump_json, handle_errors, json_option
 
 
 def render(rep: dict[str, Any]) -> str:
@@ -59,12 +59,12 @@ def render(rep: dict[str, Any]) -> str:
 
 
 @click.command("diff")
-@click.argument("a", type=click.Path(file_okay=False, path_type=str))
-@click.argument("b", type=click.Path(file_okay=False, path_type=str))
+@click.argument("a", type=ANY_PATH)
+@click.argument("b", type=ANY_PATH)
 @click.option("--ignore", "ignore", multiple=True, metavar="KEY",
               help="Leave out a category (tensors, rng, data, config, commit, topology, env), an RNG stream "
                    "(rng.python) or a tensor key prefix (model/, optim); repeatable.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("§4.4")
 @handle_errors
 def diff_cmd(a: str, b: str, ignore: tuple[str, ...], as_json: bool) -> None:
     """Exit 0 when everything compared is identical, 6 when something compared differs."""

@@ -10,22 +10,38 @@ from typing import Any
 
 import click
 
-from ckpt_cli._common import classify, dump_json, handle_errors, human_bytes, when
+from ckpt_cli._common import classify, dump_json, handle_errors, human_bytes, json_option, not_found, when, wrong_kind
 
 
 def manifest_summary(r: Any) -> dict[str, Any]:
     m = r.manifest
     parts = []
-    for p in m.parts:
+    # Parts listed by reference (format 2.0, many ranks): only the first part's manifest is
+    # read for the detail; the others are named with their files' sizes (MANIFEST only).
+    detail = len(m.parts) if not m.parts.refs else 1
+    # a replicated entry is described by the part that holds its bytes (when detailed here)
+    by_part = {m.parts[i].name: m.parts[i].summary.get("entries") or {} for i in range(detail)}
+    for i, entry in enumerate(m.parts.listed()):
+        if i >= detail:
+            sizes = entry.sizes if hasattr(entry, "sizes") else [(f.name, f.size) for f in entry.files]
+            parts.append({"name": entry.name, "files": [{"name": n, "bytes": z} for n, z in sizes], "by_reference": True})
+            continue
+        p = m.parts[i]
         s = p.summary
         parts.append(
             {
                 "name": p.name,
-                "files": [{"name": f.name, "role": f.role, "bytes": f.size, "chunks": len(f.digests) // 16} for f in p.files],
-                "entries": {
-                    k: {**v, "field": classify(v.get("type", ""), v.get("tensors"), k)} for k, v in (s.get("entries") or {}).items()
-                },
-                "tensors": [{"name": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes} for t in p.tensors],
+                "files": [
+                    {"name": f.name, "role": f.role, "bytes": f.size, "chunks": len(f.digests) // 16, "shared_from": f.origin}
+                    for f in p.files
+                ],
+                "packed": _packed(p),
+                "entries": {k: _entry(k, v, by_part) for k, v in (s.get("entries") or {}).items()},
+                "tensors": [
+                    {"name": t.key, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes,
+                     **({"encoding": t.encoding, "stored": t.stored} if t.encoding else {})}
+                    for t in p.tensors
+                ],
                 "rng": s.get("rng"),
                 "data": s.get("data"),
                 "config_hash": s.get("config_hash"),
@@ -49,6 +65,27 @@ def manifest_summary(r: Any) -> dict[str, Any]:
         "parts": parts,
         "sharded": sharded_summary(r) if isinstance(m.meta, dict) and "sharded" in m.meta else None,
     }
+
+
+def _entry(name: str, e: dict[str, Any], by_part: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """An entry's summary with its field; a replicated one takes its type (and the field
+    it belongs to) from the part that holds its bytes, and says which part that is."""
+    src = e.get("replica_of")
+    if isinstance(src, str):
+        held = (by_part.get(src) or {}).get(name) or {}
+        typ = held.get("type", e.get("type", ""))
+        return {**e, "type": typ, "field": classify(typ, held.get("tensors"), name),
+                "replica": {"part": src, "tensors": held.get("tensors"), "bytes": held.get("bytes")}}
+    return {**e, "field": classify(e.get("type", ""), e.get("tensors"), name), "replica": None}
+
+
+def _packed(p: Any) -> dict[str, Any] | None:
+    """Encoded tensors of a part (format 2.0 §V.3): stock safetensors cannot read them."""
+    enc = [t for t in p.tensors if t.encoding]
+    if not enc:
+        return None
+    return {"tensors": len(enc), "bytes": sum(t.nbytes for t in enc), "stored": sum(t.stored for t in enc),
+            "encoding": sorted({t.encoding for t in enc})}
 
 
 def sharded_summary(r: Any) -> dict[str, Any]:
@@ -95,6 +132,22 @@ def _sharded_lines(sh: dict[str, Any], max_tensors: int) -> list[str]:
     return out
 
 
+def _format2_lines(p: dict[str, Any]) -> list[str]:
+    out = []
+    pk = p.get("packed")
+    if pk:
+        ratio = pk["bytes"] / pk["stored"] if pk["stored"] else 0.0
+        out.append(
+            f"  packed: {pk['tensors']} tensors encoded ({', '.join(pk['encoding'])}: byte planes + zstd), "
+            f"{human_bytes(pk['bytes'])} stored in {human_bytes(pk['stored'])} ({ratio:.2f}x); "
+            "stock safetensors cannot read them"
+        )
+    shared = [f for f in p["files"] if f.get("shared_from")]
+    if shared:
+        out.append("  shared: " + ", ".join(f"{f['name']} ({human_bytes(f['bytes'])}, written by {f['shared_from']})" for f in shared))
+    return out
+
+
 def _commit_line(c: dict[str, Any] | None) -> str:
     if not c:
         return "-"
@@ -122,13 +175,20 @@ def render(s: dict[str, Any], *, tensors: bool = True, max_tensors: int = 50) ->
     )
     out.append(f"  id {s['id']}   step {s['step']}   {when(s['created_at'])}   {human_bytes(s['bytes'])} in {len(s['parts'])} part(s)")
     multi = len(s["parts"]) > 1
+    brief = [p for p in s["parts"] if p.get("by_reference")]
     for p in s["parts"]:
+        if p.get("by_reference"):
+            continue
         if multi:
             out.append(f"part {p['name']}")
+        out.extend(_format2_lines(p))
         out.append("  seven fields:")
         by_field: dict[str, list[str]] = {}
         for name, e in p["entries"].items():
+            rep = e.get("replica")
             by_field.setdefault(e["field"], []).append(
+                f"{name}: replicated, held by part {rep['part']} ({rep.get('tensors') or 0} tensors, "
+                f"{human_bytes(rep.get('bytes'))} there; {e.get('type')})" if rep else
                 f"{name} (plain values)" if e["field"] == "other" else
                 f"{name}: {e.get('tensors', 0)} tensors, {human_bytes(e.get('bytes'))} ({e.get('type')})"
             )
@@ -158,6 +218,12 @@ def render(s: dict[str, Any], *, tensors: bool = True, max_tensors: int = 50) ->
                 out.append(f"    {t['name']:<{w}}  {t['dtype']:<16} {shape:<20} {t['bytes']}")
             if len(p["tensors"]) > max_tensors:
                 out.append(f"    ... {len(p['tensors']) - max_tensors} more (use --all or --json)")
+    if brief:
+        out.append(f"{len(brief)} more part(s) listed by reference (their part manifests not read):")
+        for p in brief[:max_tensors]:
+            out.append(f"    {p['name']}: " + ", ".join(f"{f['name']} {human_bytes(f['bytes'])}" for f in p["files"]))
+        if len(brief) > max_tensors:
+            out.append(f"    ... {len(brief) - max_tensors} more (use --all or --json)")
     meta = s["meta"]
     if s.get("sharded"):
         out.extend(_sharded_lines(s["sharded"], max_tensors))
@@ -201,16 +267,38 @@ def _snapshot_lines(meta: dict[str, Any]) -> list[str]:
 
 
 @click.command("inspect")
-@click.argument("path", type=click.Path(file_okay=False, path_type=str))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("path")
+@json_option("§4.1")
 @click.option("--all", "show_all", is_flag=True, help="List every tensor.")
+@click.option("--latest", is_flag=True, help="PATH is a run directory: inspect its newest committed checkpoint.")
 @handle_errors
-def inspect_cmd(path: str, as_json: bool, show_all: bool) -> None:
-    """Summarise a checkpoint without loading it (and without importing torch)."""
+def inspect_cmd(path: str, as_json: bool, show_all: bool, latest: bool) -> None:
+    """Summarise a checkpoint without loading it (and without importing torch).
+
+    Exit 0; 3 corrupt; 4 incomplete; 5 missing; 7 not a checkpoint (a file, a run
+    directory without --latest, a tape, a DCP or Hugging Face directory: named)."""
     from ckpt import CheckpointReader
 
+    if latest:
+        path = newest_checkpoint(path)
     s = manifest_summary(CheckpointReader(path))
     if as_json:
         dump_json(s)
     else:
         click.echo(render(s, max_tensors=10**9 if show_all else 50))
+
+
+def newest_checkpoint(run_dir: str) -> str:
+    """The newest committed checkpoint of a run directory, by step (``--latest``)."""
+    from ckpt.probe import probe_path
+
+    found = probe_path(run_dir)
+    if found.kind == "checkpoint":
+        return run_dir
+    if found.kind == "missing":
+        raise not_found(run_dir)
+    if found.kind != "run" or not found.checkpoints:
+        raise wrong_kind(f"--latest: {run_dir} holds no committed checkpoint: it is {found.what}")
+    import os
+
+    return os.path.join(run_dir, found.checkpoints[-1])

@@ -1,91 +1,118 @@
-"""``ckpt ls``: the checkpoints of a run directory with step, time, size and status."""
+"""``ckpt ls``: the checkpoints of a run directory with step, time, size and status.
+
+Without ``--deep`` a checkpoint is opened and its structure and sizes are checked, and
+it is shown "committed (not verified)": only ``--deep`` re-hashes every chunk and can
+say "valid". What is not a checkpoint is named (``ckpt.probe``): temporary directories,
+nested run directories, step ledgers, tapes, DCP and Hugging Face directories.
+"""
 
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 import click
 
-from ckpt_cli._common import PathOrURL, dump_json, handle_errors, human_bytes, when
+from ckpt_cli._common import dump_json, handle_errors, human_bytes, json_option, not_found, when, wrong_kind
+
+#: ``state`` (JSON) -> ``status`` (the text column) for what is not a checkpoint of ours
+_OTHER = {
+    "temporary": "temporary",
+    "run": "run directory",
+    "tape": "event tape",
+    "dcp": "DCP checkpoint (not ours: `ckpt import dcp` converts it)",
+    "hf": "Hugging Face model directory (not ours)",
+    "hf-trainer": "Hugging Face Trainer checkpoint (not ours)",
+    "dir": "not a checkpoint",
+}
 
 
-def _dir_size(storage: Any, path: str) -> int:
+def _dir_size(path: str) -> int:
+    """Bytes of the files directly in ``path`` (local or object store)."""
+    from ckpt.probe import backend
+
+    storage, p = backend(path)
+    if storage is None:
+        total = 0
+        for name in os.listdir(p):
+            try:
+                total += os.lstat(os.path.join(p, name)).st_size
+            except OSError:
+                pass
+        return total
     total = 0
-    for name in storage.listdir(path):
+    for name in storage.listdir(p):
         try:
-            st = storage.lstat(os.path.join(path, name))
+            st = storage.lstat(os.path.join(p, name))
             total += st.st_size
         except OSError:
             pass
     return total
 
 
-def _holds_checkpoints(storage: Any, path: str) -> bool:
-    try:
-        return any(storage.isfile(os.path.join(path, n, "MANIFEST")) for n in storage.listdir(path))
-    except OSError:
-        return False
+def _row(name: str, p: str, deep: bool) -> dict[str, Any]:
+    from ckpt import CheckpointReader
+    from ckpt.errors import CkptError, IncompleteCheckpointError
+    from ckpt.ledger import ledger_tapes
+    from ckpt.probe import backend, probe_path
+
+    found = probe_path(p)
+    row: dict[str, Any] = {"name": name, "path": p, "step": None, "time": None, "bytes": _dir_size(p), "kind": None,
+                           "state": found.kind, "status": _OTHER.get(found.kind), "verified": False, "problem": None}
+    if found.kind == "ledger":
+        row["status"] = f"step ledger ({len(ledger_tapes(p))} tapes)"
+    elif found.kind == "incomplete":
+        row.update(status="incomplete", problem=found.what)
+    elif found.kind == "checkpoint":
+        try:
+            storage, at = backend(p)
+            r = CheckpointReader(at) if storage is None else CheckpointReader(at, storage=storage)
+            row.update(step=r.step, time=r.manifest.created_at, kind=r.manifest.kind)
+            r.verify(quick=not deep)
+            row.update(state="valid" if deep else "committed", verified=deep,
+                       status="valid" if deep else "committed (not verified)")
+        except IncompleteCheckpointError as e:
+            row.update(state="incomplete", status="incomplete", problem=str(e))
+        except CkptError as e:
+            row.update(state="corrupt", status="corrupt", problem=str(e))
+    return row
 
 
 def list_run(run_dir: str, *, deep: bool = False) -> list[dict[str, Any]]:
-    from ckpt.errors import CkptError, IncompleteCheckpointError
-    from ckpt import TMP_PREFIX, CheckpointReader
-    from ckpt.ledger import ledger_tapes
-    from ckpt.storage import resolve
+    """One row per directory in ``run_dir`` (or the one row of ``run_dir`` when it is a
+    checkpoint itself), sorted by step so that the newest checkpoint is last."""
+    from ckpt.probe import probe_path
 
-    # The one resolver: a local directory or an object-store prefix (s3://...).
-    storage, root = resolve(run_dir)
-    if storage.scheme == "file":
-        root = run_dir  # rows name paths the way the user typed them
+    if probe_path(run_dir).kind == "checkpoint":
+        return [_row(os.path.basename(os.path.abspath(run_dir)), run_dir, deep)]
+    from ckpt.probe import list_dir
+
     rows = []
-    for name in sorted(storage.listdir(root)):
-        p = os.path.join(root, name)
-        try:
-            st = storage.lstat(p)
-        except OSError:  # removed since the listing
+    for name, is_dir in list_dir(run_dir):
+        p = os.path.join(run_dir, name)
+        if not is_dir or os.path.islink(p):
             continue
-        if not stat.S_ISDIR(st.st_mode):  # lstat: a symlink is not followed
-            continue
-        row: dict[str, Any] = {"name": name, "step": None, "time": None, "bytes": _dir_size(storage, p), "status": None, "problem": None}
-        if name.startswith(TMP_PREFIX):
-            row["status"] = "temporary"
-            rows.append(row)
-            continue
-        committed = storage.exists(os.path.join(p, "MANIFEST"))
-        if not committed and storage.scheme == "file" and ledger_tapes(p):
-            # The run's step ledger (ckpt.ledger), not a torn save.
-            row["status"] = f"step ledger ({len(ledger_tapes(p))} tapes)"
-            rows.append(row)
-            continue
-        if not committed and _holds_checkpoints(storage, p):
-            # A nested run directory (e.g. a baseline's checkpoints), not a torn save.
-            row["status"] = "run directory"
-            rows.append(row)
-            continue
-        try:
-            r = CheckpointReader(p, storage=storage)
-            row.update(step=r.step, time=r.manifest.created_at, kind=r.manifest.kind)
-            r.verify(quick=not deep)
-            row["status"] = "valid"
-        except IncompleteCheckpointError as e:
-            row.update(status="incomplete", problem=str(e))
-        except CkptError as e:
-            row.update(status="corrupt", problem=str(e))
-        rows.append(row)
-    # Sorted by step where known so the newest checkpoint is last, as a user expects.
+        rows.append(_row(name, p, deep))
     rows.sort(key=lambda r: (r["step"] is None, r["step"] if r["step"] is not None else 0, r["name"]))
     return rows
 
 
 @click.command("ls")
-@click.argument("run_dir", type=PathOrURL(exists=True, file_okay=False))
-@click.option("--deep", is_flag=True, help="Re-hash every chunk instead of checking structure and sizes.")
-@click.option("--json", "as_json", is_flag=True)
+@click.argument("run_dir", metavar="RUN_DIR")
+@click.option("--deep", is_flag=True, help="Re-hash every chunk (status 'valid') instead of checking structure and sizes "
+                                           "(status 'committed (not verified)').")
+@json_option("§4.3")
 @handle_errors
 def ls_cmd(run_dir: str, deep: bool, as_json: bool) -> None:
-    """List checkpoints: valid, incomplete, corrupt; temporary dirs are shown as such."""
+    """List the checkpoints of a run directory: committed (not verified) or, with --deep,
+    valid; incomplete; corrupt; temporary; and what else is there, named."""
+    from ckpt.probe import probe_path
+
+    found = probe_path(run_dir)
+    if found.kind == "missing":
+        raise not_found(run_dir)
+    if found.kind in ("file", "tape", "ledger", "dcp", "hf", "hf-trainer"):
+        raise wrong_kind(f"not a run directory: {run_dir} is {found.describe()}")
     rows = list_run(run_dir, deep=deep)
     if as_json:
         dump_json(rows)

@@ -1,17 +1,24 @@
 """Root ``ckpt`` group: lazy subcommands and the one place errors become exit codes.
 
-Exit codes (documented in README and spec/checkpoint-format.md §CLI):
+Exit codes (one table for every command and every kind of bad path: spec/cli.md §2):
 
-====  ==========================================================
+====  ==========================================================================
 0     success: valid, identical, no violation
-1     unexpected error
-2     usage error (click)
+1     unexpected error; a demo check failed; an attempt crashed (check-resume)
+2     usage error: bad option, a destination that is not empty, an entry that
+      does not exist, a tape not trusted (replay), no claim (check-resume --)
 3     corrupt: a format or integrity error (file, chunk, byte range named)
-4     incomplete: not a committed checkpoint
-5     not found, or removed while being read (CheckpointVanishedError)
-6     different: ``diff`` found differences, ``replay`` diverged,
-      ``tape check`` found violations, strict environment gate refused
-====  ==========================================================
+4     incomplete: not a committed checkpoint (no MANIFEST, a temporary dir), a
+      torn or unclosed tape
+5     not found: no such path, or removed while being read
+6     different: ``diff`` found differences, ``replay`` diverged, ``tape check``
+      found violations, strict environment gate refused
+7     not a checkpoint: a file, a run directory, a step ledger, a tape, a DCP or
+      a Hugging Face directory where a checkpoint (or tape) was expected; the
+      message names what it is and the command that reads it
+====  ==========================================================================
+
+Several paths (``verify``): the smallest non-zero code of the outcomes.
 
 Subcommands live in their own modules and are imported only when invoked, so that
 ``ckpt --help`` and ``ckpt inspect`` never import torch (a test enforces this).
@@ -25,7 +32,8 @@ from typing import Any
 
 import click
 
-__all__ = ["main", "cli", "EXIT_OK", "EXIT_CORRUPT", "EXIT_INCOMPLETE", "EXIT_NOT_FOUND", "EXIT_DIFFERENT"]
+__all__ = ["main", "cli", "EXIT_OK", "EXIT_CORRUPT", "EXIT_INCOMPLETE", "EXIT_NOT_FOUND", "EXIT_DIFFERENT",
+           "EXIT_NOT_A_CHECKPOINT"]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -34,12 +42,13 @@ EXIT_CORRUPT = 3
 EXIT_INCOMPLETE = 4
 EXIT_NOT_FOUND = 5
 EXIT_DIFFERENT = 6
+EXIT_NOT_A_CHECKPOINT = 7
 
 # name -> (module:attr, one-line help). The help is duplicated here on purpose: listing
 # commands must not import their modules.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("ckpt_cli.inspect_cmd:inspect_cmd", "Summarise a checkpoint: the seven fields, tensors, provenance."),
-    "verify": ("ckpt_cli.verify_cmd:verify_cmd", "Re-hash every chunk of a checkpoint (or check structure with --quick)."),
+    "verify": ("ckpt_cli.verify_cmd:verify_cmd", "Re-hash every chunk of checkpoints and run directories (--quick: structure)."),
     "diff": ("ckpt_cli.diff_cmd:diff_cmd", "Compare two checkpoints: tensors, config, commit, topology, RNG, env."),
     "ls": ("ckpt_cli.ls_cmd:ls_cmd", "List the checkpoints of a run directory with their status."),
     "demo": ("ckpt_cli.demo_cmd:demo_cmd", "Run the demo training job and report on it."),
@@ -47,7 +56,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("ckpt_cli.tape_cmd:replay_cmd", "Re-execute a recorded run and prove it bit-identical."),
     "check-resume": ("ckpt_cli.resume_cmd:check_resume_cmd", "Kill and resume a training entry point; compare bits."),
     "import": ("ckpt_cli.dcp_cmd:import_group", "Convert another format into a checkpoint (import dcp SRC DST)."),
-    "export": ("ckpt_cli.dcp_cmd:export_group", "Convert a checkpoint into another format (export dcp SRC DST)."),
+    "export": ("ckpt_cli.dcp_cmd:export_group", "Convert a checkpoint into another format (export dcp|hf SRC DST)."),
+    "completion": ("ckpt_cli.completion_cmd:completion_cmd", "Print the shell completion script (bash, zsh, fish)."),
 }
 
 
@@ -74,7 +84,12 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+_EPILOG = ("Exit codes: 0 ok, 1 error, 2 usage, 3 corrupt, 4 incomplete, 5 not found, 6 different, "
+           "7 not a checkpoint (spec/cli.md). Every command that prints a report takes --json. "
+           "Shell completion: eval \"$(ckpt completion bash)\" (or zsh, fish).")
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=_EPILOG)
 @click.version_option(package_name="ckpt-replay", prog_name="ckpt")
 def cli() -> None:
     """ckpt: exact, verifiable checkpoints and replayable event tapes for PyTorch."""

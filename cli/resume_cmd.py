@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from ckpt_cli._common import dump_json, handle_errors
+from ckpt_cli._common import Progress, dump_json, handle_errors, json_option
 
 __all__ = ["check_resume_cmd"]
 
@@ -42,7 +42,7 @@ def _kill_steps(values: tuple[str, ...]) -> list[int]:
               help="forkserver: fork attempts from a process that only imported torch; exec: a new interpreter each.")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=str), default=None, help="Keep run dirs and logs here.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds per attempt.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@json_option("§4.5")
 def check_resume_cmd(
     entry: str | None,
     kills: int,
@@ -76,11 +76,12 @@ def check_resume_cmd(
             raise click.UsageError("give either --entry or -- COMMAND, not both")
         from ckpt.ledger.check import check_command
 
-        res = check_command(list(command), kill_at=_kill_steps(kill_at), kills=kills, seed=seed, work=work_dir,
-                            timeout=timeout)
+        with Progress("runs", 1) as bar:
+            res = check_command(list(command), kill_at=_kill_steps(kill_at), kills=kills, seed=seed, work=work_dir,
+                                timeout=timeout, progress=bar.to)
         if as_json:
-            dump_json({"verdict": res.verdict, "lines": list(res.lines), "kill_at": list(res.kill_at),
-                       "work_dir": res.work})
+            dump_json({"mode": "command", "verdict": res.verdict, "exit_code": res.exit_code, "lines": list(res.lines),
+                       "kill_at": list(res.kill_at), "work_dir": res.work})
         else:
             click.echo(res.text)
         raise click.exceptions.Exit(res.exit_code)
@@ -116,24 +117,29 @@ def _run(
     from ckpt.resume_check import check_resume
 
     try:
-        result = check_resume(
-            entry,
-            steps=steps,
-            kill_at=kill_at,
-            world_size=world_size,
-            save_every=save_every,
-            seed=seed,
-            options=options,
-            async_save=not sync,
-            work_dir=work_dir,
-            timeout=timeout,
-            isolation=isolation,
-        )
+        with Progress("attempts", 1) as bar:
+            result = check_resume(
+                entry,
+                steps=steps,
+                kill_at=kill_at,
+                world_size=world_size,
+                save_every=save_every,
+                seed=seed,
+                options=options,
+                async_save=not sync,
+                work_dir=work_dir,
+                timeout=timeout,
+                isolation=isolation,
+                progress=bar.to,
+            )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if as_json:
         dump_json(
             {
+                "mode": "entry",
+                "verdict": "IDENTICAL" if result.identical else "DIFFERENT",
+                "exit_code": 0 if result.identical else 6,
                 "identical": result.identical,
                 "refused": list(result.refused),
                 "divergences": [

@@ -8,40 +8,16 @@ difference, ``tape check`` found violations. No torch at import time.
 
 from __future__ import annotations
 
-import functools
 import json
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import click
 
-F = TypeVar("F", bound=Callable[..., Any])
+from ckpt_cli._common import ANY_PATH, Progress, TapePath, handle_errors, json_option
 
 __all__ = ["tape", "replay_cmd"]
 
-_TAPE = click.Path(exists=True, dir_okay=True, file_okay=True, path_type=str)
-
-
-def handle_errors(fn: F) -> F:
-    """Replay/tape errors and OS errors -> one stderr line + the documented exit code.
-
-    Our own ``click.exceptions.Exit`` (exit 4/6) passes through untouched: it also
-    carries an ``exit_code`` attribute, so a generic "has exit_code" mapping would
-    print it as an error.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from ckpt_cli.main import fail
-        from replay.errors import ReplayError
-
-        try:
-            return fn(*args, **kwargs)
-        except (click.exceptions.Exit, click.ClickException, BrokenPipeError):
-            raise
-        except (ReplayError, OSError) as e:
-            raise fail(e) from None
-
-    return wrapper  # type: ignore[return-value]
+_TAPE = TapePath()
 
 
 def _summary(ev: Any) -> str:
@@ -86,7 +62,7 @@ def tape() -> None:
 @click.option("--from-step", type=int, default=None, help="First step to show (uses the step index).")
 @click.option("--to-step", type=int, default=None, help="Last step to show.")
 @click.option("--limit", type=int, default=None, help="Show at most this many events.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per event per line (JSON Lines).")
+@json_option("§4.7", lines=True)
 @handle_errors
 def show_cmd(path: str, actors: tuple[str, ...], kinds: tuple[str, ...], from_step: int | None,
              to_step: int | None, limit: int | None, as_json: bool) -> None:
@@ -127,7 +103,7 @@ def show_cmd(path: str, actors: tuple[str, ...], kinds: tuple[str, ...], from_st
 
 @tape.command("verify")
 @click.argument("path", type=_TAPE)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@json_option("§4.8")
 @handle_errors
 def verify_cmd(path: str, as_json: bool) -> None:
     """Check framing, checksums, sequence numbers, hash chain, every event and payload,
@@ -159,7 +135,7 @@ def verify_cmd(path: str, as_json: bool) -> None:
 
 @tape.command("check")
 @click.argument("paths", metavar="TAPE...", nargs=-1, required=True, type=_TAPE)
-@click.option("--json", "as_json", is_flag=True, help="Violations as a JSON array.")
+@json_option("§4.9")
 @handle_errors
 def check_cmd(paths: tuple[str, ...], as_json: bool) -> None:
     """Check the recorded history's invariants (clocks, sends/receives, merges, quorums,
@@ -205,7 +181,7 @@ def merge_cmd(paths: tuple[str, ...], out: str) -> None:
 @tape.command("diff")
 @click.argument("a", type=_TAPE)
 @click.argument("b", type=_TAPE)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@json_option("§4.10")
 @handle_errors
 def diff_cmd(a: str, b: str, as_json: bool) -> None:
     """Name the first event where two tapes differ (per actor). Exit 0 same events, 6 different."""
@@ -273,8 +249,9 @@ def _order(pair: tuple[Any, Any]) -> tuple[int, int]:
 @click.option("--dry-run", is_flag=True, help="Report what would be truncated; change nothing.")
 @click.option("--salvage", is_flag=True,
               help="Also cut at a corrupt middle record, dropping the valid records after it (point-in-time).")
+@json_option("§4.11")
 @handle_errors
-def repair_cmd(path: str, dry_run: bool, salvage: bool) -> None:
+def repair_cmd(path: str, dry_run: bool, salvage: bool, as_json: bool) -> None:
     """Truncate a torn tail (explicitly, reporting the bytes), then rebuild the step index.
 
     A corrupt middle record is refused (exit 3) unless --salvage is given. Never follows a
@@ -283,6 +260,12 @@ def repair_cmd(path: str, dry_run: bool, salvage: bool) -> None:
     from replay import repair_tape
 
     rep = repair_tape(path, dry_run=dry_run, salvage=salvage)
+    if as_json:
+        click.echo(json.dumps({"path": rep.path, "applied": rep.applied, "records": rep.records, "reason": rep.reason,
+                               "dropped_bytes": rep.dropped_bytes,
+                               "cuts": [{"file": c.file, "old_size": c.old_size, "new_size": c.new_size,
+                                         "remove": c.remove} for c in rep.cuts]}, indent=2, sort_keys=True))
+        return
     if not rep.cuts:
         click.echo(f"ok: {path}: nothing to repair ({rep.records} records)")
         return
@@ -308,7 +291,7 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 
 @click.command("replay")
 @click.argument("path", type=_TAPE)
-@click.option("--from", "from_checkpoint", type=click.Path(exists=True, path_type=str), default=None,
+@click.option("--from", "from_checkpoint", type=ANY_PATH, default=None,
               help="Resume from this checkpoint (the entry point loads it via rec.resume_from).")
 @click.option("--until", type=int, default=None, help="Stop after this step.")
 @click.option("--mode", type=click.Choice(["verify", "force", "fork"]), default="verify", show_default=True,
@@ -324,9 +307,9 @@ def _parse_set(items: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--import-path", "import_path", multiple=True, type=click.Path(file_okay=False, path_type=str),
               help="Directory to import the entry point from (repeatable). The current directory is never added "
                    "implicitly.")
-@click.option("--reference", type=click.Path(exists=True, path_type=str), default=None,
+@click.option("--reference", type=ANY_PATH, default=None,
               help="A .safetensors file of the original run's tensors at the divergence step (max abs diffs).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@json_option("§4.6")
 @handle_errors
 def replay_cmd(path: str, from_checkpoint: str | None, until: int | None, mode: str, out: str | None,
                sets: tuple[str, ...], entry_point: str | None, trust: bool, import_path: tuple[str, ...],
@@ -361,9 +344,10 @@ def replay_cmd(path: str, from_checkpoint: str | None, until: int | None, mode: 
 
         tensors = load_file(reference)
         ref = lambda step: tensors  # noqa: E731 - one file, whatever the step
-    result = replay(path, mode=mode, from_checkpoint=from_checkpoint, until=until, reference=ref,
-                    entry_point=entry_point, out=out, config_overrides=_parse_set(sets) or None,
-                    search_path=import_path)
+    with Progress("replaying", 1) as bar:
+        result = replay(path, mode=mode, from_checkpoint=from_checkpoint, until=until, reference=ref,
+                        entry_point=entry_point, out=out, config_overrides=_parse_set(sets) or None,
+                        search_path=import_path, progress=bar.to)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2, default=str))
     else:

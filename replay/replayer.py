@@ -104,7 +104,7 @@ class ReplayResult:
     out_tape: str | None = None  # fork
     # what the entry point returned (None when it stopped early or diverged): an
     # application reads its re-executed result here instead of through a module global
-    value: Any = None
+    value: Any = field(default=None, repr=False)
 
     @property
     def exit_code(self) -> int:
@@ -201,6 +201,9 @@ class Oracle:
         self.until = until
         self.reference = reference
         self.compared = 0
+        #: ``progress(compared, estimated_total)``, every 256 events (``ckpt replay``'s bar)
+        self.progress: Callable[[int, int], None] | None = None
+        self.expected_total = 0
         self.last_step: int | None = None
         self.divergence: Divergence | None = None
         self.stopped = False
@@ -348,6 +351,8 @@ class Oracle:
         if e is not None and e.code == code and e.body == body:
             self.compared += 1
             self.last_step = actor.current_step
+            if self.progress is not None and self.compared % 256 == 0:
+                self.progress(self.compared, max(self.expected_total, self.compared))
             return
         actual = event_from_body(-1, code, body, actor.names)
         expected = self._decode(e) if e is not None else None
@@ -475,8 +480,17 @@ def resolve_entry_point(spec: str, *, search_path: tuple[str, ...] = ()) -> Entr
 
     where: list[str] | None = [*search_path, *sys.path]
     found = None
-    for part in mod_name.split("."):
+    for i, part in enumerate(mod_name.split(".")):
         found = PathFinder.find_spec(part, where)
+        if found is None and i == 0:
+            # A top-level package installed by a meta-path finder (pip's editable installs):
+            # finding a top-level spec runs no code of the package.
+            import importlib.util
+
+            try:
+                found = importlib.util.find_spec(part)
+            except (ImportError, ValueError):
+                found = None
         if found is None:
             return EntryPoint(spec, mod_name, attr, None)
         where = list(found.submodule_search_locations or [])
@@ -548,8 +562,12 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
            out: str | os.PathLike[str] | None = None, config_overrides: Mapping[str, Any] | None = None,
            align_snapshot: str | None = None, align_coordinator: str | None = None,
            entry: Callable[[Recorder], Any] | None = None,
-           search_path: tuple[str, ...] = (), **writer_opts: Any) -> ReplayResult:
+           search_path: tuple[str, ...] = (), progress: Callable[[int, int], None] | None = None,
+           **writer_opts: Any) -> ReplayResult:
     """Re-execute the run recorded on ``tape``; see the module docstring for the modes.
+
+    ``progress(compared, total)`` is called as events match (``total`` is estimated from
+    the tape's step index, and grows if the estimate was short).
 
     This imports and runs the entry point the tape names (or ``entry_point``): call it
     only on tapes you trust. ``ckpt replay`` asks first (``--trust``). ``search_path``:
@@ -583,6 +601,9 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
                    param_digest_every=int(meta.get("param_digest_every", 10)), rng_every=int(meta.get("rng_every", 1)),
                    rng_sources=tuple(meta.get("rng_sources", dg.RNG_SOURCES)))
     oracle.recorder = rec
+    if progress is not None:
+        idx = reader.index()
+        oracle.progress, oracle.expected_total = progress, (idx[-1].seq + 1 if idx else 0)
     value: Any = None
     try:
         value = fn(rec)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import os
 import pickle  # restricted to the allowlist below; see spec §S.6
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -104,8 +104,11 @@ def _nest(flat: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def import_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False) -> Any:
-    """Convert a DCP checkpoint into ours (one part, global tensors). Returns CheckpointInfo."""
+def import_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, overwrite: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> Any:
+    """Convert a DCP checkpoint into ours (one part, global tensors). Returns CheckpointInfo.
+
+    ``progress(done, total)`` counts the values read (then one more for the write)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -116,7 +119,10 @@ def import_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
     md = read_dcp_metadata(src)
     storage = md.storage_data or {}
     flat: dict[str, Any] = {}
-    for fqn, sm in md.state_dict_metadata.items():
+    n_items = len(md.state_dict_metadata) + 1
+    for i, (fqn, sm) in enumerate(md.state_dict_metadata.items()):
+        if progress is not None:
+            progress(i, n_items)
         if isinstance(sm, BytesStorageMetadata):
             info = storage.get(MetadataIndex(fqn))
             if info is None:
@@ -139,6 +145,8 @@ def import_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
     paths = md.planner_data if isinstance(md.planner_data, dict) else {}
     writer = StorageWriter(dst, overwrite=overwrite, rng=False, meta={"imported_from": {"format": "dcp", "path": src}})
     dcp.save(_nest(flat, paths), storage_writer=writer, planner=SavePlanner(), no_dist=True)
+    if progress is not None:
+        progress(n_items, n_items)
     from ..reader import CheckpointReader
     from ..writer import CheckpointInfo
 
@@ -146,8 +154,11 @@ def import_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, over
     return CheckpointInfo(r.path, r.manifest.id, r.manifest.step, r.manifest.total_bytes, r.manifest)
 
 
-def export_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-    """Write the global state of our checkpoint ``src`` as a DCP checkpoint at ``dst``."""
+def export_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
+               progress: Callable[[int, int], None] | None = None) -> None:
+    """Write the global state of our checkpoint ``src`` as a DCP checkpoint at ``dst``.
+
+    ``progress(done, total)``: entries read, then one more for the write."""
     import torch.distributed.checkpoint as dcp
 
     from ..reader import CheckpointReader
@@ -157,5 +168,14 @@ def export_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None
 
         raise CheckpointExistsError("the destination exists and is not empty", path=os.fspath(dst))
     r = CheckpointReader(src)
-    state = r.state()
+    if progress is None or "sharded" in r.meta or len(r.parts) > 1:
+        state = r.state()  # sharded: one global read
+    else:
+        names = r.entries()
+        state = {}
+        for i, name in enumerate(names):  # entry by entry, so that a bar moves
+            progress(i, len(names) + 1)
+            state[name] = r.state(name)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(dst)), no_dist=True)
+    if progress is not None:
+        progress(1, 1)

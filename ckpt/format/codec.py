@@ -31,6 +31,8 @@ def foreign_value(obj: Any) -> str | None:
     given. Neither is a value our formats write, so a document holding one is corrupt or
     crafted; callers raise their own error naming the path. Iterative, so a deep
     document cannot exhaust the stack."""
+    if not _has_foreign(obj):
+        return None  # the common case, without building a path string per value
     stack: list[tuple[Any, str]] = [(obj, "")]
     while stack:
         v, where = stack.pop()
@@ -45,6 +47,29 @@ def foreign_value(obj: Any) -> str | None:
         elif t is list or t is tuple:
             stack.extend((x, f"{where}/{i}") for i, x in enumerate(v))
     return None
+
+
+_FOREIGN = (msgpack.Timestamp, msgpack.ExtType)
+
+
+def _has_foreign(obj: Any) -> bool:
+    """Whether ``obj`` holds a Timestamp or ExtType anywhere (a MANIFEST of thousands of
+    part references is walked in milliseconds this way)."""
+    stack = [obj]
+    pop, push, extend = stack.pop, stack.append, stack.extend
+    while stack:
+        v = pop()
+        t = type(v)
+        if t is dict:
+            for k in v:
+                if type(k) in _FOREIGN:
+                    return True
+            extend(v.values())
+        elif t is list or t is tuple:
+            extend(v)
+        elif t in _FOREIGN:
+            return True
+    return False
 
 
 class DuplicateKeyError(ValueError):

@@ -127,20 +127,27 @@ def parse_header(prefix: bytes, file_size: int, *, path: str | None = None) -> t
 
 
 def check_against_manifest(
-    header: dict[str, Any], header_len: int, file_size: int, entries: Sequence[Any], *, path: str | None = None
+    header: dict[str, Any],
+    header_len: int,
+    file_size: int,
+    entries: Sequence[Any],
+    *,
+    path: str | None = None,
+    shared: bool = False,
 ) -> None:
     """The safetensors header and the manifest's tensor table must describe the same bytes.
 
     Also enforces safetensors' own rule: data regions tile the buffer with no holes
-    and no overlaps.
+    and no overlaps. ``shared`` (a file this checkpoint shares from the one that wrote it,
+    format-2.md §V.2.4): the header may have members no entry references (that
+    checkpoint's other tensors); they must still tile the data region.
     """
     start = 8 + header_len
     names = [k for k in header if k != "__metadata__"]
-    if len(names) != len(entries):
+    if len(names) != len(entries) and not (shared and len(names) > len(entries)):
         raise FormatError(
             f"safetensors header lists {len(names)} tensors, manifest {len(entries)}", path=path, offset=8
         )
-    spans = []
     for e in entries:
         h = header.get(e.key)
         if not isinstance(h, dict):
@@ -155,7 +162,12 @@ def check_against_manifest(
             or off != [e.offset - start, e.offset - start + e.nbytes]
         ):
             raise FormatError("safetensors header disagrees with the manifest", path=path, key=e.key, offset=8)
-        spans.append((off[0], off[1]))
+    spans = []
+    for k in names:
+        b, end = header[k]["data_offsets"]
+        if end < b:
+            raise FormatError("safetensors member ends before it begins", path=path, key=k, offset=8)
+        spans.append((b, end))
     spans.sort()
     pos = 0
     for b, end in spans:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .compare import ResumeReport, compare_runs, used_streams
 from .ledger import ENV_KILL_AT
@@ -42,7 +42,7 @@ class CommandCheck:
     verdict: str  # IDENTICAL | DIFFERENT | NO CLAIM
     lines: tuple[str, ...]
     kill_at: tuple[int, ...] = ()
-    reports: tuple[ResumeReport, ...] = ()
+    reports: tuple[ResumeReport, ...] = field(default=(), repr=False)
     work: str = ""
     resume_checks: tuple[str, ...] = field(default=())
 
@@ -109,8 +109,12 @@ def _env_diffs(a: list[LedgerTape], b: list[LedgerTape]) -> list[str]:
 
 
 def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: int = 1, seed: int = 0,
-                  work: str | None = None, timeout: float = 600.0) -> CommandCheck:
-    """Run ``argv`` straight and killed-and-resumed; compare (see module doc)."""
+                  work: str | None = None, timeout: float = 600.0,
+                  progress: Callable[[int, int], None] | None = None) -> CommandCheck:
+    """Run ``argv`` straight and killed-and-resumed; compare (see module doc).
+
+    ``progress(done, total)`` counts the runs of the command (straight, each kill, the last)."""
+    tick = progress or (lambda done, total: None)
     if not argv:
         raise ValueError("no command to check")
     caller = os.getcwd()
@@ -121,6 +125,7 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
     lines = [f"command: {shlex.join(argv)}", f"work dir: {work}"]
     straight = os.path.join(work, "straight")
     os.makedirs(straight, exist_ok=True)
+    tick(0, 2 + max(len(set(kill_at)), kills if not kill_at else 0))
     rc = _run(cmd, straight, base, os.path.join(work, "straight.log"), timeout)
     if rc != 0:
         return CommandCheck("NO CLAIM", (*lines, f"the straight run exited with status {rc} "
@@ -145,12 +150,16 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
     resumed = os.path.join(work, "resumed")
     os.makedirs(resumed, exist_ok=True)
     log = os.path.join(work, "resumed.log")
-    for k in kills_at:
+    runs = 2 + len(kills_at)
+    tick(1, runs)
+    for i, k in enumerate(kills_at):
         rc = _run(cmd, resumed, {**base, ENV_KILL_AT: str(k)}, log, timeout)
+        tick(2 + i, runs)
         if rc != -signal.SIGKILL:
             return CommandCheck("NO CLAIM", (*lines, f"the attempt told to die at step {k} exited with status {rc} "
                                              f"instead (log: {log}); nothing is claimed"), kills_at, work=work)
     rc = _run(cmd, resumed, base, log, timeout)
+    tick(runs, runs)
     if rc != 0:
         return CommandCheck("NO CLAIM", (*lines, f"the last resumed attempt exited with status {rc} (log: {log}); "
                                          "nothing is claimed"), kills_at, work=work)

@@ -108,6 +108,10 @@ class Storage(Protocol):
     def exchange(self, a: str, b: str) -> bool: ...  # atomic swap; False if unsupported here
     def remove_tree(self, path: str) -> None: ...
     def fsync_dir(self, path: str) -> None: ...
+    # Dedup (spec/format-2.md §V.4): give ``src``'s bytes a second name ``dst`` without
+    # writing them (a hard link; an object store may do a server-side copy). False when
+    # this backend or filesystem cannot: the writer then writes the bytes.
+    def link(self, src: str, dst: str) -> bool: ...
 
 
 class ManifestCommit(Protocol):

@@ -238,6 +238,18 @@ class LocalStorage:
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
+    def link(self, src: str, dst: str) -> bool:
+        try:
+            # follow_symlinks=False: link the file itself, never a symlink's target
+            os.link(src, dst, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError:
+            # EXDEV (another filesystem), EMLINK (link limit), EPERM/EOPNOTSUPP (no hard
+            # links here), ENOENT (the source was removed): write the bytes instead.
+            return False
+        return True
+
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:

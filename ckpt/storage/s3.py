@@ -321,6 +321,19 @@ class S3Storage:
             except BaseError as e:
                 raise self._fail(e, self.url(batch[0]), "DELETE") from e
 
+    def link(self, src: str, dst: str) -> bool:
+        """Make ``dst`` hold ``src``'s bytes without uploading them again: a server-side
+        copy (CopyObject). What a filesystem does with a hard link (deduplication across
+        a run's checkpoints); on S3 the copy is billed as storage, not as transfer.
+        ``dst`` names are save-unique (§O.3), so the copy never replaces another save's
+        object. Returns True (the copy is made) or raises."""
+        try:
+            obstore.copy(self._store, self.key(src), self.key(dst))
+        except (BaseError, FileNotFoundError) as e:
+            raise self._fail(e, src, f"COPY to {dst}") from e
+        self.stats.add(puts=1)
+        return True
+
     def mkdir(self, path: str) -> None:
         """Prefixes exist implicitly: nothing to create."""
 

@@ -5,6 +5,7 @@ and prove that resuming from a mid-run checkpoint reproduces the run bit for bit
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Protocol
@@ -77,8 +78,13 @@ def run(out_dir: str, cfg: DemoConfig = DemoConfig(), echo: Callable[[str], None
     t0 = time.perf_counter()
 
     def on_step(step: int, loss: float) -> None:
-        if progress and step % 10 == 0:
-            echo(f"  step {step:4d}/{cfg.steps}  loss {loss:.4f}")
+        if progress and (step % 10 == 0 or step == cfg.steps):
+            # a bar on stderr (the caller enables it only on a terminal): stdout is the report
+            n = 30 * step // cfg.steps
+            sys.stderr.write(f"\r  training [{'#' * n}{'.' * (30 - n)}] step {step}/{cfg.steps}  loss {loss:.4f}")
+            if step == cfg.steps:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
         if step % cfg.save_every == 0:
             path = os.path.join(run_dir, f"step-{step:08d}")
             ckpt.save(path, state, config=asdict(cfg), data=loader, step=step, run_id="demo", overwrite=True)
@@ -123,7 +129,9 @@ def run(out_dir: str, cfg: DemoConfig = DemoConfig(), echo: Callable[[str], None
     echo(f"  parameters bit-identical: {'yes' if same_params else 'NO'}")
     echo(f"  optimizer bit-identical:  {'yes' if same_opt else 'NO'}")
     echo(f"\noutput directory: {os.path.abspath(out_dir)}")
-    echo(f"next: ckpt ls {run_dir}; ckpt inspect {last}; ckpt diff {saved[min(saved)]} {last}")
+    echo("next:")
+    for cmd in (f"ckpt ls {run_dir}", f"ckpt inspect {last}", f"ckpt diff {saved[min(saved)]} {last}"):
+        echo(f"  {cmd}")
     return {
         "checkpoints": sorted(saved.values()),
         "valid": valid,

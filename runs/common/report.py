@@ -103,7 +103,8 @@ class ProgressBar:
         if not self.enabled:
             return
         n = self.width * done // max(total, 1)
-        sys.stdout.write(f"\r  {label:<22} [{'#' * n}{'.' * (self.width - n)}] {done}/{total}")
+        # stderr, like every progress bar of the CLI (spec/cli.md §1): stdout carries the report only
+        sys.stderr.write(f"\r  {label:<22} [{'#' * n}{'.' * (self.width - n)}] {done}/{total}")
         if done >= total:
-            sys.stdout.write("\n")
-        sys.stdout.flush()
+            sys.stderr.write("\n")
+        sys.stderr.flush()

@@ -122,8 +122,10 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     echo(f"output directory: {out}")
     last = base.checkpoints[-1] if base.checkpoints else str(out / "checkpoints")
     last_snap = snaps[-1] if snaps else last
-    echo(f"next: ckpt tape show {tape} | ckpt replay {tape} --mode force --trust | ckpt ls {out / 'checkpoints'}"
-         f" | ckpt inspect {last_snap}")
+    echo("next:")
+    for cmd in (f"ckpt tape show {tape}", f"ckpt replay {tape} --mode force --trust", f"ckpt ls {out / 'checkpoints'}",
+                f"ckpt inspect {last_snap}"):
+        echo(f"  {cmd}")
     return rep
 
 

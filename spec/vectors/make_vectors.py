@@ -169,15 +169,17 @@ def _write(path: Path, state: dict[str, Any], **kw: Any) -> None:
     writer.capture_commit = lambda code_dir=None: dict(FIXED_COMMIT)
     writer.__version__ = "0.1.0"
     try:
-        with override(chunk_size=CHUNK):
+        with override(chunk_size=CHUNK, bpz_block=4096):
             parts = kw.pop("parts", None)
-            pending = writer.begin(path)
+            # format 2.0 vectors (make_v2_vectors.py): part manifests, a dedup source
+            pending = writer.begin(path, part_manifests=kw.pop("part_manifests", False))
+            dedup_from = kw.pop("dedup_from", None)
             try:
                 kw.setdefault("lineage", {"run_id": None, "resumed_from": None})  # §8.6
-                if parts is None:
-                    pes = [writer.write_part(pending, writer.part_name_for_rank(0), state, rng=False, step=1, **kw)]
-                else:
-                    pes = [writer.write_part(pending, name, st, rng=False, step=1, **kw) for name, st in parts]
+                pes = []
+                for name, st in parts if parts is not None else [(writer.part_name_for_rank(0), state)]:
+                    reuse = writer.reuse_from(dedup_from, name) if dedup_from is not None else None
+                    pes.append(writer.write_part(pending, name, st, rng=False, step=1, reuse=reuse, **kw))
                 writer.commit(pending, pes, step=1)
             except BaseException:
                 writer.abort(pending)
@@ -346,7 +348,7 @@ def _describe_ok(vec: Path, ck: Path, state_by_part: dict[str, dict[str, Any]], 
             "kind": m.kind,
             "step": m.step,
             "created_at": {"$float": struct.pack(">d", m.created_at).hex()},
-            "files": sorted(f.name for f in m.files),
+            "files": sorted(n for n, _, part_manifest in m.parts.file_sizes() if not part_manifest),
         },
         "parts": parts,
     }
@@ -491,8 +493,8 @@ def build(out: Path) -> list[str]:
         bad("invalid-wrong-magic", lambda ck: (ck / MANIFEST_NAME).write_bytes(_hand_manifest(_raw_body(ck), magic=b"CKPTMNFX")),
             "FormatError", "open", "Magic CKPTMNFX; digest recomputed so only the magic is wrong.")
         bad("invalid-future-major-version",
-            lambda ck: (ck / MANIFEST_NAME).write_bytes(_hand_manifest(None, major=2, body_bytes=b"\xc1 a v2 body")),
-            "UnsupportedVersionError", "open", "Major version 2 with a body this reader cannot parse; refused before the body.")
+            lambda ck: (ck / MANIFEST_NAME).write_bytes(_hand_manifest(None, major=3, body_bytes=b"\xc1 a v3 body")),
+            "UnsupportedVersionError", "open", "Major version 3 with a body this reader cannot parse; refused before the body.")
 
         def absurd_len(ck: Path) -> None:
             data = (ck / MANIFEST_NAME).read_bytes()
@@ -698,13 +700,13 @@ def build(out: Path) -> list[str]:
     return made
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, builder: Callable[[Path], list[str]] | None = None, default: str = "checkpoint") -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
     args = sys.argv[1:] if argv is None else argv
-    out = Path(args[0]) if args else HERE / "checkpoint"
-    made = build(out)
+    out = Path(args[0]) if args else HERE / default
+    made = (builder or build)(out)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"{len(made)} vectors, {total} bytes in {out}")
     return 0

@@ -31,7 +31,7 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

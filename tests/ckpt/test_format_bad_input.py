@@ -363,14 +363,14 @@ def test_wrong_magic(good: Path) -> None:
 
 def test_future_major_version_is_refused_before_the_body_is_parsed(good: Path) -> None:
     m = manifest_of(good)
-    for version in ((2, 0), (0, 9), (65535, 0)):
+    for version in ((3, 0), (0, 9), (65535, 0)):  # 2 is format-2.md
         write_manifest(good, dataclasses.replace(m, version=version))
         with pytest.raises(UnsupportedVersionError, match=rf"format version {version[0]}\.{version[1]}") as ei:
             ckpt.open(good)
         assert ei.value.offset == 8
         names_file(ei.value, MANIFEST_NAME)
-    # by hand: a v2 body this reader could not parse at all is never looked at
-    (good / MANIFEST_NAME).write_bytes(hand_manifest(None, major=2, body_bytes=b"\xc1 not msgpack"))
+    # by hand: a v3 body this reader could not parse at all is never looked at
+    (good / MANIFEST_NAME).write_bytes(hand_manifest(None, major=3, body_bytes=b"\xc1 not msgpack"))
     with pytest.raises(UnsupportedVersionError):
         ckpt.open(good)
 

@@ -38,7 +38,7 @@ def _tensors(path):
 def _check_resume(tmp_path, *flags):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, "-m", "cli", "check-resume", "--kill-at", "9", "--work-dir",
+    return subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "9", "--work-dir",
                            str(tmp_path), "--", sys.executable, SCRIPT, "--out", "run", *STEPS, *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -118,7 +118,7 @@ def test_check_resume_command_makes_no_claim(tmp_path, body, said):
     script.write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
-    res = subprocess.run([sys.executable, "-m", "cli", "check-resume", "--work-dir", str(tmp_path / "w"), "--",
+    res = subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--work-dir", str(tmp_path / "w"), "--",
                           sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stdout + res.stderr
     assert said in res.stdout and res.stdout.rstrip().endswith("NO CLAIM")

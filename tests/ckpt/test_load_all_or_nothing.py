@@ -181,14 +181,14 @@ def test_rng_restore_that_fails_halfway_is_rolled_back(tmp_path: Path, monkeypat
 def _change_between_passes(monkeypatch: pytest.MonkeyPatch, path: Path, pos: int) -> None:
     """Modify the tensor file in place after pass 1 verified it, as a faulty disk or a
     writer breaking the immutability rule would."""
-    orig = CheckpointReader.stream_part_into
+    orig = CheckpointReader.stream_file_into  # pass 2 streams each tensor file with it
 
-    def stream(self: CheckpointReader, pe: Any, dest: Any, **kw: Any) -> None:
+    def stream(self: CheckpointReader, pe: Any, index: int, dest: Any, **kw: Any) -> None:
         if os.path.dirname(self.path) == str(path.parent) and os.path.basename(self.path) == path.name:
             flip(path / ST, pos)
-        return orig(self, pe, dest, **kw)
+        return orig(self, pe, index, dest, **kw)
 
-    monkeypatch.setattr(CheckpointReader, "stream_part_into", stream)
+    monkeypatch.setattr(CheckpointReader, "stream_file_into", stream)
 
 
 def test_a_file_changed_between_the_passes_is_detected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -348,10 +348,10 @@ def test_verify_refuses_what_load_cannot_load(tmp_path: Path, what: str, edit: A
 
 def test_cli_verify_exits_nonzero_on_a_resigned_unloadable_checkpoint(tmp_path: Path) -> None:
     p = _save(tmp_path / "c", _state_with_device(0))
-    ok = subprocess.run([sys.executable, "-m", "cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     _craft_state(p, _unknown_tensor_key)
-    res = subprocess.run([sys.executable, "-m", "cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 3, (res.stdout, res.stderr)
     assert "not-in-the-table" in res.stderr and "Traceback" not in res.stderr
 

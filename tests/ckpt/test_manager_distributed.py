@@ -82,6 +82,22 @@ def _worker(rank: int, port: int, out: str) -> None:
         result["resumed_step"] = res.step
         result["resumed_per"] = int(mgr2.state["per"]["r"].item())
         mgr2.close()
+
+        # 4. format 2.0 on two ranks: parts listed by reference; dedup and compression through the manager
+        refs = os.path.join(out, "refs")
+        dc.save(refs, {"model": model, "per": per_rank}, replicated=["model"], step=1, part_manifests=True)
+        result["refs"] = CheckpointReader(refs).manifest.parts.refs
+        big = {"frozen": torch.arange(20000, dtype=torch.float32) + rank, "moving": torch.zeros(3)}
+        run2 = os.path.join(out, "run2")
+        mgr3 = CheckpointManager(run2, {"model": model, "per": per_rank, "big": big}, replicated=["model"], signals=(),
+                                 dedup=True, compress=True, ledger=False)
+        mgr3.save(1)
+        big["moving"] += 1
+        mgr3.save(2)
+        mgr3.close()
+        r2 = CheckpointReader(os.path.join(run2, "step-00000002"))
+        r2.verify()
+        result["shared"] = sorted(f.name for f in r2.manifest.files if f.origin == "step-00000001")
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         result["error"] = traceback.format_exc()
@@ -123,3 +139,7 @@ def test_two_ranks_save_load_commit_and_manager(tmp_path):
         assert res["run"] == ["step-00000002", "step-00000003"]
         assert res["resumed_step"] == 3
     assert r0["resumed_per"] == 0 and r1["resumed_per"] == 1
+    assert r0["refs"] == 2
+    # each rank shared its own packed file (the frozen tensor), named after its content
+    assert len(r0["shared"]) == 2 and [n.split("-")[1] for n in r0["shared"]] == ["00000", "00001"]
+    assert all(n.endswith(".bpz") for n in r0["shared"])

@@ -129,7 +129,7 @@ def test_the_cli_maps_a_hostile_header_to_exit_3(ck: Path) -> None:
     (n,) = struct.unpack_from("<Q", data, 0)
     _resign_file(ck, SF, data[:8] + b"[" * (n // 2) + b"]" * (n // 2) + data[8 + n :])
     repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "cli", "verify", str(ck)], cwd=repo, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(ck)], cwd=repo, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 3, out.stderr
-    assert "Traceback" not in out.stderr and out.stderr.startswith("error: safetensors header is not valid JSON")
+    assert "Traceback" not in out.stderr and out.stderr.startswith(f"CORRUPT: {ck}: safetensors header is not valid JSON")

@@ -88,7 +88,9 @@ def test_ls_reports_status(run_dir):
     res = _run("ls", str(run_dir))
     assert res.exit_code == 0
     lines = {line.split()[0]: line for line in res.output.splitlines()[1:]}
-    assert lines["step-00000001"].endswith("valid")
+    assert lines["step-00000001"].endswith("committed (not verified)")  # only --deep re-hashes, and says "valid"
+    deep = {line.split()[0]: line for line in _run("ls", "--deep", str(run_dir)).output.splitlines()[1:]}
+    assert deep["step-00000001"].endswith("  valid")
     assert "temporary" in lines[".tmp-step-00000003-abcdef"]
     assert "incomplete" in lines["step-00000004"]
     nested = run_dir / "baseline"
@@ -99,7 +101,8 @@ def test_ls_reports_status(run_dir):
     lines = {line.split()[0]: line for line in _run("ls", str(run_dir)).output.splitlines()[1:]}
     assert lines["baseline"].endswith("run directory")
     rows = json.loads(_run("ls", "--json", str(run_dir)).output)
-    assert [r["status"] for r in rows if r["name"].startswith("step-00000001")] == ["valid"]
+    assert [(r["state"], r["status"], r["verified"]) for r in rows if r["name"].startswith("step-00000001")] == \
+        [("committed", "committed (not verified)", False)]
 
 
 def test_diff_identical_and_changed(run_dir):
@@ -113,7 +116,7 @@ def test_diff_identical_and_changed(run_dir):
 
 def _subprocess(*args: str, **kw):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, **kw)
+    return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, **kw)
 
 
 def test_real_subprocess_inspect_verify_without_torch(run_dir):

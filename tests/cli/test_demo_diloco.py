@@ -121,7 +121,7 @@ def test_demo_report_claims_hold(quick_demo: tuple[Path, str]) -> None:
 def test_demo_refuses_a_used_directory(quick_demo: tuple[Path, str]) -> None:
     out, _ = quick_demo
     r = CliRunner().invoke(cli, ["demo", "--out", str(out), "--quick", "--transport", "threads"])
-    assert r.exit_code != 0 and "exists: pass an empty --out directory" in r.output
+    assert r.exit_code == 2 and "is not empty" in r.output and "pass a new or empty directory" in r.output
 
 
 def _gloo_demo(out: Path, *, timeout: float = 150) -> tuple[bool, str, str]:

@@ -183,7 +183,7 @@ def test_real_subprocess(tape: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def sh(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=env,
+        return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], capture_output=True, text=True, env=env,
                               cwd=tmp_path, timeout=100)
 
     p = sh("tape", "verify", str(tape))

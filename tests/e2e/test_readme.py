@@ -1,54 +1,365 @@
-"""The README's Python examples run as tests, in a scratch directory."""
+"""Every example in README.md runs here, and what it prints is compared with the README.
+
+The convention, for every section of the README (a block that does not follow it fails):
+
+- A ```python block runs in a fresh scratch directory (its working directory), in this
+  process, with the repository importable. What it prints on stdout must equal the ```text
+  block right after it, which is introduced by the line ``<!-- output -->``. A block that
+  prints and has no output block fails: show what it prints.
+- A ```console block runs: each ``$ COMMAND`` line runs in bash in the scratch directory,
+  with the virtualenv's ``bin`` first on PATH and progress bars off; the lines after it, up to
+  the next ``$``, are what it prints (stdout and stderr together, as a terminal shows them).
+  It must exit 0, unless the line ends with a comment ``# exit N``.
+- Other languages: the README's first ```bash block holds the two setup commands
+  (``test_readme_opens_with_two_commands``); any other block says why it does not run.
+- Options go in a comment line right before a block, ``<!-- example: KEY=VALUE ... -->``:
+
+  ==================  ===================================================================
+  ``id=NAME``         names the block's scratch directory ...
+  ``after=NAME``      ... which this block reuses, running after NAME (a console session
+                      over files a python block wrote, or a continuation)
+  ``file=NAME.py``    the python block is written to ``NAME.py`` in the scratch directory
+                      and run as ``python NAME.py`` (a script a later block imports or
+                      replays), instead of in this process
+  ``copy=A,B``        copy these repository files into the scratch directory, at the
+                      same relative paths (``docs/examples/tiny_gpt.py``)
+  ``vary=N1,N2``      outputs that vary from run to run, named from VARY below
+  ``needs=NAME``      a setup from NEEDS below, e.g. ``needs=s3``: the S3-compatible server
+                      the tests start (``s3_server`` in tests/conftest.py), its
+                      ``AWS_*`` variables set for the block, bucket ``ckpt-readme`` made
+  ``timeout=S``       seconds per command (default 900)
+  ``no-run="REASON"`` the block does not run (a reviewer reads REASON: say where what it
+                      shows is checked instead)
+  ==================  ===================================================================
+
+- Normalised always: trailing spaces; ``/tmp/`` in a console command stands for the scratch
+  directory (``/tmp/demo-real`` runs as ``SCRATCH/demo-real``) and the scratch directory prints
+  as ``/tmp``; a timestamp ``YYYY-MM-DD HH:MM:SS UTC`` matches any timestamp; ``...`` alone on a
+  line of the expected output matches any lines (none included), ``...`` inside a line any text.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import io
 import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+BIN = Path(sys.executable).parent
+
+#: ``vary=`` names: each turns a kind of token of the expected output into a pattern
+VARY: dict[str, tuple[str, str]] = {
+    # name: (what it matches in the expected text, the pattern it becomes); tried in this order
+    "direction": (r"\b(?:better|worse)\b", r"(?:better|worse)"),  # which side of a comparison won
+    "hex": (r"\b[0-9a-f]{8,}\b", r"[0-9a-f]+"),  # ids and digests
+    "sizes": (r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)\b", r"\d+(?:\.\d+)? (?:B|KiB|MiB|GiB)"),  # any size, any unit
+    "times": (r"\d+(?:\.\d+)? s\b", r"\d+(?:\.\d+)? s"),  # durations
+    "numbers": (r"-?\d+(?:\.\d+)?", r"-?\d+(?:\.\d+)?"),  # any number (counts, steps, losses); spaces stretch too
+}
+_STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
 
 
-def _blocks() -> list[str]:
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
-def _needs(index: int) -> set[str]:
-    """Fixtures a block asks for in the comment line before it (``needs=s3``)."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    metas = re.findall(r"(?:<!-- example: ([^\n]*?) -->\n)?```python\n", text)
-    m = re.search(r"needs=([\w,]+)", metas[index] or "")
-    return set(m.group(1).split(",")) if m else set()
-
-
-def _with_s3(request, monkeypatch) -> None:
-    """The README's s3:// examples run against the test server, bucket ``ckpt-readme``."""
-    from ckpt.storage import forget_backends
-
+def _need_s3(request: pytest.FixtureRequest) -> dict[str, str]:
     server = request.getfixturevalue("s3_server")
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
     try:
         server.create_bucket("ckpt-readme")
     except Exception:  # noqa: BLE001 - made by an earlier example of this session
         pass
+    return dict(server.env())
+
+
+#: ``needs=`` names: each prepares what a block needs and returns environment variables for it
+NEEDS: dict[str, Any] = {"s3": _need_s3}
+
+
+@dataclass
+class Block:
+    index: int
+    lang: str
+    code: str
+    line: int
+    options: dict[str, str] = field(default_factory=dict)
+    output: str | None = None  # the ```text block marked <!-- output --> after it
+
+
+def parse(text: str) -> list[Block]:
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    i = 0
+    pending_opts: dict[str, str] = {}
+    pending_output = False
+    while i < len(lines):
+        line = lines[i]
+        m = re.match(r"^<!-- example: (.*) -->\s*$", line)
+        if m:
+            for item in shlex.split(m.group(1)):  # no-run="a reason with spaces"
+                k, _, v = item.partition("=")
+                pending_opts[k] = v
+            i += 1
+            continue
+        if re.match(r"^<!-- output -->\s*$", line):
+            pending_output = True
+            i += 1
+            continue
+        m = re.match(r"^```(\w*)\s*$", line)
+        if m:
+            lang, start = m.group(1), i + 1
+            j = start
+            while j < len(lines) and not lines[j].startswith("```"):
+                j += 1
+            body = "\n".join(lines[start:j]) + "\n"
+            if pending_output:
+                assert blocks and lang == "text", f"README.md:{i + 1}: <!-- output --> must precede a ```text block"
+                assert blocks[-1].output is None, f"README.md:{i + 1}: a second output block for one example"
+                blocks[-1].output = body
+            else:
+                blocks.append(Block(len(blocks), lang, body, i + 1, pending_opts))
+            pending_opts, pending_output = {}, False
+            i = j + 1
+            continue
+        if line.strip():
+            assert not pending_output, f"README.md:{i + 1}: <!-- output --> must be right before its ```text block"
+            pending_opts = {} if not line.startswith("<!--") else pending_opts
+        i += 1
+    return blocks
+
+
+BLOCKS = parse(README.read_text(encoding="utf-8"))
+
+
+def expected_pattern(expected: str, vary: set[str]) -> str:
+    """The expected text as a regex, with the always-on and the ``vary`` normalisations."""
+    unknown = vary - set(VARY)
+    assert not unknown, f"unknown vary= names {sorted(unknown)}; known: {sorted(VARY)}"
+    order = [v for v in VARY if v in vary]  # VARY's order: a size or a time before a bare number
+    tokens = [_STAMP] + [VARY[v][0] for v in order]
+    finder = re.compile("|".join(f"({t})" for t in tokens))
+    out: list[str] = []
+    for line in expected.rstrip("\n").split("\n"):
+        line = line.rstrip()
+        if line.strip() == "...":
+            out.append(r"(?:[^\n]*\n)*?")
+            continue
+        pat = []
+        for piece in re.split(r"(\.\.\.)", line):
+            if piece == "...":
+                pat.append(r"[^\n]*?")
+                continue
+            pos = 0
+            for m in finder.finditer(piece):
+                pat.append(_lit(piece[pos:m.start()], vary))
+                group = next(g for g in range(1, len(tokens) + 1) if m.group(g) is not None)
+                pat.append(_STAMP if group == 1 else VARY[order[group - 2]][1])
+                pos = m.end()
+            pat.append(_lit(piece[pos:], vary))
+        out.append("".join(pat) + r"\n")
+    return "".join(out)
+
+
+def _lit(text: str, vary: set[str]) -> str:
+    if vary:  # a varying value of another width shifts the columns after it: a gap of 2+ spaces stretches
+        return r" +".join(re.escape(p) for p in re.split(r" {2,}", text)) if "  " in text else re.escape(text)
+    return re.escape(text)
+
+
+def normalise(actual: str, scratch: Path) -> str:
+    text = actual.replace(str(scratch), "/tmp")
+    return "".join(line.rstrip() + "\n" for line in text.rstrip("\n").split("\n")) if text.strip() else ""
+
+
+def compare(expected: str, actual: str, vary: set[str], where: str) -> None:
+    pat = expected_pattern(expected, vary)
+    if re.fullmatch(pat, actual):
+        return
+    diff = "\n".join(difflib.unified_diff(expected.rstrip("\n").split("\n"), actual.rstrip("\n").split("\n"),
+                                          "README", "actual", lineterm="", n=2))
+    pytest.fail(f"{where}: the printed output differs from the README (vary={sorted(vary) or 'none'}):\n{diff}")
+
+
+# -- running --------------------------------------------------------------------------------------
+_SCRATCH: dict[str, Path] = {}
+_DONE: set[int] = set()
+
+
+def _scratch_for(block: Block, factory: pytest.TempPathFactory) -> Path:
+    name = block.options.get("after") or block.options.get("id")
+    if name and name in _SCRATCH:
+        return _SCRATCH[name]
+    path = factory.mktemp(f"readme-{block.index}")
+    if name:
+        _SCRATCH[name] = path
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["CKPT_PROGRESS"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr interleave in time order, as on a terminal
+    env.setdefault("COLUMNS", "120")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _commands(code: str) -> list[tuple[str, str]]:
+    """``(command, expected output)`` pairs of a console block."""
+    out: list[tuple[str, list[str]]] = []
+    for line in code.rstrip("\n").split("\n"):
+        if line.startswith("$ "):
+            out.append((line[2:], []))
+        else:
+            assert out, f"console block output before its first $ command: {line!r}"
+            out[-1][1].append(line)
+    return [(c, "\n".join(o) + "\n" if o else "") for c, o in out]
+
+
+def _expected_exit(cmd: str) -> int:
+    m = re.search(r"#\s*exit (\d+)\s*$", cmd)
+    return int(m.group(1)) if m else 0
+
+
+def run_block(block: Block, factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
+    if block.index in _DONE:
+        return
+    after = block.options.get("after")
+    if after:
+        firsts = [b for b in BLOCKS if b.options.get("id") == after]
+        assert firsts, f"README.md:{block.line}: after={after} names no block"
+        run_block(firsts[0], factory, request)
+    extra_env: dict[str, str] = {}
+    for need in filter(None, block.options.get("needs", "").split(",")):
+        assert need in NEEDS, f"README.md:{block.line}: needs={need}: known are {sorted(NEEDS)}"
+        extra_env.update(NEEDS[need](request))
+    scratch = _scratch_for(block, factory)
+    for rel in filter(None, block.options.get("copy", "").split(",")):
+        dst = scratch / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dst)
+    vary = set(filter(None, block.options.get("vary", "").split(",")))
+    where = f"README.md:{block.line} ({block.lang} block {block.index})"
+    timeout = float(block.options.get("timeout", 900))
+    if block.lang == "python":
+        if "file" in block.options:
+            script = scratch / block.options["file"]
+            script.write_text(block.code, encoding="utf-8")
+            p = subprocess.run([sys.executable, script.name], cwd=scratch, env={**_env(), **extra_env},
+                               capture_output=True, text=True, timeout=timeout)
+            assert p.returncode == 0, f"{where}: exited {p.returncode}\n{p.stdout}\n{p.stderr}"
+            printed = p.stdout
+        else:
+            printed = _exec(block.code, scratch, where, extra_env)
+        printed = normalise(printed, scratch)
+        if block.output is None:
+            assert not printed, f"{where} prints output the README does not show; add a ```text block after it " \
+                                f"introduced by <!-- output -->:\n{printed}"
+        else:
+            compare(block.output, printed, vary, where)
+    elif block.lang == "console":
+        assert block.output is None, f"{where}: a console block holds its own output"
+        for cmd, expected in _commands(block.code):
+            real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
+            p = subprocess.run(["bash", "-c", real], cwd=scratch, env={**_env(), **extra_env}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            want = _expected_exit(cmd)
+            assert p.returncode == want, f"{where}: `{cmd}` exited {p.returncode}, the README says {want}:\n{p.stdout}"
+            compare(expected, normalise(p.stdout, scratch), vary, f"{where}: `{cmd}`")
+    _DONE.add(block.index)
+
+
+def _exec(code: str, scratch: Path, where: str, env: dict[str, str] | None = None) -> str:
+    buf = io.StringIO()
+    old = os.getcwd()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    if env:
+        _forget_backends()  # storage backends made before read their environment (AWS_*) again
+    os.chdir(scratch)
+    try:
+        with contextlib.redirect_stdout(buf):
+            exec(compile(code, where, "exec"), {"__name__": "__readme__"})
+    finally:
+        os.chdir(old)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if env:
+            _forget_backends()
+    return buf.getvalue()
+
+
+def _forget_backends() -> None:
+    try:
+        from ckpt.storage import forget_backends
+    except ImportError:  # no object-store backends in this tree
+        return
     forget_backends()
 
 
-def test_readme_opens_with_two_commands():
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+# -- the tests ------------------------------------------------------------------------------------
+def test_readme_opens_with_two_commands() -> None:
+    text = README.read_text(encoding="utf-8")
     first = re.search(r"```bash\n(.*?)```", text, flags=re.S)
     assert first is not None and text.index("```bash") < 200
     cmds = [line.split("#")[0].strip() for line in first.group(1).splitlines() if line.strip()]
     assert cmds == ["make demo", "make test"]
 
 
-@pytest.mark.parametrize("index", range(len(_blocks())))
-def test_readme_python_block_runs(index, tmp_path, monkeypatch, request):
-    monkeypatch.chdir(tmp_path)
-    if "s3" in _needs(index):
-        _with_s3(request, monkeypatch)
-    code = _blocks()[index]
-    exec(compile(code, f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
+def test_every_block_follows_the_convention() -> None:
+    langs = [b.lang for b in BLOCKS]
+    assert langs[0] == "bash"
+    for b in BLOCKS[1:]:
+        if "no-run" in b.options:
+            assert b.options["no-run"], f"README.md:{b.line}: no-run= needs a reason"
+            continue
+        assert b.lang in ("python", "console"), (
+            f"README.md:{b.line}: a ```{b.lang} block that is neither an example nor an example's output: make it "
+            f"a ```console session or the output of one (<!-- output -->), or mark it <!-- example: no-run=REASON -->")
+        known = {"id", "after", "file", "copy", "vary", "needs", "timeout", "no-run"}
+        assert set(b.options) <= known, f"README.md:{b.line}: unknown options {sorted(set(b.options) - known)}"
+
+
+RUNNABLE = [b for b in BLOCKS[1:] if b.lang in ("python", "console") and "no-run" not in b.options]
+
+
+def _param(b: Block) -> Any:
+    # a block's own timeout= bounds the whole test too (pytest-timeout's default is 300 s),
+    # with room for the blocks that run before its commands (after=)
+    marks = [pytest.mark.timeout(int(float(b.options["timeout"])) + 300)] if "timeout" in b.options else []
+    return pytest.param(b, id=f"line{b.line}-{b.lang}", marks=marks)
+
+
+@pytest.mark.parametrize("block", [_param(b) for b in RUNNABLE])
+def test_readme_example(block: Block, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
+    run_block(block, tmp_path_factory, request)
+
+
+def test_the_harness_normalises_as_documented() -> None:
+    """The harness's own rules, on fixed text (a README edit cannot weaken them unnoticed)."""
+    pat = expected_pattern("a 2026-12-01 04:25:11 UTC b\n...\nend ... done\n", set())
+    assert re.fullmatch(pat, "a 1999-01-02 03:04:05 UTC b\nx\ny\nend of it all done\n")
+    assert re.fullmatch(pat, "a 1999-01-02 03:04:05 UTC b\nend - done\n")
+    assert not re.fullmatch(pat, "a 1999-01-02 03:04:05 UTC c\nend - done\n")
+    assert not re.fullmatch(expected_pattern("loss 2.6500\n", set()), "loss 2.6501\n")
+    assert re.fullmatch(expected_pattern("loss 2.6500  ok\n", {"numbers"}), "loss 12.01 ok\n")
+    assert re.fullmatch(expected_pattern("id e9179ee9f035f8cc\n", {"hex"}), "id 0123456789abcdef\n")
+    assert not re.fullmatch(expected_pattern("id e9179ee9f035f8cc\n", set()), "id 0123456789abcdef\n")
+    assert re.fullmatch(expected_pattern("chaos better by 7.9%\n", {"direction"}), "chaos worse by 7.9%\n")
+    assert re.fullmatch(expected_pattern("size  1.6 MiB ok\n", {"numbers", "sizes"}), "size  941.1 KiB ok\n")
+    assert normalise("at /x/y/run  \n\n", Path("/x/y")) == "at /tmp/run\n"
+    blocks = parse("```bash\nmake\n```\n<!-- example: id=a vary=hex -->\n```python\nprint(1)\n```\n<!-- output -->\n"
+                   "```text\n1\n```\n")
+    assert blocks[1].options == {"id": "a", "vary": "hex"} and blocks[1].output == "1\n"

@@ -317,6 +317,29 @@ def test_manager_retention_and_latest_valid_resume(s3) -> None:
     assert torch.equal(m2.state_dict()["0.weight"], at[3])
 
 
+def test_async_manager_saves_to_s3_in_the_background(s3) -> None:
+    from ckpt import CheckpointManager, list_checkpoints
+
+    run = s3.url("async")
+    m = _model(5)
+    with CheckpointManager(run, {"model": m}, every_steps=1, async_save=True, signals=()) as mgr:
+        for step in (1, 2, 3):
+            mgr.after_step(step)
+        mgr.wait()
+        assert [r.asynchronous for r in mgr.reports] == [True, True, True]
+    assert [c.name for c in list_checkpoints(run)] == ["step-00000002", "step-00000003"]
+    assert torch.equal(ckpt.open(f"{run}/step-00000003").state()["model"]["0.weight"], m.state_dict()["0.weight"])
+
+
+def test_link_is_a_server_side_copy(s3) -> None:
+    st = s3.storage()
+    st.put(s3.url("l/a"), b"payload")
+    before = st.stats.snapshot()["put_bytes"]
+    assert st.link(s3.url("l/a"), s3.url("l/b.0123456789ab")) is True
+    assert st.read_all(s3.url("l/b.0123456789ab")) == b"payload"
+    assert st.stats.snapshot()["put_bytes"] == before  # no bytes went up again
+
+
 def test_one_manager_per_run_prefix(s3) -> None:
     from ckpt import CheckpointManager
 

@@ -1,0 +1,231 @@
+"""Opt-in tensor compression (format 2.0 packed files, BPZ1 byte planes + zstd; spec/format-2.md §V.3).
+
+The codec round-trips every element size at every block edge; a compressed save loads exactly
+through every read path (lazy tensor, fresh state, mapped state, in place) and verifies; lazy
+reads touch only the chunks of the tensor's span; stock safetensors still reads the unencoded
+tensors, and `ckpt inspect` says which it cannot; hostile spans are refused before their bytes
+are decompressed, within the memory the checkpoint legitimately declares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckpt
+from ckpt.errors import FormatError, LimitExceededError
+from ckpt.format import bpz
+from ckpt.knobs import override
+from ckpt.storage import LocalStorage
+from tests.ckpt.test_hostile_memory import SLACK, probe
+
+REPO = Path(__file__).resolve().parents[2]
+V2 = REPO / "spec" / "vectors" / "checkpoint-v2"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    itemsize=st.sampled_from([1, 2, 4, 8, 16]),
+    elements=st.integers(1, 3000),
+    block_k=st.integers(1, 3),
+    kind=st.sampled_from(["noise", "smooth", "zeros"]),
+    cut=st.integers(1, 5000),
+)
+def test_bpz_round_trips_any_values_in_any_pieces(itemsize: int, elements: int, block_k: int, kind: str, cut: int) -> None:
+    g = torch.Generator().manual_seed(elements)
+    n = elements * itemsize
+    if kind == "noise":
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    elif kind == "zeros":
+        raw = bytes(n)
+    else:
+        raw = (torch.linspace(-1, 1, n // 4 + 1) * 0.02).numpy().tobytes()[:n]
+    block = 4096 * block_k
+    span = bpz.encode(raw, itemsize, block=block)
+    assert bytes(bpz.decode(span, n, itemsize)) == raw
+    out = bytearray(n)
+    dec = bpz.SpanDecoder(memoryview(out), itemsize, len(span))
+    for i in range(0, len(span), cut):  # pieces of any size, blocks split anywhere
+        dec.feed(span[i : i + cut])
+    dec.finish()
+    assert bytes(out) == raw
+
+
+def test_bpz_decoder_refuses_spans_that_break_its_rules() -> None:
+    raw = (torch.randn(4096) * 0.02).numpy().tobytes()
+    span = bpz.encode(raw, 4)
+    with pytest.raises(FormatError, match="past the span"):
+        bpz.decode(span[:-1], len(raw), 4)
+    dec = bpz.SpanDecoder(memoryview(bytearray(len(raw))), 4, len(span))
+    dec.feed(span[:-1])
+    with pytest.raises(FormatError, match="span ends"):
+        dec.finish()
+    with pytest.raises(FormatError, match="bytes after the last block"):
+        bpz.decode(span + b"\0", len(raw), 4)
+    with pytest.raises(FormatError, match="more than the span"):
+        bpz.SpanDecoder(memoryview(bytearray(len(raw))), 4, len(span)).feed(span + b"\0")
+    with pytest.raises(FormatError, match="planes for a dtype"):
+        bpz.decode(span, len(raw), 2)  # the header's E is the dtype's itemsize
+    with pytest.raises(LimitExceededError, match="expansion"):
+        bpz.SpanDecoder(None, 4, 16, nbytes=1 << 30, sink=lambda b: None)  # 1 GiB of values from 16 bytes
+
+
+def _trained_like(dtype: torch.dtype, n: int = 1 << 20) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(n, generator=g) * 0.02).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,target", [(torch.float32, 1.15), (torch.bfloat16, 1.4)])
+def test_compression_meets_its_ratio_targets_on_weight_like_tensors(tmp_path: Path, dtype: torch.dtype, target: float) -> None:
+    t = _trained_like(dtype)
+    ckpt.save(tmp_path / "c", {"w": {"t": t}}, compress=True)
+    pf = tmp_path / "c" / "rank-00000.bpz"
+    ratio = t.numel() * t.element_size() / pf.stat().st_size
+    assert ratio >= target, ratio
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "model": {
+            "w32": torch.randn(300, 100, generator=g) * 0.02,
+            "w16": (torch.randn(40000, generator=g) * 0.02).to(torch.bfloat16),
+            "h16": (torch.randn(40000, generator=g)).to(torch.float16),
+            "w64": torch.randn(9000, generator=g, dtype=torch.float64),
+            "c64": torch.randn(9000, generator=g, dtype=torch.complex64),
+            "small": torch.randn(10, generator=g),
+            "ids": torch.arange(20000),
+        },
+        "other": {"w": torch.randn(20000, generator=g), "step": 4},
+    }
+
+
+def _same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def test_a_compressed_save_loads_exactly_every_way(tmp_path: Path) -> None:
+    state = _state()
+    info = ckpt.save(tmp_path / "c", state, compress=lambda key, dtype, n: key != "model/small")
+    r = ckpt.open(info.path)
+    assert r.manifest.version == (2, 0)
+    enc = {t.key for t in r.part().tensors if t.encoding == "bpz1"}
+    assert enc == {"model/w32", "model/w16", "model/h16", "model/w64", "model/c64", "model/ids", "other/w"}
+    r.verify()
+    for key in ("model/w32", "model/c64", "model/ids"):
+        top, name = key.split("/")
+        _same(r.tensor(key), state[top][name])
+    _same(r.state(), state)
+    _same(r.state(mmap=True), state)
+    target = {k: {n: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for n, v in d.items()} for k, d in state.items()}
+    ptrs = {n: v.data_ptr() for n, v in target["model"].items()}
+    ckpt.load(info.path, target, exactness="off")
+    _same(target, state)
+    assert {n: v.data_ptr() for n, v in target["model"].items()} == ptrs  # in place
+
+
+def test_compress_picks_entries_and_float_tensors_and_the_default_stays_1_0(tmp_path: Path) -> None:
+    state = _state()
+    plain = ckpt.save(tmp_path / "plain", state)
+    assert ckpt.open(plain.path).manifest.version == (1, 0)
+    assert sorted(os.listdir(plain.path)) == ["MANIFEST", "rank-00000.safetensors", "rank-00000.state.msgpack.zst"]
+    by_entry = ckpt.open(ckpt.save(tmp_path / "e", state, compress=["other"]).path)
+    assert {t.key for t in by_entry.part().tensors if t.encoding} == {"other/w"}
+    floats = ckpt.open(ckpt.save(tmp_path / "f", state, compress=True).path)
+    # floats of at least 64 KiB: not the int64 ids, not the 40-byte tensor, not complex
+    assert {t.key for t in floats.part().tensors if t.encoding} == {"model/w32", "model/w16", "model/h16", "model/w64", "other/w"}
+    with pytest.raises(TypeError):
+        ckpt.save(tmp_path / "s", state, compress="model")
+
+
+def test_stock_safetensors_reads_the_unencoded_tensors_and_inspect_names_the_rest(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    state = _state()
+    info = ckpt.save(tmp_path / "c", state, compress=True)
+    stock = safetensors.torch.load_file(os.path.join(info.path, "rank-00000.safetensors"))
+    assert set(stock) == {"model/small", "model/ids", "model/c64"}
+    assert torch.equal(stock["model/ids"], state["model"]["ids"])
+    out = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "inspect", info.path], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "format 2.0" in out.stdout and "5 tensors encoded" in out.stdout
+    assert "stock safetensors cannot read them" in out.stdout
+    js = json.loads(subprocess.run([sys.executable, "-m", "ckpt_cli.main", "inspect", "--json", info.path],
+                                   capture_output=True, text=True, cwd=REPO).stdout)
+    assert js["parts"][0]["packed"]["tensors"] == 5
+
+
+class _CountingStorage(LocalStorage):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, int, int]] = []
+
+    def pread_into(self, path: str, offset: int, buf: memoryview) -> int:
+        self.reads.append((os.path.basename(path), offset, len(buf)))
+        return super().pread_into(path, offset, buf)
+
+
+def test_a_lazy_read_reads_only_the_chunks_of_its_span(tmp_path: Path) -> None:
+    state = {"m": {f"t{i}": torch.randn(3000) for i in range(6)}}
+    with override(chunk_size=4096, bpz_block=4096):
+        info = ckpt.save(tmp_path / "c", state, compress=lambda k, d, n: True)
+    storage = _CountingStorage()
+    r = ckpt.open(info.path, storage=storage)
+    t = next(e for e in r.part().tensors if e.key == "m/t3")
+    f = r.part().files[t.file]
+    assert f.size > 4 * t.stored  # other spans lie around it
+    storage.reads.clear()
+    assert torch.equal(r.tensor("m/t3"), state["m"]["t3"])
+    lo, hi = t.offset // 4096 * 4096, -(-(t.offset + t.stored) // 4096) * 4096
+    spans = [(o, o + n) for name, o, n in storage.reads if name == f.name]
+    assert spans and all(lo <= a and b <= hi for a, b in spans), (spans, lo, hi)
+    assert sum(b - a for a, b in spans) <= hi - lo
+
+
+def test_a_flipped_bit_in_a_packed_span_is_a_checksum_error_not_a_decoding_one(tmp_path: Path) -> None:
+    info = ckpt.save(tmp_path / "c", {"m": {"w": _trained_like(torch.float32, 1 << 16)}}, compress=True)
+    pf = Path(info.path) / "rank-00000.bpz"
+    data = bytearray(pf.read_bytes())
+    data[17] ^= 0xFF  # the first block's first plane codec: the decoder alone would call it reserved
+    pf.write_bytes(bytes(data))
+    r = ckpt.open(info.path)
+    with pytest.raises(ckpt.errors.ChecksumMismatchError) as ei:
+        r.tensor("m/w")
+    assert isinstance(ei.value.__context__, FormatError) or ei.value.__context__ is None
+    with pytest.raises(ckpt.errors.ChecksumMismatchError):
+        r.verify()
+    with pytest.raises(ckpt.errors.ChecksumMismatchError):
+        ckpt.open(info.path).state()  # the one-pass decode of the whole packed file
+    target = {"m": {"w": torch.zeros(1 << 16)}}
+    with pytest.raises(ckpt.errors.ChecksumMismatchError):
+        ckpt.load(info.path, target, exactness="off")
+    assert not target["m"]["w"].any()  # all or nothing: the target was not written
+
+
+def test_hostile_planes_are_refused_before_allocation() -> None:
+    def vector(name: str) -> Path:
+        return V2 / name / json.loads((V2 / name / "expected.json").read_text())["path"]
+
+    with pytest.raises(FormatError, match="declares 1073741824 bytes, the plane has 1024"):
+        ckpt.open(vector("invalid-zstd-plane-claims-1-gib")).tensor("model/w32")
+    with pytest.raises(FormatError, match="stored length 1 does not fit a 40000-byte plane"):
+        ckpt.open(vector("invalid-plane-expansion-bound")).tensor("mask/zeros")
+    # in a fresh interpreter: the frame's claim of 1 GiB never turns into memory
+    for row in probe(vector("invalid-zstd-plane-claims-1-gib"), "tensor", key="model/w32"):
+        assert row["outcome"] == "FormatError" and row["growth"] < SLACK, row
