@@ -185,7 +185,7 @@ def merge_cmd(paths: tuple[str, ...], out: str) -> None:
 @handle_errors
 def diff_cmd(a: str, b: str, as_json: bool) -> None:
     """Name the first event where two tapes differ (per actor). Exit 0 same events, 6 different."""
-    from replay.digest import env_diff
+    from ckpt.context.env import env_diff
     from replay.tape import TapeReader
 
     ra, rb = TapeReader(a), TapeReader(b)

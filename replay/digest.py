@@ -1,7 +1,8 @@
-"""xxh3-128 digests of tensors, parameters, RNG states and payloads; the environment diff.
+"""xxh3-128 digests of tensors, parameters, RNG states and payloads.
 
-The config hash and the environment fingerprint a tape carries are ckpt's
-(``ckpt.context``), so a checkpoint and a tape of one run agree on both.
+The config hash, the environment fingerprint and the environment comparison a tape uses
+are ckpt's (``ckpt.context``: ``config_hash``, ``capture_env``, ``env_diff``), so a
+checkpoint and a tape of one run agree on all three.
 
 torch and numpy are imported lazily, so the tape tools (``ckpt tape ...``) stay torch-free.
 A tensor digest covers the dtype name, the shape and the raw bytes in C order, so a
@@ -20,8 +21,8 @@ import xxhash
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["bytes_digest", "tensor_digest", "named_digests", "state_digest", "module_digests", "rng_digests", "payload_digest",
-           "env_diff", "RNG_SOURCES"]
+__all__ = ["bytes_digest", "tensor_digest", "named_digests", "state_digest", "module_digests", "rng_digests",
+           "payload_digest", "RNG_SOURCES"]
 
 # One tensor digest in the repository: ckpt.ledger.digest (the step ledger lives below replay).
 from ckpt.ledger.digest import bytes_digest, dtype_name as _dtype_name, tensor_digest  # noqa: E402,F401
@@ -101,9 +102,3 @@ def payload_digest(obj: Any) -> bytes:
             h.update(payload_digest(obj[k]))
         return h.digest()
     return xxhash.xxh3_128_digest(msgpack.packb(obj, use_bin_type=True, use_single_float=False))
-
-
-def env_diff(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Keys whose values differ: key -> (recorded, current); a missing side is None."""
-    return {k: (recorded.get(k), current.get(k)) for k in sorted(set(recorded) | set(current))
-            if recorded.get(k) != current.get(k)}

@@ -324,6 +324,8 @@ class Actor:
         counter for ``channel`` + 1 (channels are numbered from 1, per sender).
         """
         with self._core.lock:
+            if self._core.oracle is not None:
+                self._core.oracle.before(self, _SEND.code)  # lined up first: its counters may come from the tape
             seq = chan_seq if chan_seq is not None else self._chan_seq.get(channel, 0) + 1
             self._chan_seq[channel] = seq
             d = digest if digest is not None else dg.payload_digest(payload)
@@ -333,6 +335,10 @@ class Actor:
     def recv(self, stamp: Stamp) -> None:
         """Record the delivery of a message: merge its clock, then tick."""
         with self._core.lock:
+            if self._core.oracle is not None:
+                # a replay lines the actor up first (its clock may be set from the tape):
+                # the merge must land on that clock, not be replaced by it
+                self._core.oracle.before(self, _RECV.code)
             self._merge(stamp.clock)
             self._emit(_RECV.code, _RECV.pack(stamp.channel, stamp.chan_seq, stamp.sender, stamp.digest))
 

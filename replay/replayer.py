@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import xxhash
 
-from ckpt.context.env import capture_env
+from ckpt.context.env import capture_env, env_diff
 from replay import digest as dg
 from replay.clock import VectorClock
 from replay.errors import DivergenceError, ReplayError
@@ -192,7 +192,8 @@ class Oracle:
     """Feeds each actor its taped events in order and compares what the run produces."""
 
     def __init__(self, reader: TapeReader, *, until: int | None = None, align: bool = False,
-                 reference: Reference | None = None, align_snapshot: str | None = None) -> None:
+                 reference: Reference | None = None, align_snapshot: str | None = None,
+                 align_coordinator: str | None = None) -> None:
         self.reader = reader
         self._frames = reader.frames()
         self.names: list[str] = []
@@ -210,6 +211,10 @@ class Oracle:
         # Restored from snapshot ``align_snapshot``: each actor's taped history is skipped
         # through its own cut (its ``snapshot`` event of that id), wherever that lies.
         self._align_snapshot = align_snapshot
+        # An actor with no cut of that snapshot (left out of it) is taken as done through
+        # its events before the coordinator's cut: the rule Recorder.append_cut copies by.
+        self._align_coordinator = align_coordinator
+        self._coord_cut_seq: int | None = None
         self._aligned: set[int] = set()
         self._done = False
         self.recorder: Recorder | None = None
@@ -284,11 +289,36 @@ class Oracle:
                 return i
         return None
 
+    def _outside_cut(self, aid: int) -> int | None:
+        """For an actor with no cut: how many of its events precede the coordinator's cut."""
+        if self._coord_cut_seq is None:
+            return None
+        return sum(1 for e in self.queues.get(aid, ()) if e.seq < self._coord_cut_seq)
+
+    def _find_coordinator_cut(self) -> None:
+        # once, before any actor's history is taken off its queue
+        if self._coord_cut_seq is not None or self._align_coordinator is None:
+            return
+        while self._pull():
+            pass
+        if self._align_coordinator in self.names:
+            cid = self.names.index(self._align_coordinator)
+            i = self._cut_index(cid)
+            if i is not None:
+                self._coord_cut_seq = self.queues[cid][i].seq
+
     def _align_at_snapshot(self, actor: Actor, code: int) -> None:
         # The actor was restored at its cut: its clock, step and channel counters are the
         # ones its snapshot event was taped with; its next event follows that event.
+        self._find_coordinator_cut()
         i = self._cut_index(actor.id)
         if i is None:
+            n = self._outside_cut(actor.id)
+            if n is not None:  # outside the snapshot: its history before the cut is done
+                q = self.queues.setdefault(actor.id, deque())
+                skipped = [q.popleft() for _ in range(n)]
+                actor.continue_after([self._decode(x) for x in skipped], set_step=code != _BEGIN_CODE)
+                return
             self._fail(Divergence(f"restored from snapshot {self._align_snapshot!r}, but the tape holds no cut of "
                                   f"this actor for it", actor.current_step, actor.name, "snapshot", None,
                                   actor.clock, None, None))
@@ -333,13 +363,15 @@ class Oracle:
         while self._pull():
             pass
         if self._align_snapshot is not None:
+            self._find_coordinator_cut()
             # Actors that emitted nothing after the cut: their history up to the cut (or all
             # of it, for an actor outside the snapshot) belongs to the original run.
             for aid in list(self.queues):
                 if aid not in self._aligned:
                     i = self._cut_index(aid)
                     q = self.queues[aid]
-                    for _ in range(len(q) if i is None else i + 1):
+                    n = self._outside_cut(aid) if i is None else i + 1
+                    for _ in range(len(q) if n is None else n):
                         q.popleft()
         for aid, q in self.queues.items():
             for e in q:
@@ -528,7 +560,8 @@ def record(entry_point: str, tape: str | os.PathLike[str], *, config: Mapping[st
 def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoint: str | None = None,
            until: int | None = None, reference: Reference | None = None, entry_point: str | None = None,
            out: str | os.PathLike[str] | None = None, config_overrides: Mapping[str, Any] | None = None,
-           align_snapshot: str | None = None, entry: Callable[[Recorder], Any] | None = None,
+           align_snapshot: str | None = None, align_coordinator: str | None = None,
+           entry: Callable[[Recorder], Any] | None = None,
            search_path: tuple[str, ...] = (), progress: Callable[[int, int], None] | None = None,
            **writer_opts: Any) -> ReplayResult:
     """Re-execute the run recorded on ``tape``; see the module docstring for the modes.
@@ -541,7 +574,8 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
     directories to import it from (the current directory is not added implicitly).
 
     ``align_snapshot`` (verify/force) continues a run restored from that snapshot: each
-    actor's taped events before its own cut are taken as done. ``entry`` is the function
+    actor's taped events before its own cut are taken as done (an actor with no cut of it:
+    its events before ``align_coordinator``'s cut, when given). ``entry`` is the function
     to run instead of the tape's entry point (an application that restores its own state
     first); its return value comes back as ``ReplayResult.value``."""
     reader = TapeReader(tape)
@@ -550,7 +584,7 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
     if not ep:
         raise ReplayError("the tape records no entry point; pass entry_point=", path=str(tape))
     config = dict(meta.get("config") or {})
-    env = dg.env_diff(meta.get("env") or {}, capture_env())
+    env = env_diff(meta.get("env") or {}, capture_env())
     if mode == "fork":
         if entry is not None or align_snapshot is not None:
             raise ValueError("entry= and align_snapshot= re-execute a tape: mode verify or force")
@@ -561,7 +595,7 @@ def replay(tape: str | os.PathLike[str], *, mode: str = "verify", from_checkpoin
         raise ValueError("config overrides change the run: use mode='fork'")
     fn = entry if entry is not None else load_entry_point(ep, search_path=search_path)
     oracle = Oracle(reader, until=until, align=from_checkpoint is not None, reference=reference,
-                    align_snapshot=align_snapshot)
+                    align_snapshot=align_snapshot, align_coordinator=align_coordinator)
     rec = Recorder(None, oracle=oracle, mode=mode, actor=meta.get("default_actor", "main"), config=config,
                    resume_from=from_checkpoint, until=until,
                    param_digest_every=int(meta.get("param_digest_every", 10)), rng_every=int(meta.get("rng_every", 1)),

@@ -12,7 +12,7 @@ import platform
 import sys
 from typing import Any, Mapping
 
-__all__ = ["capture_env", "env_differences", "EXACTNESS_KEYS"]
+__all__ = ["capture_env", "env_diff", "env_differences", "EXACTNESS_KEYS"]
 
 _ENV_VARS = (
     "CUBLAS_WORKSPACE_CONFIG",
@@ -78,15 +78,26 @@ def capture_env() -> dict[str, Any]:
     }
 
 
-def env_differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys=EXACTNESS_KEYS) -> list[str]:
-    """Human-readable differences, one per key, e.g. ``torch: 2.12.0 -> 2.13.0``."""
-    diffs = []
+def env_diff(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Any = None) -> dict[str, tuple[Any, Any]]:
+    """The one environment comparison: ``key -> (saved, current)`` for every key whose
+    values differ (a missing side is None). A key whose values are both mappings (``env``)
+    is compared entry by entry, as ``key.entry``. ``keys`` (default: every key of either
+    side, sorted) picks and orders the keys; a tape's, a ledger's and a checkpoint's
+    environment gates all read this."""
+    if keys is None:
+        keys = sorted(set(saved) | set(current))
+    out: dict[str, tuple[Any, Any]] = {}
     for k in keys:
         a, b = saved.get(k), current.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
             for sub in sorted(set(a) | set(b)):
                 if a.get(sub) != b.get(sub):
-                    diffs.append(f"{k}.{sub}: {a.get(sub)!r} -> {b.get(sub)!r}")
+                    out[f"{k}.{sub}"] = (a.get(sub), b.get(sub))
         elif a != b:
-            diffs.append(f"{k}: {a!r} -> {b!r}")
-    return diffs
+            out[k] = (a, b)
+    return out
+
+
+def env_differences(saved: Mapping[str, Any], current: Mapping[str, Any], keys=EXACTNESS_KEYS) -> list[str]:
+    """Human-readable differences, one per key, e.g. ``torch: 2.12.0 -> 2.13.0``."""
+    return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in env_diff(saved, current, keys).items()]

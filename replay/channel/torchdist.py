@@ -144,17 +144,24 @@ class TorchDistTransport:
                 raise PeerDiedError(f"send to {msg.dst} failed, the peer is gone: {_first_line(exc)}",
                                     channel=msg.channel, seq=msg.seq) from exc
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0, *, gone: Iterable[str] = ()) -> None:
         """Say BYE on every outbound channel and wait for every inbound peer's BYE.
 
         This is a barrier over the channel graph: call it when no more messages will be
-        sent. Raises ChannelError naming the channels whose peer never said BYE.
+        sent. Raises ChannelError naming the channels whose peer never said BYE. ``gone``:
+        peers known to have exited (their process ended): no BYE is sent to them, since a
+        gloo send to a peer whose connection the transport has not seen close yet can
+        wait for a receive that never comes; their receiver threads end on the closed
+        connection.
         """
         if self._closed:
             return
         self._closed = True
         bye = wire.encode_header(wire.Header(MessageKind.BYE, 0, 0, 0, 0, self.chunk_bytes))
+        gone = set(gone)
         for dst in self._outbound:
+            if dst in gone:
+                continue
             try:
                 with self._send_locks[dst]:
                     self._send_bytes(torch.frombuffer(bytearray(bye), dtype=torch.uint8), dst)

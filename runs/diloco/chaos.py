@@ -9,7 +9,7 @@ quorum minimum.
 
 from __future__ import annotations
 
-from runs.common.chaos import FAULT_CLASSES, NO_FAULTS, Fault, Schedule, describe, place_faults
+from runs.common.chaos import FAULT_CLASSES, NO_FAULTS, Fault, Schedule, describe, place_faults  # noqa: F401
 from runs.diloco.config import DiLoCoConfig
 
 __all__ = ["Fault", "Schedule", "make_schedule", "describe", "learner_names", "NO_FAULTS", "FAULT_CLASSES"]
@@ -22,6 +22,7 @@ def learner_names(cfg: DiLoCoConfig) -> list[str]:
 def make_schedule(cfg: DiLoCoConfig) -> Schedule:
     """One fault of each class, placed by ``cfg.chaos_seed``; no faults when ``cfg.chaos`` is off."""
     if not cfg.chaos:
-        return NO_FAULTS
+        return Schedule((), cfg.rejoin_after)
     return place_faults(learner_names(cfg), steps=cfg.steps, period=cfg.inner_h, lost=cfg.learners - cfg.quorum,
-                        shards=cfg.shards_per_learner, seed=cfg.chaos_seed, jitter_s=cfg.jitter_s)
+                        shards=cfg.shards_per_learner, seed=cfg.chaos_seed, jitter_s=cfg.jitter_s,
+                        rejoin_after=cfg.rejoin_after)

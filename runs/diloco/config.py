@@ -27,8 +27,10 @@ class DiLoCoConfig:
     inner_h: int = 8
     steps: int = 128
     # bounded staleness: a learner in round r waits until it has applied, for every
-    # fragment, a merge of round r - max_lag_rounds or later
-    max_lag_rounds: int = 2
+    # fragment, a merge of round r - max_lag_rounds or later. 1: with 2, learner processes
+    # ran two rounds ahead of the merges they adopt, and a run without faults (every
+    # learner ahead) ended 10% higher over gloo than with 1 (bench/diloco_outer.py)
+    max_lag_rounds: int = 1
     # model / data (tiny transformer; see runs/common/tiny_lm.py)
     vocab: int = 64
     dim: int = 32
@@ -44,7 +46,15 @@ class DiLoCoConfig:
     weight_decay: float = 0.01
     warmup: int = 8
     outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    # Nesterov momentum of the outer SGD, tuned on the no-fault run (bench/diloco_outer.py):
+    # 0.9 (DiLoCo's value, for thousands of outer steps) over the demo's 16 outer steps per
+    # fragment keeps pushing along old rounds' directions; 0.6 ends 6% lower
+    outer_momentum: float = 0.6
+    # communication: bits per element of the outer gradients learners send and of the
+    # fragment updates the syncer sends back (32: float32 as is; 16, 8, 4, 2, 1: quant.py,
+    # per-block scales of comm_block elements, with error feedback)
+    comm_bits: int = 32
+    comm_block: int = 32
     # how the learners' outer gradients are averaged: "mean" (token-weighted) or "rda"
     # (radial-directional: norms and directions averaged separately; merge.py)
     merge: str = "mean"
@@ -53,15 +63,26 @@ class DiLoCoConfig:
     overlap_tau: int = 2
     grace_cap_s: float = 0.25
     ema_alpha: float = 0.125
+    # heterogeneous learners: speed factors (1.0 = as fast as the machine allows, 0.25 = a
+    # step takes four times as long), dealt to the learners by a permutation seeded with
+    # chaos_seed; empty: all equal. Record mode only (a replay's timing is irrelevant).
+    speeds: tuple[float, ...] = ()
     # seeds and chaos
     seed: int = 1234
     chaos: bool = True
     chaos_seed: int = 7
     jitter_s: float = 0.05
+    # syncer steps from detecting a death to activating its replacement (a hot spare: it
+    # runs from the start, so 0 means at once; the baseline waits as long to scale back up)
+    rejoin_after: int = 2
     # evaluation and snapshots (in syncer steps; 0 = never)
     eval_every: int = 2
     snapshot_every: int = 0
     snapshot_keep: int = 2  # retention: the last N snapshots (plus the newest restorable one)
+    # the syncer waits for every part of an open snapshot at the next step (instead of
+    # deciding "not yet"), so one snapshot begins at every step: tests that need a cut at
+    # a given step use it; it costs the part writes' time on the syncer's path
+    snapshot_wait: bool = False
     # processes: "threads" (one process, an in-process transport) or "gloo"
     transport: str = "threads"
     io_timeout_s: float = 120.0
@@ -73,6 +94,11 @@ class DiLoCoConfig:
             raise ValueError(f"need 1 <= fragments ({self.fragments}) <= inner_h ({self.inner_h})")
         if self.steps < self.inner_h or self.steps % self.inner_h:
             raise ValueError(f"steps ({self.steps}) must be a positive multiple of inner_h ({self.inner_h})")
+        if self.speeds and (len(self.speeds) != self.learners or not all(0 < f <= 1 for f in self.speeds)):
+            raise ValueError(f"speeds must give each of the {self.learners} learners a factor in (0, 1], "
+                             f"got {self.speeds}")
+        if self.comm_bits not in (1, 2, 4, 8, 16, 32) or self.comm_block < 1:
+            raise ValueError(f"comm_bits must be one of 1, 2, 4, 8, 16, 32 (got {self.comm_bits}), comm_block >= 1")
         if self.transport not in ("threads", "gloo"):
             raise ValueError(f"transport must be 'threads' or 'gloo', got {self.transport!r}")
 
@@ -89,15 +115,38 @@ class DiLoCoConfig:
         """Inner step (mod H) after which fragment p is sent."""
         return (p + 1) * self.inner_h // self.fragments - 1
 
+    def last_send(self, p: int) -> int:
+        """The inner step after which a learner sends fragment p for the last time: the
+        last step, for every fragment. The last round sends them all at the end, so every
+        step of every learner reaches the model (at its staggered offset the last
+        contribution of an early fragment would leave the round's later steps out)."""
+        return self.steps - 1
+
+    def fragments_due(self, t: int) -> list[int]:
+        """The fragments a learner sends after inner step t (staggered; all at the end)."""
+        if t >= self.steps - self.inner_h:  # the last round
+            return list(range(self.fragments)) if t == self.steps - 1 else []
+        return [p for p in range(self.fragments) if t % self.inner_h == self.send_offset(p)]
+
     def fragment_due(self, t: int) -> int | None:
-        """The fragment a learner sends after inner step t, if any."""
-        for p in range(self.fragments):
-            if t % self.inner_h == self.send_offset(p):
-                return p
-        return None
+        """The first fragment a learner sends after inner step t, if any."""
+        due = self.fragments_due(t)
+        return due[0] if due else None
+
+    def speed_of(self, index: int) -> float:
+        """Learner ``index``'s speed factor (``speeds`` dealt by a permutation seeded with chaos_seed)."""
+        if not self.speeds:
+            return 1.0
+        import random
+
+        order = list(range(self.learners))
+        random.Random(self.chaos_seed * 7919 + 1).shuffle(order)
+        return float(self.speeds[order[index]])
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["speeds"] = list(self.speeds)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DiLoCoConfig":
@@ -105,7 +154,10 @@ class DiLoCoConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown DiLoCo config keys: {unknown}")
-        cfg = cls(**dict(d))
+        d = dict(d)
+        if "speeds" in d:  # a list once it went through msgpack
+            d["speeds"] = tuple(float(x) for x in d["speeds"])
+        cfg = cls(**d)
         if cfg.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {cfg.merge!r}")
         return cfg

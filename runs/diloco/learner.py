@@ -25,14 +25,15 @@ import torch
 from ckpt.data import QuarantinePolicy, ResumableLoader
 from runs.common.tiny_lm import warmup_cosine
 from replay import Message
+from runs.diloco import quant
 from runs.diloco.chaos import Fault
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
-from runs.diloco.link import Link, ref_of
+from replay import Inbox, LocalTape, ref_of
 from runs.diloco.model import LearnerShards, build_model, learner_corpus, weighted_loss
-from runs.diloco.tapeio import RemoteTape
+from replay import RemoteTape, meta_digest
 
-__all__ = ["LearnerCore", "LearnerCtx", "LearnerOutcome", "run_learner"]
+__all__ = ["LearnerCore", "LearnerCtx", "LearnerOutcome", "LearnerLoop", "Learner", "run_learner"]
 
 SYNCER = "syncer"
 
@@ -64,6 +65,14 @@ class LearnerCore:
         self.c_steps = [0] * cfg.fragments
         self.applied = [-1] * cfg.fragments  # syncer step of the merged fragment last applied
         self.last_loss = float("nan")
+        # compressed communication (cfg.comm_bits < 32): the global fragment as this learner
+        # holds it (the syncer mirrors it exactly) and the error-feedback residuals
+        # (every learner starts from Theta_0, which the syncer mirrors as "step -1")
+        self.anchor: list[list[torch.Tensor] | None] = [None] * cfg.fragments
+        self.held_v = [-1] * cfg.fragments  # the syncer step of each anchor
+        if cfg.comm_bits != 32:
+            self.anchor = [self.fragment(p) for p in range(cfg.fragments)]
+        self.resid = [[torch.zeros_like(self.params[n]) for n in f.names] for f in self.frags]
 
     def train_step(self) -> tuple[list[int], float]:
         batch = None
@@ -91,8 +100,42 @@ class LearnerCore:
     def fragment(self, p: int) -> list[torch.Tensor]:
         return [self.params[n].detach().clone() for n in self.frags[p].names]
 
-    def apply(self, p: int, s: int, tensors: Sequence[torch.Tensor]) -> bool:
-        """Adopt the merged fragment of syncer step ``s`` unless a newer one is applied."""
+    def outgoing(self, p: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """What goes on the wire for fragment p: its parameters (float32), or, compressed,
+        the outer gradient ``anchor - theta`` plus the residual, encoded (quant.py), with
+        the syncer step of the anchor; the residual keeps what the encoding lost."""
+        cfg = self.cfg
+        if cfg.comm_bits == 32:
+            return {}, self.fragment(p)
+        anchor = self.anchor[p]
+        if anchor is None:  # no merged fragment yet (a replacement): the parameters, raw
+            return {"enc": "raw"}, self.fragment(p)
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for j, n in enumerate(self.frags[p].names):
+                v = anchor[j] - self.params[n].detach() + self.resid[p][j]
+                e = quant.encode(v, cfg.comm_bits, cfg.comm_block)
+                self.resid[p][j] = v - quant.decode(e, cfg.comm_block)
+                out += e.tensors()
+        return {"enc": cfg.comm_bits, "anchor": self.held_v[p]}, out
+
+    def apply(self, p: int, s: int, tensors: Sequence[torch.Tensor], meta: Mapping[str, Any] | None = None) -> bool:
+        """Adopt the merged fragment of syncer step ``s`` unless a newer one is applied (a
+        compressed update decodes onto the fragment as this learner holds it, which it
+        holds from then on even when its parameters are newer: a replacement's from its
+        peer)."""
+        if self.cfg.comm_bits != 32:
+            enc = (meta or {}).get("enc")
+            if enc == "delta":
+                base = self.anchor[p]
+                if base is None or int((meta or {})["base"]) != self.held_v[p]:
+                    raise RuntimeError(f"fragment {p}: an update from syncer step {(meta or {}).get('base')} reached "
+                                       f"a learner holding step {self.held_v[p]}")
+                tensors = [b + quant.decode(quant.Encoded(int((meta or {})["bits"]), tuple(b.shape), q, sc),
+                                            self.cfg.comm_block)
+                           for b, q, sc in zip(base, tensors[0::2], tensors[1::2])]
+            self.anchor[p] = [t.detach().clone() for t in tensors]
+            self.held_v[p] = s
         if s <= self.applied[p]:
             return False
         with torch.no_grad():
@@ -136,6 +179,12 @@ class LearnerCore:
         self.sched.load_state_dict(sd)
         self.t = int(meta["t"])
         self.applied = [int(x) for x in meta["applied"]]
+        if self.cfg.comm_bits != 32:
+            # Compressed: the syncer knows exactly which fragment each endpoint holds, and
+            # a new one holds none; it sends it every fragment whole first.
+            self.anchor = [None] * self.cfg.fragments
+            self.held_v = [-1] * self.cfg.fragments
+            self.resid = [[torch.zeros_like(self.params[n]) for n in f.names] for f in self.frags]
         self.c_tokens = [0] * self.cfg.fragments
         self.c_steps = [0] * self.cfg.fragments
         # Continue this learner's own data stream at the adopted step.
@@ -151,7 +200,7 @@ class LearnerCtx:
     cfg: DiLoCoConfig
     actor: str  # tape identity, e.g. "learner-2"
     incarnation: int
-    link: Link
+    link: Inbox
     theta0: Mapping[str, torch.Tensor]
     faults: Sequence[Fault]
     die: Callable[[], None]  # drop the transport (threads) / SIGKILL (processes)
@@ -161,8 +210,13 @@ class LearnerCtx:
     step_delay_s: float = 0.0  # an artificial slowdown (replay on a slower machine)
     # snapshots: writes this learner's part (record mode); None writes nothing (replays)
     parts: Any = None
-    # restore: this learner's part of a snapshot (``snapshots.learner_part``): start at its cut
-    restore: Mapping[str, Any] | None = None
+    # restore: the snapshot (``snapshots.Restored``) whose part this incarnation starts from
+    restore: Any = None
+    # restore: this endpoint was left out of the snapshot alive: it starts afresh and waits
+    # for the syncer's activation, as a replacement does (whatever its incarnation)
+    rejoin: bool = False
+    # restore: endpoints that start afresh; their state requests in a restored part are void
+    dropped: Sequence[str] = ()
 
 
 @dataclass
@@ -180,272 +234,343 @@ def _index(actor: str) -> int:
     return int(actor.rsplit("-", 1)[1])
 
 
-def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
-    cfg, link, tape = ctx.cfg, ctx.link, ctx.link.tape
-    me = link.name
-    out = LearnerOutcome(ctx.actor, ctx.incarnation, 0)
-    poisoned = tuple(int(f.detail["shard"]) for f in ctx.faults if f.kind == "nan")
+@dataclass
+class LearnerLoop:
+    """A learner's loop state between two step boundaries (its snapshot part's ``loop``,
+    with the outbox and pending requests under ``messages``)."""
 
-    def quarantined(index: int, shard: Any, reason: str) -> None:
-        tape.detected("nan", ctx.actor, {"shard": shard, "sample": index, "reason": reason[:80]})
+    # (release time, meta, tensors, timing) of fragments held back (jitter), oldest first
+    outbox: list[tuple[float, dict[str, Any], list[torch.Tensor], dict[str, Any]]] = field(default_factory=list)
+    pending: list[Message] = field(default_factory=list)  # state requests not served yet
+    jitter_until: int = -1
+    jitter_delay: float = 0.0
+    step_ema: float = 0.0
+    stopped: bool = False
+    n_end: int = 0  # end-of-run inbox decisions taken
 
-    def ship() -> tuple[dict[str, Any], list[torch.Tensor]]:
-        if ctx.remote is None:
+    def state_dict(self) -> dict[str, Any]:
+        return {"outbox": [{"meta": dict(m), "tensors": [x.clone() for x in ts], "timing": dict(tm)}
+                           for _, m, ts, tm in self.outbox],
+                "pending": [msg_to_json(m) for m in self.pending], "jitter_until": self.jitter_until,
+                "jitter_delay": self.jitter_delay, "step_ema": self.step_ema, "stopped": self.stopped,
+                "n_end": self.n_end}
+
+    @classmethod
+    def from_state(cls, d: Mapping[str, Any]) -> "LearnerLoop":
+        return cls(outbox=[(0.0, dict(o["meta"]), list(o["tensors"]), dict(o["timing"])) for o in d["outbox"]],
+                   pending=[msg_from_json(m) for m in d["pending"]], jitter_until=int(d["jitter_until"]),
+                   jitter_delay=float(d["jitter_delay"]), step_ema=float(d["step_ema"]), stopped=bool(d["stopped"]),
+                   n_end=int(d["n_end"]))
+
+
+class Learner:
+    """The learner actor (module docstring): inner steps, taped inbox decisions at every
+    step boundary, fragments out, merged fragments in, a peer's state on request."""
+
+    def __init__(self, ctx: LearnerCtx) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.link = ctx.link
+        self.tape = ctx.link.tape
+        self.me = self.link.name
+        self.out = LearnerOutcome(ctx.actor, ctx.incarnation, 0)
+        self.poisoned = tuple(int(f.detail["shard"]) for f in ctx.faults if f.kind == "nan")
+        self.core: LearnerCore | None = None
+        self.loop = LearnerLoop()
+        self.marker: list[Message] = []  # a snapshot marker taken in the current inbox decision
+        self.resume_key: str | None = None
+        # the syncer's first snapshot is taken at the start (syncer.py); its marker is waited
+        # for in the first inbox decision, so that every learner's cut is there
+        self.first_marker = ctx.incarnation == 0 and ctx.restore is None and bool(self.cfg.snapshot_every)
+        from runs.diloco.chaos import learner_names
+        from runs.diloco.snapshots import PartViews, snapshot_agent
+
+        self.views = PartViews(ctx.actor)
+        self.agent = snapshot_agent(
+            self.link, self.views, participants=sorted({"syncer", self.me, *learner_names(self.cfg)}),
+            snapshots=ctx.parts, coordinator=False, hub=self.tape.hub if isinstance(self.tape, LocalTape) else None,
+            step=lambda: self.core.t if self.core is not None else 0)
+
+    # -- tape and wire helpers ---------------------------------------------------------------
+    def quarantined(self, index: int, shard: Any, reason: str) -> None:
+        self.tape.detected("nan", self.ctx.actor, {"shard": shard, "sample": index, "reason": reason[:80]})
+
+    def _new_core(self) -> LearnerCore:
+        return LearnerCore(self.cfg, _index(self.ctx.actor), self.ctx.theta0, self.poisoned, self.quarantined)
+
+    def ship(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        if self.ctx.remote is None:
             return {}, []
-        log, ts = ctx.remote.drain()
+        log, ts = self.ctx.remote.drain()
         return {"log": log, "nlog": len(ts)}, ts
 
-    def send_syncer(meta: Mapping[str, Any], tensors: Sequence[torch.Tensor], timing: Mapping[str, Any] | None,
+    def send_syncer(self, meta: Mapping[str, Any], tensors: Sequence[torch.Tensor], timing: Mapping[str, Any] | None,
                     *, taped: bool = True) -> None:
-        ref = (me, SYNCER, link.ep.next_send[SYNCER])
+        link = self.link
+        ref = (self.me, SYNCER, link.ep.next_send[SYNCER])
         if taped:
-            from runs.diloco.tapeio import message_digest
-
-            tape.send(ref, SYNCER, message_digest(meta, tensors))
-        extra, log_tensors = ship()
+            self.tape.send(ref, SYNCER, meta_digest(meta, tensors))
+        extra, log_tensors = self.ship()
         if timing:
             extra["timing"] = dict(timing)
         link.send(SYNCER, {**meta, **extra}, list(tensors) + log_tensors, taped=False)
 
-    def flush_log() -> None:
+    def flush_log(self) -> None:
         # After a peer-to-peer send, ship the tape log at once: the peer's log will
         # hold the matching receive, which the tape can only take after this send.
         # Sent by thread learners too (empty), so that channel seqs match the replay's.
-        send_syncer({"kind": "log"}, [], None, taped=False)
+        self.send_syncer({"kind": "log"}, [], None, taped=False)
 
-    if ctx.restore is not None:
-        core = LearnerCore(cfg, _index(ctx.actor), ctx.theta0, poisoned, quarantined)
-        loop = restore_core(core, ctx.restore)
-        # before anything is received: sequence numbers continue from the cut
-        link.ep.restore(loop["endpoint"], {})
-        out.started_at = int(loop["started_at"])
-        # The tape lines this actor up right after its cut (the snapshot event); the
-        # channel state taped with the cut is the restored learner's first event.
-        tape.snapshot_channels(str(loop["snapshot"]), [])
-    elif ctx.incarnation == 0:
-        # Start together: process start-up skew would otherwise let one learner run
-        # many rounds ahead before the others exist.
-        link.pop(ref_of(link.first_from(SYNCER, ("start",))))
-        core = LearnerCore(cfg, _index(ctx.actor), ctx.theta0, poisoned, quarantined)
-        if poisoned:
-            tape.inject("nan", ctx.actor, {"shards": list(poisoned)})
-    else:
-        act = link.first_from(SYNCER, ("activate", "stop"))
-        link.pop(ref_of(act))
-        if act.meta["kind"] == "stop":
-            return out
-        ctx.predecessor_done()
-        tape.recv(ref_of(act))
-        peer = str(act.meta["peer"])
-        req = link.send(peer, {"kind": "state_req", "target": int(act.meta["target"])})
-        flush_log()
-        st = link.first_from(peer, ("state",))
-        link.pop(ref_of(st))
-        tape.recv(ref_of(st))
-        core = LearnerCore(cfg, _index(ctx.actor), ctx.theta0, poisoned, quarantined)
-        core.load(st.meta, st.tensors)
-        tape.recovered(str(act.meta["fault"]), ctx.actor, ref_of(act), ref_of(st))
-        del req
-        # Tell the syncer where this incarnation starts: a replacement adopts its peer's
-        # step and so never sends the fragments of rounds the peer had already sent; the
-        # syncer's last-round barrier must know which ones to wait for.
-        send_syncer({"kind": "joined", "started": core.t}, [], None, taped=False)
-    if ctx.restore is None:
-        out.started_at = core.t
+    # -- start: fresh, as a replacement (peer recovery), or from a snapshot part ---------------
+    def start(self) -> bool:
+        """Build the core; False when this spare was told to stop before it was needed."""
+        ctx, link, tape = self.ctx, self.link, self.tape
+        if ctx.restore is not None:
+            # Before anything is received: the part through the agent, sequence numbers at
+            # the cut. The tape lines this actor up right after its cut (the snapshot
+            # event): the channel state taped with the cut is its first event again.
+            r = ctx.restore
+            self.agent.restore(r.name, source=r.store, announce=False, resume=True, partial=True,
+                               into=self.views.loaders())
+            core = self.core = self._new_core()
+            loop = restore_core(core, self.views.joined())
+            self.out.started_at = int(loop["started_at"])
+            self.loop = LearnerLoop.from_state(loop)
+            # a requester that starts afresh asks again (over a channel that starts afresh)
+            self.loop.pending = [m for m in self.loop.pending if m.src not in ctx.dropped]
+            self.resume_key = str(loop["phase"])
+            return True
+        if ctx.incarnation == 0 and not ctx.rejoin:
+            # Start together: process start-up skew would otherwise let one learner run
+            # many rounds ahead before the others exist.
+            link.pop(ref_of(link.first_from(SYNCER, ("start",))))
+            self.core = self._new_core()
+            if self.poisoned:
+                tape.inject("nan", ctx.actor, {"shards": list(self.poisoned)})
+        else:
+            # A hot spare builds its model, optimiser, loader and corpus while it waits, so
+            # that on activation only the peer's state is loaded: built after the state had
+            # arrived, it cost a replacement process seconds, while its peer ran on.
+            core = self.core = self._new_core()
+            act = link.first_from(SYNCER, ("activate", "stop"))
+            t_act = time.monotonic()
+            link.pop(ref_of(act))
+            if act.meta["kind"] == "stop":
+                return False
+            ctx.predecessor_done()
+            tape.recv(ref_of(act))
+            peer = str(act.meta["peer"])
+            link.send(peer, {"kind": "state_req", "target": int(act.meta["target"])})
+            self.flush_log()
+            st = link.first_from(peer, ("state",))
+            t_state = time.monotonic()
+            link.pop(ref_of(st))
+            tape.recv(ref_of(st))
+            core.load(st.meta, st.tensors)
+            tape.recovered(str(act.meta["fault"]), ctx.actor, ref_of(act), ref_of(st))
+            # Tell the syncer where this incarnation starts: a replacement adopts its peer's
+            # step and so never sends the fragments of rounds the peer had already sent; the
+            # syncer's last-round barrier must know which ones to wait for. (The wall times
+            # are for the recovery accounting only.)
+            self.send_syncer({"kind": "joined", "started": core.t, "asked_at": int(st.meta.get("asked_at", core.t)),
+                              "wait_state_s": t_state - t_act, "load_s": time.monotonic() - t_state},
+                             [], None, taped=False)
+        self.out.started_at = self.core.t
+        return True
 
-    outbox: list[tuple[float, Mapping[str, Any], list[torch.Tensor], dict[str, Any]]] = []
-    pending_reqs: list[Message] = []
-    jitter_until, jitter_delay = -1, 0.0
-    step_ema = 0.0
-    stopped = False
-    n_end = 0
-    marker: list[Message] = []  # a snapshot marker taken in the current inbox decision
-    resume_key: str | None = None
-    if ctx.restore is not None:
-        loop = ctx.restore["loop"]
-        outbox = [(0.0, dict(o["meta"]), list(o["tensors"]), dict(o["timing"])) for o in loop["outbox"]]
-        pending_reqs = [msg_from_json(m) for m in loop["pending"]]
-        jitter_until, jitter_delay = int(loop["jitter_until"]), float(loop["jitter_delay"])
-        step_ema, stopped, n_end = float(loop["step_ema"]), bool(loop["stopped"]), int(loop["n_end"])
-        resume_key = str(loop["phase"])
-
-    def lagging() -> bool:
+    # -- step boundaries ---------------------------------------------------------------------
+    def lagging(self) -> bool:
+        core, cfg = self.core, self.cfg
+        assert core is not None
         need = core.t // cfg.inner_h - cfg.max_lag_rounds
         return need > 0 and any(a < 0 or a // cfg.fragments < need for a in core.applied)
 
-    def take(refs: Sequence[Sequence[Any]]) -> None:
-        nonlocal stopped
+    def take(self, refs: Sequence[Sequence[Any]]) -> None:
+        core, link, tape = self.core, self.link, self.tape
+        assert core is not None
         for r in refs:
             ref = (str(r[0]), str(r[1]), int(r[2]))
             msg = link.wait_ref(ref)
             link.pop(ref)
-            kind = msg.meta["kind"]
-            if kind == "snap":  # an untaped marker: the cut follows this decision
-                marker.append(msg)
+            if Inbox.is_marker(msg):  # a snapshot marker (untaped): the cut follows this decision
+                self.marker.append(msg)
                 continue
+            kind = msg.meta["kind"]
             tape.recv(ref)
             if kind == "merged":
-                core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors)
+                core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors, msg.meta)
             elif kind == "state_req":
-                pending_reqs.append(msg)
+                # the step it was asked at: the recovery accounting's transfer wait
+                msg.meta["asked_at"] = core.t  # type: ignore[index]
+                self.loop.pending.append(msg)
             elif kind == "stop":
-                stopped = True
+                self.loop.stopped = True
 
-    # the syncer's first snapshot is taken at the start (syncer.py); its marker is waited
-    # for in the first inbox decision, so that every learner's cut is there
-    first_marker = [ctx.incarnation == 0 and ctx.restore is None and bool(cfg.snapshot_every)]
-
-    def boundary(key: str, final: bool = False, block: bool = False) -> None:
+    def boundary(self, key: str, final: bool = False, block: bool = False) -> None:
         """One taped inbox decision. ``block``: first wait for a message or for a held-back
         message to come due (used while lagging and at the end, where there is nothing
         else to do)."""
+        link, loop = self.link, self.loop
+
         def compute() -> dict[str, Any]:
-            if first_marker[0]:
-                link.wait(lambda: any(m.meta.get("kind") == "snap" for m in link.box.values()),
+            if self.first_marker:
+                link.wait(lambda: any(Inbox.is_marker(m) for m in link.box.values()),
                           "the first snapshot's marker", tick=0.005)
-            if final and outbox:
+            if final and loop.outbox:
                 pass  # at the end everything held back goes out now
             elif block or final:
-                link.wait(lambda: bool(link.box) or (bool(outbox) and outbox[0][0] <= time.monotonic()),
+                link.wait(lambda: bool(link.box) or (bool(loop.outbox) and loop.outbox[0][0] <= time.monotonic()),
                           "a message, or a held-back message to come due", tick=0.005)
             link.poll()
             now = time.monotonic()
-            flush = len(outbox) if final else sum(1 for _ in _prefix(outbox, now))
+            flush = len(loop.outbox) if final else sum(1 for _ in _prefix(loop.outbox, now))
             take = [list(r) for r in link.box.keys()]
             for i, r in enumerate(link.box.values()):
-                if r.meta.get("kind") == "snap":
+                if Inbox.is_marker(r):
                     # A snapshot marker ends the decision: what arrived after it was sent
                     # after the syncer's cut and must be taken after this learner's cut.
                     take = take[: i + 1]
                     break
             return {"take": take, "flush": flush}
 
-        d = tape.decide("inbox", key, compute)
-        first_marker[0] = False
-        for rel, meta, tensors, timing in outbox[: int(d["flush"])]:
-            send_syncer(meta, tensors, timing)
-        del outbox[: int(d["flush"])]
-        take(d["take"])
-        if marker:
-            cut(marker.pop(), key)
-        serve()
+        d = self.tape.decide("inbox", key, compute)
+        self.first_marker = False
+        for rel, meta, tensors, timing in loop.outbox[: int(d["flush"])]:
+            self.send_syncer(meta, tensors, timing)
+        del loop.outbox[: int(d["flush"])]
+        self.take(d["take"])
+        if self.marker:
+            self.cut(self.marker.pop(), key)
+        self.serve()
 
-    def cut(msg: Message, key: str) -> None:
+    def cut(self, msg: Message, key: str) -> None:
         """This learner's part of a snapshot: at the end of the inbox decision that took
-        the marker, i.e. between two step boundaries; a restore resumes at ``serve()``."""
-        name = str(msg.meta["name"])
-        tape.snapshot(name)
-        # every message the syncer sent before its cut was taken in this decision or
-        # earlier (FIFO), and no peer-to-peer message is in flight between participants
-        tape.snapshot_channels(name, [])
+        the marker, i.e. between two step boundaries; a restore resumes at ``serve()``.
+        Every message the syncer sent before its cut was taken in this decision or earlier
+        (FIFO); what is still boxed was sent after it and is sent again by a restored
+        syncer (the agent rolls the cut back over it). No peer-to-peer message is in
+        flight between participants: the agent checks it (channels out of scope)."""
+        ctx, core = self.ctx, self.core
+        assert core is not None
         meta, tensors = core.export()
-        part = {
+        loop = self.loop.state_dict()
+        loop.update(actor=ctx.actor, incarnation=ctx.incarnation, phase=key, started_at=self.out.started_at,
+                    snapshot=str(msg.meta["snapshot"]))
+        self.views.refresh({
             "core": {"meta": meta, "tensors": tensors, "c_tokens": list(core.c_tokens), "c_steps": list(core.c_steps),
-                     "loader": core.loader.state_dict(), "last_loss": core.last_loss},
-            "loop": {"actor": ctx.actor, "incarnation": ctx.incarnation, "phase": key, "started_at": out.started_at,
-                     "snapshot": name,
-                     "outbox": [{"meta": dict(m), "tensors": [x.clone() for x in ts], "timing": dict(tm)}
-                                for _, m, ts, tm in outbox],
-                     "pending": [msg_to_json(m) for m in pending_reqs], "jitter_until": jitter_until,
-                     "jitter_delay": jitter_delay, "step_ema": step_ema, "stopped": stopped, "n_end": n_end},
-        }
-        # The reply marker closes this learner's channel to the syncer in the snapshot.
-        send_syncer({"kind": "snapmark", "name": name}, [], None, taped=False)
-        ep = link.ep.state_dict()
-        # taken through: what is still boxed (sent after the syncer's cut) is sent again
-        # by a restored syncer with the same seqs
-        for r in link.box:
-            ep["next_recv"][r[0]] = min(ep["next_recv"][r[0]], r[2])
-        part["loop"]["endpoint"] = ep
-        clock = getattr(tape, "clock", None)
-        if ctx.parts is not None and msg.meta.get("pending"):
-            ctx.parts.write(dict(msg.meta["pending"]), ctx.actor, {"diloco": part}, step=core.t,
-                            clock=clock.encode() if clock is not None else None)
+                     "loader": core.loader.state_dict(), "last_loss": core.last_loss,
+                     **({"comm": {"anchor": core.anchor, "held_v": list(core.held_v), "resid": core.resid}}
+                        if self.cfg.comm_bits != 32 else {})},
+            "loop": loop})
+        self.agent.take_marker(msg, unconsumed=list(self.link.box.values()))
 
-    def serve() -> None:
-        for req in list(pending_reqs):
+    def serve(self) -> None:
+        core, loop = self.core, self.loop
+        assert core is not None
+        for req in list(loop.pending):
             if max(core.applied) >= int(req.meta["target"]):
                 meta, tensors = core.export()
-                link.send(req.src, {"kind": "state", **meta}, tensors)
-                flush_log()
-                pending_reqs.remove(req)
+                self.link.send(req.src, {"kind": "state", "asked_at": int(req.meta.get("asked_at", core.t)), **meta},
+                               tensors)
+                self.flush_log()
+                loop.pending.remove(req)
 
-    def lag_loop(t: int, w: int) -> None:
-        while not stopped and lagging():  # bounded staleness: wait for the merges this round needs
-            boundary(f"t{t}.w{w}", block=True)
+    def lag_loop(self, t: int, w: int) -> None:
+        while not self.loop.stopped and self.lagging():  # bounded staleness: wait for the merges this round needs
+            self.boundary(f"t{t}.w{w}", block=True)
             w += 1
 
-    if resume_key is not None:
-        serve()  # the rest of the inbox decision the cut interrupted
-        if resume_key.startswith("t"):
-            t_s, _, w_s = resume_key[1:].partition(".w")
-            lag_loop(int(t_s), int(w_s) + 1 if w_s else 0)
-        else:
-            n_end += 1
-    # An actor's n-th scheduled death (kill or loss, in schedule order: the order the
-    # syncer names them) is its incarnation n's, and fires at that incarnation's first
-    # step at or after the fault's step. A replacement adopts its peer's step, which may
-    # lie before or after the step its predecessor died at: matching the step alone made
-    # a replacement die again at a step it passed a second time (and a death whose step
-    # it skipped never happened), so how many deaths a run saw depended on timing.
-    deaths = [f for f in ctx.faults if f.kind in ("kill", "loss")]
-    my_death = deaths[ctx.incarnation] if ctx.incarnation < len(deaths) else None
-    while core.t < cfg.steps and not stopped:
-        t = core.t
-        for f in ctx.faults:
-            if f.kind == "jitter" and f.step == t:
-                pass
-            elif f is my_death and t >= f.step:
-                pass
+    # -- the loop ------------------------------------------------------------------------------
+    def die(self, t: int) -> None:
+        ctx = self.ctx
+        self.out.died_at = t
+        self.out.final_t = t
+        if ctx.remote is not None:
+            # Flush the tape log and wait for the syncer to have it before the
+            # SIGKILL (a real crash would lose the tail; the replay needs it).
+            self.send_syncer({"kind": "dying"}, [], None, taped=False)
+            self.link.first_from(SYNCER, ("ack",))
+        if ctx.parts is not None:
+            # An injected fault lands after a snapshot part this learner is still
+            # writing is durable: otherwise whether the snapshot keeps this learner
+            # would depend on disk speed, not on the seeded schedule. (A real crash
+            # mid-write leaves the learner out; replay.snapshot's tests cover that.)
+            self.agent.flush(60.0)
+        ctx.die()
+
+    def run(self) -> LearnerOutcome:
+        ctx, cfg, tape, out, loop = self.ctx, self.cfg, self.tape, self.out, self.loop
+        if not self.start():
+            return out
+        core, loop = self.core, self.loop
+        assert core is not None
+        if self.resume_key is not None:
+            self.serve()  # the rest of the inbox decision the cut interrupted
+            if self.resume_key.startswith("t"):
+                t_s, _, w_s = self.resume_key[1:].partition(".w")
+                self.lag_loop(int(t_s), int(w_s) + 1 if w_s else 0)
             else:
-                continue
-            tape.inject(f.kind, ctx.actor, {**f.detail, "step": t, "incarnation": ctx.incarnation})
-            if f.kind == "jitter":
-                jitter_until, jitter_delay = t + int(f.detail["steps"]), float(f.detail["delay_s"])
-            else:
-                out.died_at = t
-                out.final_t = t
-                if ctx.remote is not None:
-                    # Flush the tape log and wait for the syncer to have it before the
-                    # SIGKILL (a real crash would lose the tail; the replay needs it).
-                    send_syncer({"kind": "dying"}, [], None, taped=False)
-                    link.first_from(SYNCER, ("ack",))
-                if ctx.parts is not None:
-                    # An injected fault lands after a snapshot part this learner is still
-                    # writing is durable: otherwise whether the snapshot keeps this learner
-                    # would depend on disk speed, not on the seeded schedule. (A real crash
-                    # mid-write leaves the learner out; replay.snapshot's tests cover that.)
-                    ctx.parts.flush(actor=ctx.actor)
-                ctx.die()
-                return out
-        if ctx.step_delay_s:
-            time.sleep(ctx.step_delay_s)
-        t0 = time.perf_counter()
-        tape.begin_step(t)
-        ids, loss = core.train_step()
-        tape.batch(ids)
-        tape.loss(loss)
-        tape.end_step()
-        out.losses.append((t, loss))
-        dt = time.perf_counter() - t0
-        step_ema = dt if step_ema == 0.0 else step_ema + cfg.ema_alpha * (dt - step_ema)
-        p = cfg.fragment_due(t)
-        if p is not None:
-            meta = {"kind": "frag", "p": p, "t": t, "tokens": core.c_tokens[p], "steps": core.c_steps[p],
-                    "inc": ctx.incarnation, "started": out.started_at}
-            delay = jitter_delay if t < jitter_until else 0.0
-            outbox.append((time.monotonic() + delay, meta, core.fragment(p), {"step_s": step_ema}))
-        boundary(f"t{t}")
-        lag_loop(t, 0)
-    while not stopped:
-        boundary(f"end{n_end}", final=True)
-        n_end += 1
-    out.final_t = core.t
-    out.state = [(n, t.detach().clone()) for n, t in core.named_state()]
-    tape.params(out.state)
-    if ctx.remote is not None:
-        send_syncer({"kind": "bye"}, [], None, taped=False)
-    return out
+                loop.n_end += 1
+        # An actor's n-th scheduled death (kill or loss, in schedule order: the order the
+        # syncer names them) is its incarnation n's, and fires at that incarnation's first
+        # step at or after the fault's step. A replacement adopts its peer's step, which may
+        # lie before or after the step its predecessor died at: matching the step alone made
+        # a replacement die again at a step it passed a second time (and a death whose step
+        # it skipped never happened), so how many deaths a run saw depended on timing.
+        deaths = [f for f in ctx.faults if f.kind in ("kill", "loss")]
+        my_death = deaths[ctx.incarnation] if ctx.incarnation < len(deaths) else None
+        speed = cfg.speed_of(_index(ctx.actor))
+        while core.t < cfg.steps and not loop.stopped:
+            t = core.t
+            for f in ctx.faults:
+                if f.kind == "jitter" and f.step == t:
+                    pass
+                elif f is my_death and t >= f.step:
+                    pass
+                else:
+                    continue
+                tape.inject(f.kind, ctx.actor, {**f.detail, "step": t, "incarnation": ctx.incarnation})
+                if f.kind == "jitter":
+                    loop.jitter_until, loop.jitter_delay = t + int(f.detail["steps"]), float(f.detail["delay_s"])
+                else:
+                    self.die(t)
+                    return out
+            if ctx.step_delay_s:
+                time.sleep(ctx.step_delay_s)
+            t0 = time.perf_counter()
+            tape.begin_step(t)
+            ids, loss = core.train_step()
+            tape.batch(ids)
+            tape.loss(loss)
+            tape.end_step()
+            out.losses.append((t, loss))
+            dt = time.perf_counter() - t0
+            if speed < 1.0 and tape.mode == "record":  # a slower machine: each step takes 1/speed as long
+                time.sleep(dt * (1.0 / speed - 1.0))
+                dt = time.perf_counter() - t0
+            loop.step_ema = dt if loop.step_ema == 0.0 else loop.step_ema + cfg.ema_alpha * (dt - loop.step_ema)
+            for p in cfg.fragments_due(t):
+                enc, tensors = core.outgoing(p)
+                meta = {"kind": "frag", "p": p, "t": t, "tokens": core.c_tokens[p], "steps": core.c_steps[p],
+                        "inc": ctx.incarnation, "started": out.started_at, **enc}
+                delay = loop.jitter_delay if t < loop.jitter_until else 0.0
+                loop.outbox.append((time.monotonic() + delay, meta, tensors, {"step_s": loop.step_ema}))
+            self.boundary(f"t{t}")
+            self.lag_loop(t, 0)
+        while not loop.stopped:
+            self.boundary(f"end{loop.n_end}", final=True)
+            loop.n_end += 1
+        out.final_t = core.t
+        out.state = [(n, t.detach().clone()) for n, t in core.named_state()]
+        tape.params(out.state)
+        self.agent.flush(60.0)  # every part this learner took is durable before it says goodbye
+        if ctx.remote is not None:
+            self.send_syncer({"kind": "bye"}, [], None, taped=False)
+        return out
+
+
+def run_learner(ctx: LearnerCtx) -> LearnerOutcome:
+    return Learner(ctx).run()
 
 
 def restore_core(core: LearnerCore, part: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -454,6 +579,12 @@ def restore_core(core: LearnerCore, part: Mapping[str, Any]) -> Mapping[str, Any
     core.load(c["meta"], list(c["tensors"]))
     core.c_tokens = [int(x) for x in c["c_tokens"]]
     core.c_steps = [int(x) for x in c["c_steps"]]
+    core.applied = [int(x) for x in c["meta"]["applied"]]  # a snapshot keeps them (load() may not)
+    comm = c.get("comm")
+    if comm is not None:
+        core.anchor = [None if a is None else list(a) for a in comm["anchor"]]
+        core.held_v = [int(x) for x in comm["held_v"]]
+        core.resid = [list(r) for r in comm["resid"]]
     core.loader.load_state_dict(c["loader"])
     core._it = None
     core.last_loss = float(c["last_loss"])

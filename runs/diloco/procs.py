@@ -7,8 +7,8 @@ start and idles until the syncer activates it: a hot spare, as production fleets
 The killed process really is gone (SIGKILL, exit -9); its replacement starts with no
 state and recovers it from a healthy peer.
 
-Learners record through :class:`~runs.diloco.tapeio.RemoteTape`; their logs ride on
-their messages to the syncer, whose :class:`~runs.diloco.tapeio.LogApplier` puts them
+Learners record through :class:`~replay.RemoteTape`; their logs ride on
+their messages to the syncer, whose :class:`~replay.LogApplier` puts them
 on the one tape. A learner about to be killed flushes its log and waits for the
 syncer's acknowledgement first (the kill point is a logical step, so that a replay can
 stop the learner at the same point), and a finishing learner does the same.
@@ -17,6 +17,7 @@ stop the learner at the same point), and a finishing learner does the same.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -30,10 +31,10 @@ from replay import Endpoint
 from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, run_learner, sigkill_self
-from runs.diloco.link import Link
+from replay import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
-from runs.diloco.tapeio import LogApplier, RemoteTape, TapeHub, endpoint_name
+from replay import LogApplier, RemoteTape, TapeHub, endpoint_name
 
 __all__ = ["run_processes"]
 
@@ -58,13 +59,14 @@ def _control() -> Any:
 
 
 def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: dict[str, Any], actor: str,
-                  inc: int, schedule_d: dict[str, Any], pythonpath: str,
-                  snap_root: str | None = None) -> None:  # pragma: no cover - child
+                  inc: int, schedule_d: dict[str, Any], pythonpath: str, snap_root: str | None = None,
+                  restore_path: str | None = None, rejoin: bool = False,
+                  dropped: tuple[str, ...] = ()) -> None:  # pragma: no cover - child
     torch.set_num_threads(1)
-    if os.environ.get("DILOCO_DEBUG"):
+    if os.environ.get("DILOCO_DEBUG"):  # `kill -USR1 <pid>` prints every thread's stack
         import faulthandler
 
-        faulthandler.dump_traceback_later(12, exit=False)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = DiLoCoConfig.from_dict(cfg_d)
     schedule = Schedule.from_json(schedule_d)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -73,44 +75,57 @@ def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: di
 
     transport = TorchDistTransport(actors)
     remote = RemoteTape(actor)
-    link = Link(Endpoint(transport), remote, timeout_s=cfg.io_timeout_s * 10)
+    link = Inbox(Endpoint(transport), remote, timeout_s=cfg.io_timeout_s * 10, markers=True)
     parts = None
     if snap_root is not None:
         from runs.diloco.snapshots import Snapshots
 
         parts = Snapshots(snap_root, control=_control(), keep_last=cfg.snapshot_keep,
                           config={"diloco": cfg.to_dict()})
+    restore = None
+    if restore_path is not None:  # relaunched from a snapshot: this incarnation starts from its part
+        from runs.diloco.snapshots import Restored
+
+        restore = Restored.open(restore_path)
     ctx = LearnerCtx(cfg, actor, inc, link, initial_state(cfg), schedule.for_learner(actor), die=sigkill_self,
-                     remote=remote, parts=parts)
-    out = run_learner(ctx)
-    if parts is not None:
-        parts.flush()
+                     remote=remote, parts=parts, restore=restore, rejoin=rejoin, dropped=dropped)
+    out = run_learner(ctx)  # its snapshot parts are durable when it returns
     if out.state or inc == 0 or out.started_at:
         link.first_from("syncer", ("ack",))
     os._exit(0)
 
 
 def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, dict[str, Any]], None] | None = None,
-                  after_step: Callable[[int, Any], None] | None = None, snapshots: Any = None) -> Any:
+                  after_step: Callable[[int, Any], None] | None = None, snapshots: Any = None,
+                  restore: Any = None) -> Any:
+    """Every learner incarnation a process. ``restore`` (a ``snapshots.Restored``): the
+    processes are launched afresh from that snapshot (after a syncer fault), each
+    incarnation of the cut from its part, a learner left out alive afresh to rejoin; the
+    ones dead before the cut are not launched."""
     from replay import TorchDistTransport
     from runs.diloco.outcome import RunResult, decide_schedule, spares_of
 
     torch.set_num_threads(1)
     t0 = time.monotonic()
-    schedule = decide_schedule(hub, cfg)
+    schedule = Schedule.from_json(restore.syncer["schedule"]) if restore is not None else decide_schedule(hub, cfg)
     names = learner_names(cfg)
     spares = spares_of(cfg, schedule)
-    incs = [(a, k) for a in names for k in range(len(spares[a]) + 1)]
+    first_inc, rejoin = restore.incarnations(names) if restore is not None else ({a: 0 for a in names}, set())
+    incs = [(a, k) for a in names for k in range(first_inc[a], len(spares[a]) + 1)]
     actors = ["syncer"] + [endpoint_name(a, k) for a, k in incs]
     world = len(actors)
     port = _free_port()
     ctx = mp.get_context("spawn")
     procs = []
     for rank, (a, k) in enumerate(incs, start=1):
+        e = endpoint_name(a, k)
+        from_part = restore is not None and k == first_inc[a] and a in restore.learners
         p = ctx.Process(target=_learner_proc, args=(rank, world, port, actors, cfg.to_dict(), a, k,
                                                      schedule.to_json(), os.environ.get("PYTHONPATH", ""),
-                                                     snapshots.root if snapshots is not None else None),
-                        name=endpoint_name(a, k), daemon=True)
+                                                     snapshots.root if snapshots is not None else None,
+                                                     restore.path if from_part else None, e in rejoin,
+                                                     tuple(sorted(rejoin))),
+                        name=e, daemon=True)
         p.start()
         procs.append(p)
     try:
@@ -119,7 +134,7 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         transport = TorchDistTransport(actors)
         if snapshots is not None:
             snapshots.control = _control()
-        link = Link(Endpoint(transport), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
+        link = Inbox(Endpoint(transport), hub.local("syncer"), timeout_s=cfg.io_timeout_s, markers=True)
         applier = LogApplier(hub)
         byes_acked: set[str] = set()
         by_name = {p.name: p for p in procs}
@@ -129,11 +144,17 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
             # only when it next sends to it.
             return [n for n, p in by_name.items() if p.exitcode is not None and p.exitcode != 0]
 
+        link.gone = lambda e: e in by_name and by_name[e].exitcode is not None
+
+        if restore is not None:
+            restore.register_stamps(hub)
         sy = run_syncer(SyncerCtx(cfg, link, initial_state(cfg), schedule, spares, val_corpus(cfg),
                                   applier=applier, on_step=on_step, after_step=after_step, dead_probe=dead_probe,
-                                  snapshots=snapshots))
+                                  snapshots=snapshots, restore=restore))
         for e in sorted(set(actors[1:])):
-            if e not in byes_acked:
+            # a process that has ended (killed, or a spare that was told to stop) needs no
+            # goodbye, and a gloo send to it can wait for a receive that never comes
+            if e not in byes_acked and by_name[e].exitcode is None:
                 try:
                     link.send(e, {"kind": "ack"}, taped=False)
                 except Exception:  # a dead or finished peer needs no goodbye
@@ -145,7 +166,7 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         try:
             # Every peer is gone now, so each receiver thread has ended on its closed
             # connection; destroying the group under a thread still inside gloo aborts.
-            transport.close(timeout=10.0)
+            transport.close(timeout=10.0, gone=[n for n, c in exitcodes.items() if c is not None])
         except Exception:
             pass
         if applier.pending():

@@ -3,11 +3,14 @@
 ``goodput`` counts, per learner slot and fragment, the inner steps whose work reached
 the merged model: an incarnation's steps from its start up to its last merged
 contribution of that fragment (a contribution carries all the steps since the
-incarnation's previous one). Steps a dead incarnation ran after its last merged
-contribution, and steps a slot never ran while it waited for its replacement, do not
-count. Capacity is ``learners x steps`` per fragment: the run never stops, so logical
-time is the inner-step count. The baseline counts the same way in its own logical
-time (``baseline.py``).
+incarnation's previous one), each step once however many incarnations ran it. Every
+other step of the capacity is lost to one cause (``goodput_accounting``): run by an
+incarnation that died after its last merged contribution (kill), never run while the
+slot waited for its replacement's activation (rejoin wait) or for the state its peer
+sent (recovery transfer), or run by a live learner and never merged (quorum wait, stale
+contributions). Capacity is ``learners x steps`` per fragment: the run never stops, so
+logical time is the inner-step count. The baseline counts the same way in its own
+logical time (``baseline.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from runs.diloco.baseline import BaselineResult
 from runs.diloco.chaos import FAULT_CLASSES
 from runs.diloco.config import DiLoCoConfig
 
-__all__ = ["Report", "diloco_goodput", "fault_summary", "build_report", "plot", "LOSS_TOLERANCE"]
+__all__ = ["Report", "diloco_goodput", "goodput_accounting", "Accounting", "fault_summary", "build_report", "plot",
+           "LOSS_TOLERANCE", "LOSS_CAUSES"]
 
 # The loss claim: chaos and no-fault runs (same seed) end within this relative distance.
 # Measured: 1.8% (quick, threads), 5.4% (default, gloo; chaos ended lower): merges differ
@@ -43,6 +47,97 @@ def diloco_goodput(cfg: DiLoCoConfig, merged: Sequence[dict[str, Any]]) -> tuple
     # learner-steps: a step counts 1/P per fragment that carried it into the model
     useful = useful_frac / cfg.fragments
     return useful_frac / capacity, int(round(useful)), cfg.learners * cfg.steps
+
+
+LOSS_CAUSES = ("kill", "rejoin wait", "recovery transfer", "quorum wait", "stale contributions")
+
+
+@dataclass
+class Accounting:
+    """Where every learner-step of the capacity went (``goodput_accounting``).
+
+    ``lost`` maps each cause to learner-steps (fractional: a step counts 1/P per fragment
+    that carried it into the model): ``kill`` (run by an incarnation that died after its
+    last merged contribution, thrown away), ``rejoin wait`` (never run: from the death to
+    the replacement's activation), ``recovery transfer`` (never run: from the
+    activation to the step the replacement adopted from its peer), ``quorum wait`` and
+    ``stale contributions`` (run by a live learner and never merged). ``recoveries``: per
+    replacement, wall seconds from the kill to its first merged contribution and as a
+    ratio to a syncer round (the median wall time of P syncer steps)."""
+
+    counted: float
+    capacity: int
+    lost: dict[str, float]
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    round_s: float = 0.0
+
+    @property
+    def goodput(self) -> float:
+        return self.counted / self.capacity if self.capacity else 0.0
+
+
+def goodput_accounting(cfg: DiLoCoConfig, schedule: Any, sy: Any) -> Accounting:
+    """Every learner-step of ``learners x steps``, per slot and fragment: counted (in some
+    incarnation's contributions that were merged, never twice) or lost to one cause.
+
+    A step that no incarnation ran lies either before the replacement's activation (the
+    rejoin wait: detection plus the schedule's ``rejoin_after``) or after it (the transfer:
+    the peer ran on until it served the state, and the replacement adopted that step).
+    The activation point in the slot's steps is the step its peer was at when it took the
+    replacement's request (``asked_at``, reported with the join)."""
+    P, T = cfg.fragments, cfg.steps
+    last: dict[tuple[str, int, int], int] = {}
+    first_s: dict[tuple[str, int], int] = {}
+    started: dict[tuple[str, int], int] = {}
+    for m in sy.merged:
+        a, k, p = str(m["actor"]), int(m["inc"]), int(m["s"]) % P
+        last[(a, k, p)] = max(last.get((a, k, p), -1), int(m["t"]))
+        started[(a, k)] = int(m["started"])
+        first_s[(a, k)] = min(first_s.get((a, k), int(m["s"])), int(m["s"]))
+    asked = {(j["endpoint"].split("~")[0], int(j["endpoint"].partition("~")[2] or 0)): j for j in sy.joins}
+    lost = dict.fromkeys(LOSS_CAUSES, 0.0)
+    counted = 0.0
+    for i in range(cfg.learners):
+        a = f"learner-{i}"
+        deaths = [f for f in schedule.for_learner(a) if f.kind in ("kill", "loss")]
+        incs = sorted({k for (b, k) in started if b == a} | {k for (b, k) in asked if b == a} | {0})
+        for p in range(P):
+            ran = [0] * T  # per step: 0 never ran, 1 ran and lost, 2 counted
+            cause_ran = ["stale contributions"] * T
+            for k in incs:
+                s0 = started.get((a, k), asked[(a, k)]["started"] if (a, k) in asked else 0)
+                died = max(deaths[k].step, s0) if k < len(deaths) and (a, k + 1) in asked else T
+                m = last.get((a, k, p), s0 - 1)
+                for t in range(s0, min(died, T)):
+                    if t <= m:
+                        ran[t] = 2
+                    elif ran[t] < 2:
+                        ran[t] = 1
+                        cause_ran[t] = "kill" if died < T else "stale contributions"
+            for t in range(T):
+                if ran[t] == 2:
+                    counted += 1.0 / P
+                elif ran[t] == 1:
+                    lost[cause_ran[t]] += 1.0 / P
+                else:
+                    # never ran: before the replacement's activation point, or after it
+                    nxt = [j for (b, k), j in asked.items() if b == a and j["started"] > t]
+                    at = min((j["asked_at"] for j in nxt), default=T)
+                    lost["rejoin wait" if t < at else "recovery transfer"] += 1.0 / P
+    ends = {int(p.get("s", n)): w for n, (p, w) in enumerate(zip(sy.plans, sy.step_wall))}
+    rounds = sorted(ends[s + P] - ends[s] for s in ends if s + P in ends)
+    round_s = rounds[len(rounds) // 2] if rounds else 0.0
+    rec = []
+    for (a, k), s in sorted(first_s.items()):
+        if k == 0:
+            continue
+        dead_ep = a if k == 1 else f"{a}~{k - 1}"
+        t_kill = sy.dead_wall.get(dead_ep)
+        if t_kill is None or s not in ends:
+            continue
+        dt = ends[s] - t_kill
+        rec.append({"actor": a, "incarnation": k, "seconds": dt, "rounds": dt / round_s if round_s else float("nan")})
+    return Accounting(counted, cfg.learners * T, lost, rec, round_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +200,7 @@ class Report:
     syncer_fault: str = "not run"
     syncer_fault_ok: bool | None = None
     snapshots_kept: int = 0
+    accounting: Accounting | None = None
 
     @property
     def loss_gap(self) -> float:
@@ -154,6 +250,17 @@ class Report:
         lines.append(f"goodput: {self.goodput:.1%} of learner-steps counted ({self.useful}/{self.capacity}); "
                      f"synchronous elastic baseline {b.goodput:.1%} ({b.useful}/{b.capacity}: {b.restarts} "
                      f"restarts, {b.rolled_back_steps} steps rolled back, {b.downtime_slots} idle slots)")
+        if self.accounting is not None:
+            a = self.accounting
+            lost = ", ".join(f"{k} {v:g}" for k, v in a.lost.items())
+            lines.append(f"lost learner-steps: {sum(a.lost.values()):g} of {a.capacity} ({lost})")
+            if a.recoveries:
+                secs = sorted(r["seconds"] for r in a.recoveries)
+                rnds = sorted(r["rounds"] for r in a.recoveries)
+                lines.append(f"recovery of a killed learner, from the kill to its first merged contribution: median "
+                             f"{secs[len(secs) // 2]:.2f} s = {rnds[len(rnds) // 2]:.1f} syncer rounds "
+                             f"(a round {a.round_s:.3f} s; {len(secs)} recoveries, "
+                             f"{rnds[0]:.1f}-{rnds[-1]:.1f} rounds)")
         lines.append(f"validation loss: chaos {self.val_chaos:.4f}, no faults {self.val_nofault:.4f} "
                      f"({gap_words(self.loss_gap)}, tolerance {LOSS_TOLERANCE:.0%} worse: {yes(self.loss_ok)}); "
                      f"baseline {b.val[-1][1]:.4f}" if b.val else "")
@@ -179,13 +286,14 @@ def build_report(cfg: DiLoCoConfig, chaos: Any, nofault: Any, baseline: Baseline
     import torch
 
     sy = chaos.syncer
-    g, useful, cap = diloco_goodput(cfg, sy.merged)
+    acc = goodput_accounting(cfg, chaos.schedule, sy)
     finite = all(bool(torch.isfinite(t).all()) for _, t in sy.state)
     members = [len(p["members"]) for p in sy.plans]
     return Report(cfg=cfg, faults=fault_summary(events, sy.plans, cfg.quorum, finite), syncer_steps=sy.steps,
                   syncer_steps_expected=cfg.syncer_steps, min_members=min(members) if members else 0,
-                  downtime_steps=sum(1 for m in members if m == 0), goodput=g, useful=useful, capacity=cap,
-                  baseline=baseline, val_chaos=sy.val[-1][1], val_nofault=nofault.syncer.val[-1][1])
+                  downtime_steps=sum(1 for m in members if m == 0), goodput=acc.goodput,
+                  useful=int(round(acc.counted)), capacity=acc.capacity, baseline=baseline,
+                  val_chaos=sy.val[-1][1], val_nofault=nofault.syncer.val[-1][1], accounting=acc)
 
 
 def plot(path: str, cfg: DiLoCoConfig, chaos: Any, nofault: Any, baseline: BaselineResult,

@@ -26,10 +26,10 @@ from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, LearnerOutcome, run_learner
 from runs.diloco.outcome import RunResult, decide_schedule, spares_of
-from runs.diloco.link import Link
+from replay import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
-from runs.diloco.tapeio import TapeHub, endpoint_name
+from replay import TapeHub, endpoint_name
 from replay import Recorder
 
 __all__ = ["RunResult", "record", "main", "run_actors", "ENTRY_POINT", "DELAY_ENV"]
@@ -42,18 +42,19 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
                delay_of: Callable[[str, int], float] | None = None,
                on_step: Callable[[int, dict[str, Any]], None] | None = None,
                after_step: Callable[[int, Any], None] | None = None,
-               snapshots: Any = None, restore: Mapping[str, Any] | None = None) -> RunResult:
+               snapshots: Any = None, restore: Any = None) -> RunResult:
     """Every actor as a thread of this process over the in-process transport.
 
     ``delay_of(actor, incarnation)`` slows chosen learners down per inner step (tests of
     timing independence); ``step_delay_s`` slows every learner (a slower replay machine).
     ``snapshots`` (a :class:`~runs.diloco.snapshots.Snapshots`) writes the snapshots
-    taken every ``cfg.snapshot_every`` syncer steps; ``restore`` (part name -> part tree of
-    a committed snapshot) starts every actor at its cut instead of at the beginning."""
+    taken every ``cfg.snapshot_every`` syncer steps; ``restore`` (a committed snapshot,
+    :class:`~runs.diloco.snapshots.Restored`) starts every actor at its cut instead of at
+    the beginning."""
     torch.set_num_threads(1)
     t0 = time.monotonic()
     if restore is not None:
-        schedule = Schedule.from_json(restore["syncer"]["diloco"]["schedule"])
+        schedule = Schedule.from_json(restore.syncer["schedule"])
     else:
         schedule = decide_schedule(hub, cfg)
     theta0 = initial_state(cfg)
@@ -61,17 +62,11 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     spares = spares_of(cfg, schedule)
     endpoints = ["syncer"] + [e for a in names for e in [a, *spares[a]]]
     net = InProcessNetwork.complete(endpoints)
-    # restore: which incarnation of each learner starts from its part, which are dead
+    # restore: which incarnation of each learner starts, which endpoints start afresh
     first_inc = {a: 0 for a in names}
+    rejoin: set[str] = set()
     if restore is not None:
-        active = dict(restore["syncer"]["diloco"]["book"]["active"])
-        for a in names:
-            if a not in restore:
-                raise ValueError(f"snapshot has no part for {a}")
-            k = int(restore[a]["diloco"]["loop"]["incarnation"])
-            if endpoint_name(a, k) != active.get(a):
-                raise ValueError(f"{a}: the part is of incarnation {k}, the syncer's cut has {active.get(a)}")
-            first_inc[a] = k
+        first_inc, rejoin = restore.incarnations(names)
     errors: list[BaseException] = []
     outcomes: list[LearnerOutcome] = []
     done: dict[str, threading.Event] = {e: threading.Event() for e in endpoints}
@@ -80,15 +75,16 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     def learner_thread(actor: str, inc: int) -> None:
         ep_name = endpoint_name(actor, inc)
         try:
-            link = Link(Endpoint(net.transport(ep_name)), hub.local(actor), timeout_s=cfg.io_timeout_s)
+            link = Inbox(Endpoint(net.transport(ep_name)), hub.local(actor), timeout_s=cfg.io_timeout_s, markers=True)
             prev = endpoint_name(actor, inc - 1) if inc > first_inc[actor] else None
-            part = restore[actor]["diloco"] if restore is not None and inc == first_inc[actor] else None
+            part = restore if restore is not None and inc == first_inc[actor] and actor in restore.learners else None
             ctx = LearnerCtx(cfg, actor, inc, link, theta0, schedule.for_learner(actor),
                              die=lambda: net.kill(ep_name),
                              predecessor_done=(lambda: _wait(done[prev], cfg.io_timeout_s, prev)) if prev else
                              (lambda: None),
                              step_delay_s=delay_of(actor, inc) if delay_of is not None else step_delay_s,
-                             parts=snapshots, restore=part)
+                             parts=snapshots, restore=part, rejoin=ep_name in rejoin,
+                             dropped=tuple(sorted(rejoin)))
             o = run_learner(ctx)
             with lock:
                 outcomes.append(o)
@@ -102,12 +98,9 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
         for k in range(first_inc[a]):  # incarnations that died before the cut
             net.kill(endpoint_name(a, k), "dead before the snapshot")
             done[endpoint_name(a, k)].set()
-    link = Link(Endpoint(net.transport("syncer")), hub.local("syncer"), timeout_s=cfg.io_timeout_s)
-    syncer_part = None
+    link = Inbox(Endpoint(net.transport("syncer")), hub.local("syncer"), timeout_s=cfg.io_timeout_s, markers=True)
     if restore is not None:
-        from runs.diloco.snapshots import restore_syncer_endpoint
-
-        syncer_part = restore_syncer_endpoint(link, hub, restore)
+        restore.register_stamps(hub)
     threads = [threading.Thread(target=learner_thread, args=(a, k), name=endpoint_name(a, k), daemon=True)
                for a in names for k in range(first_inc[a], len(spares[a]) + 1)]
     for t in threads:
@@ -116,7 +109,7 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
         sy = run_syncer(SyncerCtx(cfg, link, theta0, schedule, spares, val_corpus(cfg), on_step=on_step,
                                   after_step=after_step, snapshots=snapshots,
                                   endpoint_gone=lambda e: _wait(done[e], cfg.io_timeout_s, e),
-                                  restore=syncer_part))
+                                  restore=restore))
     except BaseException:
         for e in endpoints:
             net.kill(e, "syncer failed")
@@ -128,8 +121,6 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     stuck = [t.name for t in threads if t.is_alive()]
     if stuck:
         raise TimeoutError(f"learner threads did not finish: {stuck}")
-    if snapshots is not None:
-        snapshots.flush()
     outcomes.sort(key=lambda o: (int(o.actor.rsplit("-", 1)[1]), o.incarnation))
     res = RunResult(cfg, schedule, sy, outcomes, time.monotonic() - t0)
     if snapshots is not None:

@@ -1,69 +1,38 @@
-"""Chandy-Lamport snapshots of the reference run, and restoring one under the tape.
+"""The DiLoCo run's snapshots: what a part holds, where snapshots go, what is kept.
 
-The protocol (a star: one syncer, M learners; spec/snapshot-protocol.md §1 for the model):
+The protocol is the library's (``replay.snapshot.SnapshotAgent``, application-driven:
+spec/snapshot-protocol.md §9a, which also states this run's rules). Here:
 
-1. At the start of syncer step ``s`` (``s % snapshot_every == 0``) the syncer takes one
-   taped decision: the snapshot's name and its participants. Learners that are dead or
-   still recovering are excluded by policy, as Decoupled DiLoCo leaves failed learners
-   out (taped as ``fault_detected snapshot-excluded``). It then records its cut (the
-   taped ``snapshot`` event; its state is copied), and sends a marker to every
-   participant.
-2. The marker is an *untaped* message on the data channel, so it neither ticks a clock
-   nor changes a taped sequence number, and FIFO puts it after everything the syncer
-   sent before its cut. A learner takes it through its taped inbox decision, which
-   ends at the marker; its cut is the end of that decision. So a learner's cut always
-   falls between two step boundaries (never inside a receive or a merge), its taped
-   position is the same in a forced replay, and a restored learner resumes with
-   ``serve()`` and the rest of its loop. The learner copies its state, sends its reply
-   marker to the syncer, and writes its part on a background thread.
-3. The syncer records, per participant, every message that arrives after its cut and
-   before that learner's reply marker (the channel state), on top of what was in its
-   inbox at the cut. Syncer -> learner channels are empty at a learner's cut (FIFO and
-   a decision that takes everything up to the marker), and no peer-to-peer message is
-   in flight between participants (a learner in recovery is not one).
-4. At the start of each later syncer step a taped decision says whether the snapshot is
-   closed: every participant's marker is in and its part durable (or it died and is
-   excluded). Closing writes the syncer's part, commits the one multi-part ``ckpt``
-   checkpoint (``CkptSnapshotStore``, kind ``snapshot``, meta format
-   ``replay-snapshot``), applies the retention policy, and tapes the syncer's channel
-   state and the outcome. At most one snapshot is open at a time: a snapshot closes
-   within a step or two, and one at a time keeps the learners' cut rule simple (a
-   decision ends at *the* marker).
-
-Taped messages that a dead incarnation never received are listed in the syncer's channel
-state ("lost"): on the tape a learner's incarnations are one actor, so without them a
-later cut would show messages sent inside it and never received.
-
-Restore (``restore.py``): every actor of the snapshot starts from its part in a
-fresh thread; the syncer's recorded channel messages and the learners' markers are
-re-delivered first; then the run continues in force mode under the original tape, each
-actor's tape lined up at its own ``snapshot`` event (``Oracle(align_snapshot=)``).
-A snapshot that excluded a learner cannot be continued exactly (that learner's state
-is not in it) and is refused.
+- the part layout (§9a): :func:`part_entries` splits an actor's state tree into the
+  checkpoint entries ``model``, ``optim``, ``messages``, ``diloco`` (and a learner's data
+  field), :func:`join_part` joins them back; :class:`PartViews` registers them with an
+  agent, computed once per cut and collected again on a restore;
+- :class:`Snapshots` (record mode): the root, the store, the control plane, and ckpt's
+  retention over the committed snapshots;
+- :func:`snapshot_agent`: an actor's agent, wired to its inbox and the tape hub;
+- :class:`Restored`: a committed snapshot a run continues from.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
-import msgpack
-import torch
-
-from replay import Message
-from replay import VectorClock
+from replay import CHANNELS_KEY, CkptSnapshotStore, Message, MemoryControl, SnapshotAgent, TapeSinkEvents, VectorClock
+from replay import actor_of, stamp_from_json, stamp_to_json
 from replay.errors import SnapshotError
 
-__all__ = ["Snapshots", "snapshot_name", "snapshot_message", "message_from_snapshot", "list_snapshots",
-           "restore_syncer_endpoint", "SNAPSHOT_FORMAT", "PART_FORMAT", "part_entries", "join_part"]
+__all__ = ["Snapshots", "PartViews", "Restored", "snapshot_agent", "snapshot_name", "snapshot_message",
+           "message_from_snapshot", "list_snapshots", "part_entries", "join_part", "SNAPSHOT_FORMAT", "PART_FORMAT",
+           "STAMP_KEY"]
 
-SNAPSHOT_FORMAT = "replay-snapshot"  # as replay.snapshot.agent: `ckpt inspect` renders it
+SNAPSHOT_FORMAT = "replay-snapshot"  # the library's (replay.snapshot.agent): `ckpt inspect` renders it
 PART_FORMAT = "replay-snapshot-part"
 FORMAT_VERSION = 1
 _UNTAPED_META = ("log", "nlog")
+STAMP_KEY = "@stamp"  # a recorded message's tape stamp, so a restored syncer can take it in
 
 
 def snapshot_name(s: int) -> str:
@@ -78,10 +47,8 @@ def _nsem(msg: Message) -> int:
 
 
 def snapshot_message(msg: Message, hub: Any) -> dict[str, Any]:
-    """A delivered message as a snapshot records it: meta without the shipped tape log
-    (already applied), its tensors, and the tape stamp of its send (None if untaped)."""
-    from runs.diloco.tapeio import stamp_to_json
-
+    """A held message as a part records it: meta without the shipped tape log (already
+    applied), its tensors, and the tape stamp of its send (None if untaped)."""
     st = hub.stamp((msg.src, msg.dst, msg.seq), wait=False)
     return {"src": msg.src, "dst": msg.dst, "seq": msg.seq,
             "meta": {k: v for k, v in msg.meta.items() if k not in _UNTAPED_META},
@@ -94,257 +61,180 @@ def message_from_snapshot(d: Mapping[str, Any]) -> Message:
                    tensors=tuple(d["tensors"]))
 
 
-class _Held:
-    """A copy taken at the cut, handed to ``ckpt.write_part`` as a Stateful: its type
-    name is what ``ckpt inspect`` sorts an entry into the seven fields by."""
+def recorded_form(hub: Any) -> Callable[[Message], Message]:
+    """The agent's ``channel_filter`` on the syncer: a message in a recorded channel state
+    keeps no shipped tape log (it was applied on delivery; re-applying it would tape its
+    events twice) and carries its tape stamp under :data:`STAMP_KEY`."""
+    def form(msg: Message) -> Message:
+        st = hub.stamp((msg.src, msg.dst, msg.seq), wait=False)
+        meta = {k: v for k, v in msg.meta.items() if k not in _UNTAPED_META}
+        meta[STAMP_KEY] = stamp_to_json(st) if st is not None else None
+        return Message(msg.src, msg.dst, msg.seq, msg.clock, msg.kind, meta, tuple(msg.tensors[: _nsem(msg)]))
 
-    __slots__ = ("sd",)
+    return form
 
-    def __init__(self, sd: Any) -> None:
-        self.sd = sd
+
+# -- the part layout ------------------------------------------------------------------------
+
+
+class _Entry:
+    """One entry of a part, registered with the agent: its state is computed at the cut
+    (``PartViews``), and on a restore what is read back is collected for the actor. Its
+    type name is what ``ckpt inspect`` sorts the entry into the seven fields by."""
+
+    def __init__(self, views: "PartViews", key: str) -> None:
+        self._views = views
+        self._key = key
 
     def state_dict(self) -> Any:
-        return self.sd
+        # None before any cut: a restore then reads into fresh tensors (ckpt.load)
+        return self._views.entry(self._key)
 
     def load_state_dict(self, sd: Any) -> None:
-        self.sd = sd
+        self._views.loaded[self._key] = sd
 
 
-class OptimizerState(_Held):
+class Weights(_Entry):
+    """An actor's parameters: a learner's model tensors, the syncer's global fragments."""
+
+
+class OptimizerState(_Entry):
     """A learner's inner AdamW state and LR schedule, or the syncer's outer momentum."""
 
 
-class LoaderState(_Held):
+class LoaderState(_Entry):
     """A learner's data-loader state (ckpt's data-offsets field)."""
 
 
-class Messages(_Held):
+class Messages(_Entry):
     """Messages an actor holds at its cut: the syncer's inbox not yet merged, a learner's
     outbox not yet sent and the state requests it has not served."""
 
 
-def part_entries(actor: str, tree: Mapping[str, Any]) -> tuple[dict[str, Any], LoaderState | None]:
-    """The checkpoint entries of one actor's part (spec/snapshot-protocol.md §9a rule 7).
+class Tree(dict):  # type: ignore[type-arg]
+    """A learner's loader state as ``part_entries`` returns it: a mapping, and a Stateful."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+
+class _Plain(_Entry):
+    """Collects the plain ``diloco`` entry on a restore (it is written as a plain tree)."""
+
+
+def part_entries(actor: str, tree: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The checkpoint entries of one actor's part (spec/snapshot-protocol.md §9a).
 
     The in-memory part is one ``diloco`` tree; on disk its parameters are the ``model``
     entry, its optimizer state the ``optim`` entry, the messages it holds the
     ``messages`` entry and a learner's loader state the data field, so ``ckpt inspect``
     shows each of the seven fields where it belongs. What is left (counters, loop
-    position, endpoint sequence numbers) stays ``diloco``."""
+    position, bookkeeping) stays ``diloco``. Returns (entries as plain trees, the data
+    field as a :class:`Tree` or None)."""
     d = dict(tree["diloco"])
     rest = {k: v for k, v in tree.items() if k != "diloco"}
     if actor == "syncer":
-        model: dict[str, Any] = {"theta": d.pop("theta")}
-        optim = OptimizerState({"mom": d.pop("mom")})
-        held = Messages({"box": d.pop("box")})
-        return {"model": model, "optim": optim, "messages": held, "diloco": d, **rest}, None
+        optim = {"mom": d.pop("mom")}
+        if "comm" in d:  # compressed communication: what each learner holds, as the syncer mirrors it
+            optim["comm"] = d.pop("comm")
+        return {"model": {"theta": d.pop("theta")}, "optim": optim, "messages": {"box": d.pop("box")},
+                "diloco": d, **rest}, None
     core = dict(d["core"])
     meta = dict(core.pop("meta"))
     named = list(zip(meta["names"], core.pop("tensors")))
     model = {n: t for n, t in named if n.startswith("model.")}
-    optim = OptimizerState({"tensors": {n: t for n, t in named if not n.startswith("model.")},
-                            "param_groups": meta.pop("param_groups"), "sched": meta.pop("sched")})
-    data = LoaderState(core.pop("loader"))
+    optim = {"tensors": {n: t for n, t in named if not n.startswith("model.")},
+             "param_groups": meta.pop("param_groups"), "sched": meta.pop("sched")}
+    if "comm" in core:  # compressed communication: the held fragments and residuals
+        optim["comm"] = core.pop("comm")
+    data = Tree(core.pop("loader"))
     d["core"] = {**core, "meta": meta}
     loop = dict(d["loop"])
-    held = Messages({"outbox": loop.pop("outbox"), "pending": loop.pop("pending")})
+    held = {"outbox": loop.pop("outbox"), "pending": loop.pop("pending")}
     d["loop"] = loop
     return {"model": model, "optim": optim, "messages": held, "diloco": d, **rest}, data
 
 
 def join_part(actor: str, entries: Mapping[str, Any], data: Any) -> dict[str, Any]:
-    """The inverse of :func:`part_entries`: the ``diloco`` tree restore works from."""
+    """The inverse of :func:`part_entries`: the ``diloco`` tree an actor restores from."""
     d = dict(entries["diloco"])
     optim = dict(entries["optim"])
     held = dict(entries["messages"])
     if actor == "syncer":
-        return {**d, "theta": entries["model"]["theta"], "mom": optim["mom"], "box": held["box"]}
+        return {**d, "theta": entries["model"]["theta"], "mom": optim["mom"], "box": held["box"],
+                **({"comm": optim["comm"]} if "comm" in optim else {})}
     core = dict(d["core"])
     meta = dict(core["meta"])
     model, inner = entries["model"], optim["tensors"]
     tensors = [model[n] if n in model else inner[n] for n in meta["names"]]
     meta.update(param_groups=optim["param_groups"], sched=optim["sched"])
-    d["core"] = {**core, "meta": meta, "tensors": tensors, "loader": data}
+    d["core"] = {**core, "meta": meta, "tensors": tensors, "loader": data,
+                 **({"comm": optim["comm"]} if "comm" in optim else {})}
     d["loop"] = {**d["loop"], "outbox": held["outbox"], "pending": held["pending"]}
     return d
 
 
-def _pack(x: Any) -> bytes:
-    return msgpack.packb(x, use_bin_type=True)
+class PartViews:
+    """An actor's part, registered with its agent: ``refresh(tree)`` right before the cut
+    (the agent stages each entry then), ``joined()`` after a restore."""
+
+    def __init__(self, actor: str) -> None:
+        self.actor = actor
+        self._entries: dict[str, Any] = {}
+        self._data: Any = None
+        self.diloco: dict[str, Any] = {}  # registered as a plain tree: ``ckpt inspect`` shows "other"
+        self.loaded: dict[str, Any] = {}
+        learner = actor != "syncer"
+        self.state: dict[str, Any] = {"model": Weights(self, "model"), "optim": OptimizerState(self, "optim"),
+                                      "messages": Messages(self, "messages"), "diloco": self.diloco}
+        self.data = LoaderState(self, "@data") if learner else None
+
+    def refresh(self, tree: Mapping[str, Any]) -> None:
+        self._entries, data = part_entries(self.actor, {"diloco": tree})
+        self._data = data.state_dict() if data is not None else None
+        self.diloco.clear()
+        self.diloco.update(self._entries["diloco"])
+
+    def entry(self, key: str) -> Any:
+        return self._data if key == "@data" else self._entries.get(key)
+
+    def loaders(self) -> dict[str, Any]:
+        """What a restore loads the entries into (the plain ``diloco`` entry included)."""
+        return {**{k: v for k, v in self.state.items() if k != "diloco"}, "diloco": _Plain(self, "diloco")}
+
+    def joined(self) -> dict[str, Any]:
+        return join_part(self.actor, self.loaded, self.loaded.get("@data"))
 
 
-def _unpack(b: bytes) -> Any:
-    return msgpack.unpackb(b, raw=False, strict_map_key=False)
+# -- record mode: where snapshots go and what is kept -------------------------------------------
 
 
 class Snapshots:
-    """Record mode: where snapshot parts go, how participants report them, what is kept.
-
-    ``root`` holds one ``ckpt`` checkpoint per snapshot (``step-<s>``). ``control`` is
-    the control plane (``replay.snapshot.MemoryControl`` for threads, the c10d store for
+    """Record mode: ``root`` holds one ``ckpt`` checkpoint per snapshot (``step-<s>``);
+    ``control`` is the control plane (``MemoryControl`` for threads, the c10d store for
     processes). Retention is ckpt's :class:`~ckpt.manager.RetentionPolicy`: the last
-    ``keep_last`` snapshots plus the newest restorable one (no learner excluded), through
-    ``keep_best`` on the ``restorable_step`` metric.
-    """
+    ``keep_last`` snapshots (every committed snapshot is restorable: ``continue_run``,
+    spec §9a) plus the newest one that continues exactly under the run's own tape too
+    (``restore_run``: it left no learner out alive), through ``keep_best`` on the
+    ``exact_step`` metric."""
 
     def __init__(self, root: str | os.PathLike[str], *, control: Any = None, keep_last: int = 2,
                  config: Mapping[str, Any] | None = None) -> None:
         from ckpt import RetentionPolicy
-        from replay import CkptSnapshotStore, MemoryControl
 
         self.root = str(Path(root).absolute())
         self.store = CkptSnapshotStore(self.root)
         self.control = control if control is not None else MemoryControl()
-        self.retention = RetentionPolicy(keep_last=keep_last, keep_best=1, best_metric="restorable_step",
+        self.retention = RetentionPolicy(keep_last=keep_last, keep_best=1, best_metric="exact_step",
                                          best_mode="max")
-        # (actor, writer thread); learner threads share this object in threads mode
-        self._writers: list[tuple[str, threading.Thread]] = []
-        self._writers_lock = threading.Lock()
-        self._dead_seen: dict[tuple[str, str], float] = {}
-        self.grace_s = 5.0
         self.outcomes: list[dict[str, Any]] = []
         self.config = dict(config) if config is not None else None  # in every part, with its hash
-        # snapshots already committed that a continued run restored from: they close again
-        # (the restored syncer re-runs the close decision) without writing anything
-        self._adopted: dict[str, dict[str, Any]] = {}
 
-    def adopt(self, path: str | os.PathLike[str], meta: Mapping[str, Any]) -> None:
-        """The committed snapshot at ``path`` is the one the run was restored from (see
-        :func:`continue_run`)."""
-        self._adopted[str(meta["snapshot"])] = {**meta, "path": str(Path(path).absolute())}
-
-    # -- learners --------------------------------------------------------------------------
-    def begin(self, name: str) -> dict[str, str]:
-        p = self.store.begin(name)
-        return {"final": p.final, "tmp": p.tmp_dir}
-
-    def write(self, pending: Mapping[str, str], actor: str, tree: Mapping[str, Any], *, step: int,
-              clock: Any) -> None:
-        """Write a learner's part on a background thread and report it on the control plane."""
-        from replay import Pending
-
-        name = os.path.basename(str(pending["final"]))
-        key = f"snap/{name}"
-
-        def run() -> None:
-            self.control.set(f"{key}/writing/{actor}", b"1")
-            try:
-                entries, data = part_entries(actor, tree)
-                rec = self.store.write_part(Pending(str(pending["final"]), str(pending["tmp"])), actor, entries,
-                                            step=step, extra=_extra(name, actor), rng=None, data=data,
-                                            config=self.config)
-            except Exception as exc:  # reported to the coordinator, which aborts
-                self.control.set(f"{key}/failed/{actor}", _pack({"reason": f"part write failed: {exc}"}))
-                return
-            self.control.set(f"{key}/part/{actor}", _pack({"record": rec, "clock": clock, "step": step}))
-
-        t = threading.Thread(target=run, name=f"snap-part-{actor}", daemon=True)
-        with self._writers_lock:  # listed only once started: flush() may join it at once
-            t.start()
-            self._writers.append((actor, t))
-
-    def flush(self, timeout: float = 60.0, *, actor: str | None = None) -> None:
-        """Wait for the part writers started so far (of ``actor`` only, if given)."""
-        with self._writers_lock:
-            todo = [t for a, t in self._writers if actor is None or a == actor]
-        for t in todo:
-            t.join(timeout)
-
-    # -- the syncer (coordinator) ---------------------------------------------------------------
-    def _status(self, name: str, actor: str) -> str:
-        key = f"snap/{name}"
-        if self.control.get(f"{key}/part/{actor}") is not None:
-            return "part"
-        if self.control.get(f"{key}/failed/{actor}") is not None:
-            return "failed"
-        return "pending"
-
-    def ready(self, snap: Mapping[str, Any], *, dead: set[str]) -> bool:
-        from runs.diloco.tapeio import actor_of
-
-        if snap["name"] in self._adopted:
-            return True  # every part is in it: it is the snapshot the run was restored from
-
-        for e in snap["participants"]:
-            a = actor_of(e)
-            st = self._status(snap["name"], a)
-            if e in snap["marked"] and st != "pending":
-                continue
-            if e in dead:
-                # A part being written while the directory is committed would land in it
-                # unlisted: give a writer that started a grace period to finish (a
-                # SIGKILLed process's writer never does).
-                if self.control.get(f"snap/{snap['name']}/writing/{a}") is not None:
-                    since = self._dead_seen.setdefault((snap["name"], a), time.monotonic())
-                    if time.monotonic() - since < self.grace_s:
-                        return False
-                continue
-            return False
-        return True
-
-    def close(self, snap: Mapping[str, Any], *, dead: set[str]) -> dict[str, Any]:
-        """Write the syncer's part, commit (or abort), apply retention; the taped outcome."""
-        from runs.diloco.tapeio import actor_of
-        from replay import CHANNELS_KEY, Pending
-
-        name, s = str(snap["name"]), int(snap["s"])
-        if name in self._adopted:
-            m = self._adopted[name]
-            out = {"close": True, "committed": True, "path": m["path"], "reason": "",
-                   "parts": list(m["parts"]), "excluded": list(m["excluded"])}
-            self.outcomes.append(out)
-            return out
-        pending = Pending(str(snap["pending"]["final"]), str(snap["pending"]["tmp"]))
-        parts: dict[str, dict[str, Any]] = {}
-        excluded = [str(a) for a, _ in snap["excluded"]]
-        reason = ""
-        for e in snap["participants"]:
-            a = actor_of(e)
-            st = self._status(name, a)
-            if e in snap["marked"] and st == "part":
-                parts[a] = _unpack(self.control.get(f"snap/{name}/part/{a}"))  # type: ignore[arg-type]
-            elif st == "failed" and e not in dead:
-                reason = f"{a}: " + str(_unpack(self.control.get(f"snap/{name}/failed/{a}"))["reason"])  # type: ignore[arg-type]
-            else:
-                excluded.append(a)  # died before its part was durable: left out by policy
-        excluded.sort(key=lambda a: int(a.rsplit("-", 1)[1]))
-        inside = sorted(parts, key=lambda a: int(a.rsplit("-", 1)[1]))
-        part_eps = [e for e in snap["participants"] if actor_of(e) in parts]
-        channels = {e: list(snap["recording"][e]) for e in part_eps}
-        staged = dict(snap["staged"])
-        staged["snapshot"] = {"name": name, "participants": part_eps, "excluded": [list(x) for x in snap["excluded"]],
-                              "box_refs": list(snap["box_refs"]), "lost": list(snap["lost"])}
-        if not reason:
-            try:
-                entries, _ = part_entries("syncer", {"diloco": staged, CHANNELS_KEY: channels})
-                rec = self.store.write_part(pending, "syncer", entries, step=s, extra=_extra(name, "syncer"), rng=None,
-                                            config=self.config)
-                counts: dict[str, dict[str, int | None]] = {}
-                for e in part_eps:  # taped messages in flight to the syncer at the cut, per learner
-                    seqs = [int(m["stamp"]["chan_seq"]) for m in [*snap["staged"]["box"], *snap["recording"][e]]
-                            if m["src"] == e and m["stamp"] is not None]
-                    counts[actor_of(e)] = {"first_seq": min(seqs) if seqs else None, "count": len(seqs)}
-                meta = {"format": SNAPSHOT_FORMAT, "version": FORMAT_VERSION, "snapshot": name,
-                        "coordinator": "syncer", "participants": ["syncer", *inside, *excluded],
-                        "parts": ["syncer", *inside], "excluded": excluded,
-                        "cut": {"syncer": snap["clock"], **{a: p["clock"] for a, p in parts.items()
-                                                            if p.get("clock") is not None}},
-                        "channels": {"syncer": counts}, "syncer_step": s,
-                        "restorable": not excluded,
-                        "metrics": {"restorable_step": s if not excluded else -1}}
-                self.store.commit(pending, [rec] + [parts[a]["record"] for a in inside], step=s, meta=meta)
-            except Exception as exc:  # any failure aborts the snapshot cleanly
-                reason = f"commit failed: {exc}"
-        if reason:
-            self.store.abort(pending)
-            out = {"close": True, "committed": False, "path": pending.final, "reason": reason,
-                   "parts": ["syncer", *inside], "excluded": excluded}
-        else:
+    def committed(self, outcome: Mapping[str, Any]) -> None:
+        """After a commit (or an abort) of the coordinator: note it, apply retention."""
+        self.outcomes.append({"close": True, **outcome})
+        if outcome["committed"]:
             self.apply_retention()
-            out = {"close": True, "committed": True, "path": pending.final, "reason": "",
-                   "parts": ["syncer", *inside], "excluded": excluded}
-        self.outcomes.append(out)
-        return out
 
     def apply_retention(self) -> list[str]:
         """ckpt's one retention routine over the committed snapshots."""
@@ -353,9 +243,121 @@ class Snapshots:
         return list(ckpt.apply_retention(self.root, self.retention))
 
 
-def _extra(name: str, actor: str) -> dict[str, Any]:
-    return {"format": PART_FORMAT, "version": FORMAT_VERSION, "snapshot": name, "actor": actor,
-            "coordinator": "syncer"}
+def snapshot_agent(link: Any, views: PartViews, *, participants: Sequence[str], snapshots: Snapshots | None,
+                   coordinator: bool, hub: Any = None, control: Any = None, excludable: Sequence[str] = (),
+                   step: Callable[[], int] | None = None) -> SnapshotAgent:
+    """An actor's agent: application markers (taken through the actor's taped decisions)
+    and, on the syncer, manual coordination; learners' channels other than the syncer's
+    are out of scope (quiet at every cut). ``snapshots`` None (a replay): nothing written."""
+    store = snapshots.store if snapshots is not None else None
+    ctl = control if control is not None else (snapshots.control if snapshots is not None else MemoryControl())
+    agent = SnapshotAgent(
+        link.ep, views.state, store=store, control=ctl, participants=participants, excludable=excludable,
+        markers="application", coordinate="manual", scope=None if coordinator else ("syncer",),
+        channel_filter=recorded_form(hub) if coordinator else None, events=TapeSinkEvents(link.tape, hub),
+        data=views.data, config=snapshots.config if snapshots is not None else None, part_of=actor_of,
+        grace_s=5.0, step=step)
+    link.on_marker = agent.offer_marker
+    return agent
+
+
+# -- restore ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Restored:
+    """A committed snapshot a run continues from: its meta, its store, the syncer's
+    bookkeeping (``diloco`` entry) and each included learner's loop position."""
+
+    path: str
+    name: str
+    meta: dict[str, Any]
+    store: CkptSnapshotStore
+    syncer: dict[str, Any]
+    learners: dict[str, dict[str, Any]] = field(default_factory=dict)  # actor -> its part's "diloco" entry
+    # taped messages inside the cut that were never received inside it, to and from each
+    # learner the snapshot left out (``restore.unreceived``): in flight for ever on the tape
+    lost_to: dict[str, list[list[Any]]] = field(default_factory=dict)
+    lost_from: dict[str, list[list[Any]]] = field(default_factory=dict)
+
+    @property
+    def excluded(self) -> list[str]:
+        return [str(a) for a in self.meta.get("excluded", ())]
+
+    @property
+    def policy(self) -> dict[str, str]:
+        """Learners left out by the syncer's policy at the cut: actor -> "dead" / "recovering"."""
+        return {str(a): str(w) for a, w in self.syncer["snapshot"]["excluded"]}
+
+    @property
+    def rejoin(self) -> list[str]:
+        """Left-out learners that were alive at the cut without their state in the snapshot
+        (recovering, or dead before their part was durable): their endpoint starts afresh
+        and recovers from a healthy peer, as a replacement does live (spec §9a)."""
+        return [a for a in self.excluded if self.policy.get(a) != "dead"]
+
+    def endpoint(self, actor: str) -> str | None:
+        return self.syncer["book"]["active"].get(actor)
+
+    def incarnations(self, names: Sequence[str]) -> tuple[dict[str, int], set[str]]:
+        """Which incarnation of each learner starts (from its part, afresh to rejoin, or the
+        next spare of a learner dead at the cut), and the endpoints that start afresh."""
+        first: dict[str, int] = {}
+        rejoin: set[str] = set()
+        spare_used = dict(self.syncer["book"]["spare_used"])
+        for a in names:
+            e = self.endpoint(a)
+            if a in self.learners:
+                k = int(self.learners[a]["loop"]["incarnation"])
+                if _incarnation(e or "") != k or actor_of(e or "") != a:
+                    raise SnapshotError(f"{a}: the part is of incarnation {k}, the syncer's cut has {e}",
+                                        snapshot=self.name)
+                first[a] = k
+            elif a in self.rejoin:
+                assert e is not None
+                first[a] = _incarnation(e)
+                rejoin.add(e)
+            else:  # dead at the cut: its next spare (if any) is activated when the plan says
+                first[a] = _incarnation(e) + 1 if e is not None else int(spare_used[a]) + 1
+        return first, rejoin
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> "Restored":
+        """Read a committed snapshot's meta; refuses one that is not a DiLoCo snapshot."""
+        path = str(Path(path).absolute())
+        # The parts of a gloo run were written by processes of a larger world; restored as
+        # threads of one process they differ in world size by design, and exactness is
+        # what the forced continuation proves event by event: no environment gate here.
+        store = CkptSnapshotStore(os.path.dirname(path), exactness="off")
+        name = os.path.basename(path)
+        meta = store.read_meta(name)
+        if meta.get("format") != SNAPSHOT_FORMAT or int(meta.get("version", 0)) != FORMAT_VERSION or \
+                "syncer" not in meta.get("parts", ()):
+            raise SnapshotError(f"not a DiLoCo snapshot (format {meta.get('format')!r} version "
+                                f"{meta.get('version')!r})", snapshot=name, path=path)
+        syncer = store.read_entry(name, "syncer", "diloco")
+        learners = {p: store.read_entry(name, p, "diloco") for p in meta["parts"] if p != "syncer"}
+        return cls(path, name, dict(meta), store, syncer, learners)
+
+    @property
+    def step(self) -> int:
+        return int(self.syncer["s"])
+
+    def register_stamps(self, hub: Any) -> None:
+        """The tape stamps of every message the syncer holds or recorded at the cut: a
+        restored syncer takes them in (a taped receive looks its send's stamp up)."""
+        box = self.store.read_entry(self.name, "syncer", "messages")["box"]
+        chans = self.store.read_entry(self.name, "syncer", CHANNELS_KEY)
+        for m in [*box, *(dict(m, src=src, dst="syncer", stamp=m["meta"].get(STAMP_KEY))
+                          for src, msgs in chans.items() for m in msgs)]:
+            if m.get("stamp") is not None:
+                hub.register((str(m["src"]), str(m["dst"]), int(m["seq"])), stamp_from_json(m["stamp"]))
+
+
+def _incarnation(endpoint: str) -> int:
+    """``learner-2~1`` -> 1 (the inverse of ``replay.endpoint_name``)."""
+    _, _, k = endpoint.partition("~")
+    return int(k) if k else 0
 
 
 def list_snapshots(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -368,28 +370,3 @@ def list_snapshots(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if r.committed:
             out.append({"path": r.path, "name": r.name, "step": r.step, "meta": dict(ckpt.open(r.path).meta)})
     return out
-
-
-def restore_syncer_endpoint(link: Any, hub: Any, parts: Mapping[str, Any]) -> dict[str, Any]:
-    """Before anything is received: the syncer's sequence numbers at its cut, its
-    recorded channel states and each learner's reply marker queued ahead of anything
-    new (the restored syncer records them again, as the original did), and the tape
-    stamps of every message sent before the cut and received after it."""
-    from runs.diloco.tapeio import actor_of, stamp_from_json
-    from replay import CHANNELS_KEY
-
-    part = dict(parts["syncer"]["diloco"])
-    chans = parts["syncer"][CHANNELS_KEY]
-    name = str(part["snapshot"]["name"])
-    for m in [*part["box"], *(m for msgs in chans.values() for m in msgs)]:
-        if m["stamp"] is not None:
-            hub.register((str(m["src"]), str(m["dst"]), int(m["seq"])), stamp_from_json(m["stamp"]))
-    inflight: dict[str, list[Message]] = {}
-    for e in part["snapshot"]["participants"]:
-        loop = parts[actor_of(e)]["diloco"]["loop"]
-        marker_seq = int(loop["endpoint"]["next_send"]["syncer"]) - 1  # its last send before its cut
-        msgs = [message_from_snapshot(m) for m in chans.get(e, [])]
-        msgs.append(Message(e, "syncer", marker_seq, VectorClock(), meta={"kind": "snapmark", "name": name}))
-        inflight[e] = msgs
-    link.ep.restore(part["endpoint"], inflight)
-    return part

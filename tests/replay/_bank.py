@@ -54,3 +54,18 @@ class Teller:
         return {"balance": int(self.balance), "acc": self.acc.numpy().tobytes(),
                 "rng": self.gen.get_state().numpy().tobytes(), "steps": self.steps, "clock": ep.clock.encode(),
                 "next_send": ep.next_send, "next_recv": ep.next_recv}
+
+
+class Box:
+    """The smallest registered state: a tensor and a counter."""
+
+    def __init__(self, v: float) -> None:
+        self.w = torch.full((4,), v)
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"w": self.w, "n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.w.copy_(sd["w"])
+        self.n = int(sd["n"])

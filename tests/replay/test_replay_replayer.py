@@ -199,3 +199,18 @@ def test_loss_sequence_is_bit_identical_across_record_and_fork_of_same_config(tm
     a = [struct.pack("<d", e.payload["value"]) for e in TapeReader(tape).events() if e.kind.name == "loss"]
     b = [struct.pack("<d", e.payload["value"]) for e in TapeReader(out).events() if e.kind.name == "loss"]
     assert a == b and len(a) == 8
+
+
+def test_one_environment_comparison_for_tapes_ledgers_and_checkpoints() -> None:
+    """replay, the ledger and the checkpoint gate compare environments with ckpt's one
+    ``env_diff`` (nested ``env`` entries per variable), so they never disagree."""
+    from ckpt.context.env import env_diff, env_differences
+
+    a = {"torch": "2.13", "env": {"OMP_NUM_THREADS": "1"}, "only_a": 1}
+    b = {"torch": "2.14", "env": {"OMP_NUM_THREADS": "2"}}
+    assert env_diff(a, b) == {"env.OMP_NUM_THREADS": ("1", "2"), "only_a": (1, None), "torch": ("2.13", "2.14")}
+    assert env_differences(a, b, keys=("torch", "env")) == ["torch: '2.13' -> '2.14'",
+                                                            "env.OMP_NUM_THREADS: '1' -> '2'"]
+    import replay.digest
+
+    assert not hasattr(replay.digest, "env_diff")

@@ -12,6 +12,7 @@ import torch
 
 from replay.channel import Endpoint, InProcessNetwork, ListSink
 from replay.errors import PeerDiedError, SnapshotError
+from tests.replay._bank import Box
 from replay.snapshot import (
     CHANNELS_KEY,
     CkptSnapshotStore,
@@ -19,19 +20,6 @@ from replay.snapshot import (
     MemorySnapshotStore,
     SnapshotAgent,
 )
-
-
-class Box:
-    def __init__(self, v: float) -> None:
-        self.w = torch.full((4,), v)
-        self.n = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"w": self.w, "n": self.n}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.w.copy_(sd["w"])
-        self.n = int(sd["n"])
 
 
 def job(store, names=("p0", "p1", "p2"), **kw):

@@ -44,15 +44,15 @@ def test_gloo_processes_sigkill_recover_and_replay(tmp_path) -> None:
     for (n, x), (_, y) in zip(again.syncer.state, res.syncer.state):
         assert torch.equal(x, y), n
     assert again.syncer.val == res.syncer.val
-    # snapshots: learner processes wrote their own parts; the newest one with every learner
-    # in it (kept by the retention policy) continues bit-identically, as threads
+    # snapshots: learner processes wrote their own parts; the newest one that continues
+    # exactly under this tape (kept by the retention policy) does so bit-identically, as threads
     snaps = list_snapshots(tmp_path / "checkpoints")
     assert snaps and all(o["committed"] for o in res.extra["snapshots"])
     for k in snaps:
         ckpt.open(k["path"]).verify()
-    whole = [k for k in snaps if not k["meta"]["excluded"]]
-    assert whole
-    rr = restore_run(res.tape, whole[-1]["path"])
+    exact = [k for k in snaps if k["meta"]["exact"]]  # kept by the retention policy
+    assert exact
+    rr = restore_run(res.tape, exact[-1]["path"])
     assert rr.identical, rr.divergence
     for (n, x), (_, y) in zip(rr.run.syncer.state, res.syncer.state):
         assert torch.equal(x, y), n
@@ -61,3 +61,20 @@ def test_gloo_processes_sigkill_recover_and_replay(tmp_path) -> None:
     for a in mine:
         for (n, x), (_, y) in zip(theirs[a], mine[a]):
             assert torch.equal(x, y), (a, n)
+
+    # a syncer fault: the run continues from the newest snapshot (whoever it left out) on a
+    # new tape, its learners relaunched as real processes on a new gloo group
+    from runs.diloco.restore import continue_run
+
+    snap = snaps[-1]
+    new = tmp_path / "continued" / "tape"
+    res2 = continue_run(res.tape, snap["path"], new, transport="gloo")
+    assert len(res2.syncer.plans) == cfg.syncer_steps - snap["step"]
+    codes2 = res2.extra["exitcodes"]
+    assert codes2 and all(c in (0, -signal.SIGKILL) for c in codes2.values()), codes2
+    assert check_tape(new) == []
+    rr2 = restore_run(new, snap["path"])  # a forced replay of the continuation from its snapshot
+    assert rr2.identical, rr2.divergence
+    for (n, x), (_, y) in zip(rr2.run.syncer.state, res2.syncer.state):
+        assert torch.equal(x, y), n
+    assert rr2.run.syncer.val == res2.syncer.val

@@ -60,3 +60,28 @@ def test_baseline_under_chaos_stops_everyone_and_restarts_from_a_checkpoint(tmp_
     # logical time only: a second run is bit-identical, losses included
     again = run_baseline(cfg, sched, tmp_path / "b")
     assert again.val == b.val and (again.useful, again.slots) == (b.useful, b.slots)
+
+
+def test_goodput_accounting_puts_every_lost_learner_step_under_one_cause() -> None:
+    from runs.common.chaos import Fault, Schedule
+    from runs.diloco.report import goodput_accounting
+    from runs.diloco.syncer import SyncerOutcome
+
+    cfg = tiny(learners=2, steps=8, inner_h=4, fragments=2)  # round 0: p0 at t=1, p1 at t=3; the last: both at t=7
+    assert cfg.fragments_due(1) == [0] and cfg.fragments_due(3) == [1] and cfg.fragments_due(5) == []
+    assert cfg.fragments_due(7) == [0, 1] and cfg.last_send(0) == 7
+    sched = Schedule((Fault("kill", ("learner-1",), 4, {}),), 0)
+    m = lambda s, a, k, t, st: {"s": s, "actor": a, "inc": k, "t": t, "started": st, "steps": 1}  # noqa: E731
+    sy = SyncerOutcome(merged=[
+        m(0, "learner-0", 0, 1, 0), m(1, "learner-0", 0, 3, 0), m(2, "learner-0", 0, 7, 0), m(3, "learner-0", 0, 7, 0),
+        # learner-1 died at step 4: steps 2-3 of p0 ran after its last p0 contribution (kill)
+        m(0, "learner-1", 0, 1, 0), m(1, "learner-1", 0, 3, 0),
+        # its replacement was activated when its peer was at step 5, and adopted step 6
+        m(2, "learner-1", 1, 7, 6), m(3, "learner-1", 1, 7, 6)],
+        joins=[{"endpoint": "learner-1~1", "started": 6, "asked_at": 5}])
+    a = goodput_accounting(cfg, sched, sy)
+    assert a.capacity == 16 and a.counted == 13
+    # per fragment, halved: p0 steps 2,3 kill; steps 4 (both p) before the activation, 5 after it
+    assert a.lost == {"kill": 1.0, "rejoin wait": 1.0, "recovery transfer": 1.0, "quorum wait": 0.0,
+                      "stale contributions": 0.0}
+    assert a.counted + sum(a.lost.values()) == a.capacity and a.goodput == 13 / 16

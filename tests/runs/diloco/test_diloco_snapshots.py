@@ -4,6 +4,7 @@ under the tape matches the original run bit for bit."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import ckpt
 from ckpt_cli.main import cli
 from replay.check import check_tape
 from runs.diloco import record
-from runs.diloco.restore import restore_run
+from runs.diloco.restore import read_snapshot, restore_run
 from runs.diloco.snapshots import list_snapshots
 from replay.errors import SnapshotError
 from replay.replayer import replay
@@ -63,14 +64,18 @@ def test_snapshots_committed_kept_by_retention_and_on_the_tape(snap_run) -> None
     outcomes = res.extra["snapshots"]
     assert len(outcomes) >= 3 and all(o["committed"] for o in outcomes)
     kept = list_snapshots(d / "checkpoints")
-    restorable = [o for o in outcomes if not o["excluded"]]
-    # ckpt's RetentionPolicy: the last 2, plus the newest snapshot with every learner in it
-    want = {Path(o["path"]).name for o in outcomes[-2:]} | {Path(restorable[-1]["path"]).name}
-    assert {k["name"] for k in kept} == want
+    # ckpt's RetentionPolicy: the last 2, plus the newest snapshot that also continues
+    # exactly under this tape; every committed snapshot is restorable (spec §9a)
+    assert all(k["meta"]["restorable"] for k in kept)
+    exact = [Path(o["path"]).name for o in outcomes if o["exact"]]
+    want = {Path(o["path"]).name for o in outcomes[-2:]} | set(exact[-1:])
+    assert exact and {k["name"] for k in kept} == want
     assert not [p for p in (d / "checkpoints").iterdir() if p.name.startswith(".tmp")]
     for k in kept:
         ckpt.open(k["path"]).verify()
         assert k["meta"]["format"] == "replay-snapshot" and k["meta"]["parts"][0] == "syncer"
+        assert k["meta"]["exact"] == next(o["exact"] for o in outcomes if Path(o["path"]).name == k["name"])
+        assert ckpt.open(k["path"]).step == k["meta"]["syncer_step"] == k["step"]  # the checkpoint's step: the cut's
         r = CliRunner().invoke(cli, ["inspect", k["path"]])
         assert r.exit_code == 0 and f"snapshot {k['name']} (coordinator syncer)" in r.output
         assert CliRunner().invoke(cli, ["verify", k["path"]]).exit_code == 0
@@ -108,7 +113,7 @@ def test_force_replay_with_snapshots_is_identical(snap_run) -> None:
 
 def test_restore_mid_run_snapshot_continues_bit_identically(snap_run) -> None:
     res, d = snap_run
-    kept = [k for k in list_snapshots(d / "checkpoints") if not k["meta"]["excluded"]]
+    kept = [k for k in list_snapshots(d / "checkpoints") if k["meta"]["exact"]]  # kept by retention
     assert kept
     snap = kept[-1]
     assert 0 < snap["step"] < res.cfg.syncer_steps
@@ -121,7 +126,9 @@ def test_restore_earliest_snapshot_replays_the_faults_after_it(tmp_path: Path) -
     # Every snapshot kept: the earliest one with all learners in it (usually syncer step
     # 1, before the kill) is continued; deaths, recoveries and rejoins after the cut are
     # re-enacted by the restored actors and still match the tape bit for bit.
-    res = record(tmp_path / "tape", tiny(snapshot_every=1, snapshot_keep=50))
+    # snapshot_wait: a snapshot begins at every syncer step, so one falls while a learner
+    # is dead (between its death and its replacement's activation, two steps)
+    res = record(tmp_path / "tape", tiny(snapshot_every=1, snapshot_keep=50, snapshot_wait=True))
     ok = [k for k in list_snapshots(tmp_path / "checkpoints") if not k["meta"]["excluded"]]
     assert ok
     rr = restore_run(res.tape, ok[0]["path"])
@@ -129,11 +136,18 @@ def test_restore_earliest_snapshot_replays_the_faults_after_it(tmp_path: Path) -
     after = [a for s, a in res.syncer.deaths if s >= rr.syncer_step]
     assert sorted(a for _, a in rr.run.syncer.deaths) == sorted(after)
     assert sum(len(o.losses) for o in rr.run.learners) > 0
-    # a snapshot that left a failed learner out cannot be continued exactly: refused
+    # A snapshot that left out only dead learners continues exactly under the tape too:
+    # their replacements are activated when the tape's plan says, and recover from a peer.
     partial = [k for k in list_snapshots(tmp_path / "checkpoints") if k["meta"]["excluded"]]
-    assert partial
-    with pytest.raises(SnapshotError, match="cannot be continued from it exactly"):
-        restore_run(res.tape, partial[0]["path"])
+    dead_only = [k for k in partial if sorted(k["meta"]["excluded"]) == sorted(_policy(k))
+                 and set(_policy(k).values()) == {"dead"}]
+    assert dead_only, [_policy(k) for k in partial]
+    _assert_continues_identically(res, restore_run(res.tape, dead_only[-1]["path"]))
+
+
+def _policy(k) -> dict[str, str]:
+    """The learners a snapshot left out by policy at its cut: actor -> "dead"/"recovering"."""
+    return dict(read_snapshot(k["path"])[1]["syncer"]["diloco"]["snapshot"]["excluded"])
 
 
 def test_restore_refuses_a_non_snapshot(tmp_path: Path) -> None:
@@ -151,7 +165,6 @@ def test_snapshot_parts_show_each_field_where_it_belongs(snap_run) -> None:
     the tree that was written (restore depends on it, bit for bit)."""
     import json
 
-    from runs.diloco.restore import read_snapshot
     from runs.diloco.snapshots import join_part, part_entries
 
     res, d = snap_run
@@ -196,6 +209,8 @@ def _same_tree(a, b, where: str = "") -> None:
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
             _same_tree(x, y, f"{where}/{i}")
+    elif isinstance(a, float):
+        assert struct.pack("<d", a) == struct.pack("<d", b), where  # bit for bit (a NaN loss too)
     else:
         assert a == b, where
 
@@ -206,7 +221,7 @@ class _SyncerCrash(Exception):
 
 def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) -> None:
     """The one fault that costs a pause: the syncer dies mid-run. The run goes on from
-    the newest snapshot with every learner in it, taking fresh decisions, on a new tape
+    a snapshot (dead learners left out of it are replaced), taking fresh decisions, on a new tape
     that holds the history inside the cut; that tape checks clean and a forced replay of
     it from step 0 reproduces the continued run bit for bit."""
     from runs.diloco.restore import continue_run
@@ -220,9 +235,12 @@ def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) ->
 
     with pytest.raises(_SyncerCrash):
         record(tmp_path / "run1" / "tape", cfg, after_step=die)
-    whole = [k for k in list_snapshots(tmp_path / "run1" / "checkpoints") if not k["meta"]["excluded"]]
-    assert whole, "a snapshot with every learner in it was taken before the crash"
-    snap = whole[-1]
+    # The newest snapshot that left no learner out alive (retention keeps it): the
+    # continuation then replays from step 0 (from one that did, it replays from the
+    # snapshot: test_a_partial_snapshot_continues_live_and_the_left_out_learners_rejoin).
+    kept = [k for k in list_snapshots(tmp_path / "run1" / "checkpoints") if k["meta"]["exact"]]
+    assert kept, "a snapshot was taken before the crash"
+    snap = kept[-1]
     assert snap["step"] <= crash_at
 
     with pytest.raises(SnapshotError, match="another snapshot directory"):
@@ -248,6 +266,47 @@ def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) ->
     # the replay ran from step 0; the continued run's validation losses are its tail
     assert [v for v in again.syncer.val if v[0] >= snap["step"]] == res.syncer.val
     mine, theirs = res.final_learner_states(), again.final_learner_states()
+    assert sorted(mine) == sorted(theirs)
+    for a in mine:
+        _same(theirs[a], mine[a])
+
+
+def test_a_partial_snapshot_continues_live_and_the_left_out_learners_rejoin(tmp_path: Path) -> None:
+    """After a syncer fault the run continues from a snapshot that left a learner out while
+    it was still recovering: the syncer and the included learners start from their parts,
+    the left-out one starts afresh and recovers from a healthy peer as it does live; the
+    new tape checks clean and a forced replay of it reproduces the continued run."""
+    from runs.diloco.restore import continue_run
+
+    # The healthy peer (learner-0, which never dies) is slow: a replacement activated at a
+    # syncer step waits for it at least one of its steps (0.1 s), while the syncer cuts
+    # the next snapshot right away, so that snapshot leaves the replacement out.
+    res = record(tmp_path / "run1" / "tape", tiny(snapshot_every=1, snapshot_keep=50, snapshot_wait=True),
+                 delay_of=lambda actor, inc: 0.1 if actor == "learner-0" else 0.0)
+    partial = [k for k in list_snapshots(tmp_path / "run1" / "checkpoints") if "recovering" in _policy(k).values()]
+    assert partial, "a replacement is still recovering at the cut right after its activation"
+    snap = partial[0]
+    with pytest.raises(SnapshotError, match="continue it live"):  # its recovery cannot be re-run under the tape
+        restore_run(res.tape, snap["path"])
+    new = tmp_path / "run2" / "tape"
+    out = continue_run(res.tape, snap["path"], new)
+    assert len(out.syncer.plans) == res.cfg.syncer_steps - snap["step"]
+    left = sorted(snap["meta"]["excluded"])
+    events = list(TapeReader(new).events())
+    back = [e.payload["target"] for e in events if e.kind.name == "fault_recovered"
+            and e.payload["fault"] == "snapshot-excluded"]
+    rejoined = sorted(a for a, why in _policy(snap).items() if why == "recovering")
+    assert sorted(back) == rejoined and set(rejoined) <= set(left)
+    assert sorted(out.final_learner_states()) == [f"learner-{i}" for i in range(res.cfg.learners)]
+    assert check_tape(new) == []
+    # The new tape holds the history inside the cut, then the continuation, in which the
+    # left-out learner rejoined afresh: a forced replay from the snapshot (every actor at
+    # its cut, the left-out one after its events before the syncer's) reproduces it.
+    rr = restore_run(new, snap["path"])
+    assert rr.identical, rr.divergence
+    _same(rr.run.syncer.state, out.syncer.state)
+    assert rr.run.syncer.val == out.syncer.val and rr.run.syncer.plans == out.syncer.plans
+    mine, theirs = out.final_learner_states(), rr.run.final_learner_states()
     assert sorted(mine) == sorted(theirs)
     for a in mine:
         _same(theirs[a], mine[a])

@@ -1,9 +1,10 @@
-"""The seam between the DiLoCo actors and the event tape.
+"""One tape for a job of many actors, threads and processes: the tape hub (spec/snapshot-protocol.md §9b).
 
-Every actor (syncer, learners) records through a :class:`TapeSink`. Messages are named
+Every actor records through a :class:`TapeSink`. Messages are named
 on the wire by their transport identity ``MsgRef = (src endpoint, dst endpoint, seq)``;
 the tape names them by the *tape* actor's channel (``learner-2->syncer``) and its own
-per-channel sequence number, which continues across a learner's incarnations. The
+per-channel sequence number, which continues across a worker's incarnations (a worker
+restarted under endpoint ``learner-2~1`` is still tape actor ``learner-2``). The
 :class:`TapeHub` (in the process that owns the :class:`~replay.recorder.Recorder`) maps
 one to the other: a send registers the :class:`~replay.recorder.Stamp` its event
 produced, and a receive looks it up.
@@ -12,8 +13,8 @@ Two sinks:
 
 - :class:`LocalTape` calls the recorder directly (actors running as threads of the
   recorder's process; this is also how every replay runs);
-- :class:`RemoteTape` (a learner in its own process) appends the same calls to a log
-  that travels on the learner's next message to the syncer; the hub's
+- :class:`RemoteTape` (a worker in its own process) appends the same calls to a log
+  that travels on the worker's next message to the recording process; the hub's
   :class:`LogApplier` replays the log onto the recorder. A log entry that receives a
   message whose send is not taped yet (a peer-to-peer state transfer can overtake the
   peer's log) waits, with everything after it for that actor, until the send is.
@@ -22,6 +23,9 @@ Why one recorder for all processes: the tape is one file whose per-actor event
 sequences are what ``ckpt replay --mode force`` compares, and the replay runs every
 actor as a thread of one process. A per-process tape would need a merge step that
 re-numbers actors and clocks; the log costs one list per message instead.
+
+:class:`TapeSinkEvents` is the :class:`~replay.channel.base.EventSink` that puts a
+:class:`~replay.snapshot.SnapshotAgent`'s events on a TapeSink (§9a rule 6).
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import msgpack
 import torch
 
-import replay
-from replay import VectorClock
+from replay.channel.taping import message_digest as _payload_digest
+from replay.clock import VectorClock
 from replay.errors import ReplayError
-from replay import Recorder, Stamp
+from replay.recorder import Recorder, Stamp
 
-__all__ = ["MsgRef", "endpoint_name", "actor_of", "TapeSink", "TapeHub", "LocalTape", "RemoteTape", "LogApplier", "message_digest",
-           "stamp_to_json", "stamp_from_json"]
+__all__ = ["MsgRef", "endpoint_name", "actor_of", "TapeSink", "TapeHub", "LocalTape", "RemoteTape", "LogApplier", "TapeSinkEvents",
+           "meta_digest", "stamp_to_json", "stamp_from_json"]
 
 MsgRef = tuple[str, str, int]  # (src endpoint, dst endpoint, endpoint seq)
 
@@ -54,9 +58,10 @@ def actor_of(endpoint: str) -> str:
     return endpoint.split("~", 1)[0]
 
 
-def message_digest(meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
-    """The channel's payload digest (``replay.message_digest``) of a message about to be sent."""
-    return replay.message_digest(msgpack.packb(dict(meta), use_bin_type=True), list(tensors))
+def meta_digest(meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
+    """The channel's payload digest (``replay.message_digest``) of a message about to be
+    sent, from its metadata mapping (packed as the wire packs it) and its tensors."""
+    return _payload_digest(msgpack.packb(dict(meta), use_bin_type=True), list(tensors))
 
 
 class _NamedTensors:
@@ -87,6 +92,8 @@ class TapeSink(Protocol):
     def note(self, text: str) -> None: ...
     def snapshot(self, name: str) -> None: ...
     def snapshot_channels(self, name: str, refs: Sequence[tuple[str, int]]) -> None: ...
+    def snapshot_outcome(self, name: str, *, committed: bool, path: str, parts: Sequence[str],
+                         excluded: Sequence[str], reason: str) -> None: ...
 
 
 def stamp_to_json(s: Stamp) -> dict[str, Any]:
@@ -318,13 +325,22 @@ class RemoteTape:
     def snapshot_channels(self, name: str, refs: Sequence[tuple[str, int]]) -> None:
         self._log.append(["snapchan", name, [[str(c), int(q)] for c, q in refs]])
 
+    def snapshot_outcome(self, name: str, *, committed: bool, path: str, parts: Sequence[str],
+                         excluded: Sequence[str], reason: str) -> None:
+        self._log.append(["snapout", name, bool(committed), path, list(parts), list(excluded), reason])
+
 
 def _ref(x: Sequence[Any]) -> MsgRef:
     return (str(x[0]), str(x[1]), int(x[2]))
 
 
 class LogApplier:
-    """Replays RemoteTape logs onto LocalTapes, in order per actor, waiting for stamps."""
+    """Replays RemoteTape logs onto LocalTapes, in order per actor, waiting for stamps.
+
+    ``add`` queues a log shipped by ``actor``'s process and applies every entry whose
+    inputs are there; ``pump`` retries the waiting ones (call it after a send was taped
+    elsewhere); ``pending`` counts what is still waiting (non-zero at the end of a job
+    means a receive whose send never reached the tape)."""
 
     def __init__(self, hub: TapeHub) -> None:
         self.hub = hub
@@ -398,5 +414,55 @@ class LogApplier:
             t.snapshot(e[1])
         elif op == "snapchan":
             t.snapshot_channels(e[1], [(str(c), int(q)) for c, q in e[2]])
+        elif op == "snapout":
+            t.snapshot_outcome(e[1], committed=bool(e[2]), path=str(e[3]), parts=list(e[4]), excluded=list(e[5]),
+                               reason=str(e[6]))
         else:
             raise ReplayError(f"unknown remote tape op {op!r}", actor=actor)
+
+
+class TapeSinkEvents:
+    """An :class:`~replay.channel.base.EventSink` that tapes a SnapshotAgent's events on a
+    :class:`TapeSink` (spec/snapshot-protocol.md §9a rule 6).
+
+    Channel events (send, recv, empty polls, peer deaths) are not taped here: an
+    application on the hub tapes its sends and receives itself, where it sends and where
+    it *consumes* (an :class:`~replay.channel.inbox.Inbox`), which is not where the
+    endpoint delivers. The recorded channel state's endpoint references become tape
+    references through ``hub`` (an untaped message has none and is left out); a
+    ``snapshot.local_done`` payload's ``also`` entries are tape references already."""
+
+    def __init__(self, sink: TapeSink, hub: TapeHub | None = None) -> None:
+        self.sink = sink
+        self.hub = hub
+
+    def _tape_refs(self, payload: Mapping[str, Any]) -> list[tuple[str, int]]:
+        refs = {(str(c), int(q)) for c, q in payload.get("also", ())}
+        for channel, seq in payload.get("inflight_refs", ()):
+            src, _, dst = str(channel).partition("->")
+            if self.hub is None:
+                raise ReplayError("recorded channel state needs the tape hub to name its messages", channel=channel)
+            st = self.hub.stamp((src, dst, int(seq)), wait=False)
+            if st is not None:
+                refs.add((st.channel, st.chan_seq))
+        return sorted(refs)
+
+    def record(self, kind: str, actor: str, clock: VectorClock, step: int,
+               payload: Mapping[str, Any]) -> VectorClock | None:
+        s, p = self.sink, payload
+        if kind == "snapshot.record":
+            s.snapshot(str(p["snapshot"]))
+            return getattr(s, "clock", None)
+        if kind == "snapshot.local_done":
+            s.snapshot_channels(str(p["snapshot"]), self._tape_refs(p))
+        elif kind == "snapshot.exclude":
+            s.detected("snapshot-excluded", str(p["actor"]), {"snapshot": p["snapshot"], "reason": p["reason"]})
+        elif kind == "snapshot.peer_failed":
+            s.detected("snapshot-peer-failed", str(p["peer"]), {"snapshot": p["snapshot"]})
+        elif kind in ("snapshot.commit", "snapshot.abort"):
+            s.snapshot_outcome(str(p["snapshot"]), committed=kind == "snapshot.commit", path=str(p.get("path", "")),
+                               parts=list(p.get("parts", ())), excluded=list(p.get("excluded", ())),
+                               reason=str(p.get("reason", "")))
+        elif kind == "snapshot.restore":
+            s.note(f"snapshot.restore {p['snapshot']}")
+        return None

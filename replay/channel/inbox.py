@@ -1,9 +1,17 @@
-"""An actor's message plumbing: taped sends and an inbox addressed by MsgRef.
+"""An actor's message plumbing over the tape hub: taped sends and an inbox addressed by MsgRef.
 
-Every DiLoCo message is one Endpoint DATA message whose meta holds ``kind`` and the
-message's fields; the tape digest covers those fields and the tensors, never the
-``log`` (a remote learner's shipped tape log) or ``timing`` (wall-clock measurements,
-different in every run) entries.
+An application that consumes messages in its own order (through taped decisions, not
+in delivery order) keeps them in an :class:`Inbox`: every message the endpoint delivers
+lands in ``box`` (arrival order, keyed by ``MsgRef``), and the application takes what
+its decision names. Sends are taped before they leave (``send(taped=True)``), so the
+tape is the same whether or not the peer is still alive; a send can also be untaped
+(the application's own control traffic: a shipped tape log, an acknowledgement). The
+tape digest covers the metadata given to ``send`` and the tensors, never ``extra``
+entries (a shipped tape log, wall-clock timings: different in every run).
+
+Snapshot MARKERs (control messages) are put in the box at their FIFO position, so an
+application that takes markers itself (``SnapshotAgent(markers="application")``) sees
+each one after every data message sent before it (spec/snapshot-protocol.md §9a).
 """
 
 from __future__ import annotations
@@ -13,26 +21,27 @@ from collections import OrderedDict
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import xxhash
 
-from replay import Endpoint, Message
+from replay.channel.base import Endpoint, Message, MessageKind
+from replay.channel.hub import MsgRef, TapeSink, actor_of, meta_digest
 from replay.errors import PeerDiedError, ReceiveTimeoutError
-from runs.diloco.tapeio import MsgRef, TapeSink, actor_of, message_digest
 
-__all__ = ["Link", "ref_of"]
-
-_UNTAPED = ("log", "timing")
+__all__ = ["Inbox", "ref_of"]
 
 
 def ref_of(msg: Message) -> MsgRef:
     return (msg.src, msg.dst, msg.seq)
 
 
-class Link:
-    """One actor's endpoint + tape sink. ``on_dead(endpoint)`` hears of dead peers."""
+class Inbox:
+    """One actor's endpoint + tape sink + inbox. ``on_dead(endpoint)`` hears of dead peers;
+    ``on_arrival(msg)`` sees every delivered message first and returns True when it
+    consumed it (it then never reaches the box)."""
 
     def __init__(self, ep: Endpoint, tape: TapeSink, *, timeout_s: float = 120.0,
                  on_dead: Callable[[str], None] | None = None,
-                 on_arrival: Callable[[Message], bool] | None = None) -> None:
+                 on_arrival: Callable[[Message], bool] | None = None, markers: bool = False) -> None:
         self.ep = ep
         self.tape = tape
         self.timeout_s = timeout_s
@@ -40,6 +49,33 @@ class Link:
         # on_arrival(msg) -> True when the message was consumed out of band (not buffered)
         self.on_arrival = on_arrival or (lambda m: False)
         self.box: "OrderedDict[MsgRef, Message]" = OrderedDict()
+        # on_marker(msg) -> True when the marker was taken at once (SnapshotAgent.offer_marker)
+        self.on_marker: Callable[[Message], bool] | None = None
+        # gone(endpoint) -> True when its process is known to have ended (an orchestrator
+        # sees an exit code before a transport sees the connection close): a send to it is
+        # taped and skipped, exactly as one that fails on a dead peer
+        self.gone: Callable[[str], bool] | None = None
+        if markers:
+            # A MARKER is handed over once every data message sent before it was delivered
+            # (the endpoint's FIFO cut point), so in the box it sits right after them.
+            ep.on_control(self._marker)
+
+    @staticmethod
+    def marker_ref(msg: Message) -> MsgRef:
+        """A MARKER's key in the box: a negative seq (it consumes no data seq, spec §1)
+        derived from its snapshot's name, so the same marker has the same key in every
+        run (a taped decision names it) and two snapshots' markers never share one."""
+        h = xxhash.xxh3_64_intdigest(str(msg.meta.get("snapshot", "")).encode())
+        return (msg.src, msg.dst, -1 - (h >> 2))
+
+    def _marker(self, msg: Message) -> None:
+        if self.on_marker is not None and self.on_marker(msg):
+            return
+        self.box[self.marker_ref(msg)] = msg
+
+    @staticmethod
+    def is_marker(msg: Message) -> bool:
+        return msg.kind is not MessageKind.DATA
 
     @property
     def name(self) -> str:
@@ -52,11 +88,13 @@ class Link:
         peer is still alive), then send. Returns the ref, or None if the peer is dead."""
         ref = (self.ep.actor, dst, self.ep.next_send[dst])
         if taped:
-            self.tape.send(ref, actor_of(dst), message_digest(meta, tensors))
+            self.tape.send(ref, actor_of(dst), meta_digest(meta, tensors))
         full = dict(meta)
         if extra:
             full.update(extra)
         try:
+            if self.gone is not None and self.gone(dst):
+                raise PeerDiedError(f"peer {dst} has ended", channel=f"{self.ep.actor}->{dst}", seq=ref[2])
             self.ep.send(dst, full, list(tensors))
         except PeerDiedError:
             self.ep.next_send[dst] = ref[2] + 1  # the seq is spent: refs stay aligned with the tape
