@@ -54,11 +54,12 @@ class ReplicaConfig:
     seed: int = 0
     corpus: int = 2048  # sequences in the generated corpus
     augment: float = 0.05  # probability of replacing an input token (the named generator "augment")
-    bucket_elems: int = 32768  # gradient bucket size (elements) for the all-reduce and the SDC digests
+    bucket_elems: int = 32768  # gradient bucket size (elements) of the SDC digests
     kills: tuple[Kill, ...] = ()
     joins: tuple[Join, ...] = ()
     data_policy: str = "redistribute"  # or "drop": what happens to an uncommitted attempt's samples
     min_replicas: int = 1
+    async_quorum: bool = True  # torchft's use_async_quorum: the quorum overlaps the forward and backward
     sdc: bool = True  # cross-replica digest check at every accumulation boundary
     sdc_policy: str = "exclude"  # on a named odd replica: exclude it (torchft continues) or rollback
     reexec_every: int = 0  # re-execute every Nth step locally and compare gradient digests (0: on suspicion only)
@@ -66,6 +67,9 @@ class ReplicaConfig:
     param_every: int = 1  # state digests on step_commit every N steps (0: never)
     timeout_s: float = 20.0  # collectives and recovery
     heartbeat_timeout_ms: int = 1500
+    # how often the lighthouse looks again while it waits for stragglers (torchft's default);
+    # a quorum whose members are all back forms on the last one's request, not on a tick
+    quorum_tick_ms: int = 100
     join_timeout_ms: int = 2500
     extra: Mapping[str, Any] = field(default_factory=dict)
 

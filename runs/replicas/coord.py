@@ -12,16 +12,27 @@ did with them: it configures the same torchft ``ProcessGroupGloo`` for each tape
 for bit), streams the same state through the same transport, averages as the manager does
 (sum, then divide by the number of participants), and commits when the tape says so.
 
-The one torchft internal touched: ``Manager._client`` is wrapped so that the quorum torchft
-received (members, ranks, recovery plan) is taped before the manager acts on it; torchft
-exposes only parts of it publicly.
+With ``cfg.async_quorum`` (the default, torchft's ``use_async_quorum``) the quorum runs on
+torchft's quorum thread while the rank computes its forward and backward pass; what that
+thread decides (the quorum, the bytes of a recovery) is held back and taped by the rank's
+own thread when it waits for the quorum, so the order of a rank's events never depends
+on timing. A replica that heals sits that step out (torchft's async rule: it contributes
+zeros, the step is averaged over the replicas that were already at the step) and joins
+the next one with its peer's state.
+
+The torchft internals touched: ``Manager._client`` is wrapped so that the quorum torchft
+received (members, ranks, recovery plan) is taped before the manager acts on it (torchft
+exposes only parts of it publicly), and with async quorum a healing replica's received
+state is applied when the rank waits for the quorum (``Manager._apply_pending_state_dict``,
+what torchft's own synchronous path does), before its step draws from the restored RNG.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,7 +40,7 @@ import torch.distributed as dist
 from ckpt.errors import CkptError
 from ckpt.stream import TorchftTransport
 from runs.replicas.config import ReplicaConfig
-from runs.replicas.tapeio import recovery_channel
+from runs.replicas.tapeio import recovery_channel, roundtrip as _roundtrip
 from runs.replicas.worker import QuorumView, RankState, state_digests
 
 __all__ = ["FtCoordinator", "ReplayCoordinator", "TapedTransport", "intra_group"]
@@ -62,9 +73,54 @@ class TapedTransport(TorchftTransport):
         except CkptError as e:
             o = self.owner
             src = o.peer(src_rank)
-            o.sink.event("sdc_verdict", "stream", 0, [src], [], {"step": step, "error": str(e)})
-            o.sink.detected("stream-corrupt", src, {"step": step, "error": type(e).__name__})
+            o.qsink.event("sdc_verdict", "stream", 0, [src], [], {"step": step, "error": str(e)})
+            o.qsink.detected("stream-corrupt", src, {"step": step, "error": type(e).__name__})
             raise
+
+
+class _Deferred:
+    """The sink torchft's quorum thread tapes through: every call is computed at once and
+    held until the rank's own thread drains it (where the rank waits for the quorum), so
+    a rank's events are taped in one order whatever the threads' timing."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+        self._held: list[tuple[str, tuple]] = []
+        self._lock = threading.Lock()
+
+    def _hold(self, method: str, *args: Any) -> None:
+        with self._lock:
+            self._held.append((method, args))
+
+    def decide(self, what: str, key: str, compute: Callable[[], Any]) -> Any:
+        v = _roundtrip(compute())
+        self._hold("decide", what, key, v)
+        return v
+
+    def inject(self, fault: str, target: str, compute: Callable[[], Any]) -> Any:
+        v = _roundtrip(compute())
+        self._hold("inject", fault, target, v)
+        return v
+
+    def quorum(self, key: str, minimum: int, members: Callable[[], Sequence[str]]) -> list[str]:
+        m = [str(x) for x in members()]
+        self._hold("quorum", key, minimum, m)
+        return m
+
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        if method not in ("set_step", "send", "recv", "event", "detected"):
+            raise AttributeError(method)
+        return lambda *args: self._hold(method, *args)
+
+    def drain(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        for method, args in held:
+            if method in ("decide", "inject", "quorum"):
+                v = args[-1]
+                getattr(self.sink, method)(*args[:-1], lambda v=v: v)
+            else:
+                getattr(self.sink, method)(*args)
 
 
 class _Base:
@@ -76,6 +132,7 @@ class _Base:
         self.st = st
         self.cfg: ReplicaConfig = st.cfg
         self.sink = sink
+        self.qsink: Any = sink  # what the quorum and recovery code tapes through
         self.members: list[str] = []
         self.view: QuorumView | None = None
         self._src: str | None = None
@@ -91,43 +148,58 @@ class _Base:
         if not faults:
             return None
         f = faults[0]
+        fired = [False]
 
         def flip(i: int, b: bytearray) -> None:
-            if i == f.index and self.view is not None and self.sink.inject(
+            # once: the replica heals at the retry from an intact stream
+            if i == f.index and self.view is not None and not fired[0] and self.qsink.inject(
                     "bitflip-stream", self.actor, lambda: {"frame": f.index, "bit": f.bit}):
+                fired[0] = True
                 b[len(b) // 2] ^= 1 << (f.bit % 8)
 
         return flip
 
+    def _drain(self) -> None:
+        if isinstance(self.qsink, _Deferred):
+            self.qsink.drain()
+
     # -- taping a quorum as torchft decided it ------------------------------------------------
     def _tape_quorum(self, key: str, detail: Any) -> dict[str, Any]:
-        d = self.sink.decide("torchft-quorum", key, detail)
+        d = self.qsink.decide("torchft-quorum", key, detail)
         self.members = list(d["members"])
-        self.sink.set_step(int(d["max_step"]))
+        self.qsink.set_step(int(d["max_step"]))
         qkey = f"q{d['quorum_id']}"
-        self.sink.quorum(qkey, self.cfg.min_replicas, lambda: self.members)
+        self.qsink.quorum(qkey, self.cfg.min_replicas, lambda: self.members)
         src = self.peer(d["src"]).split(".")[0] if d["heal"] else None
-        self.view = QuorumView(qkey, self.members, int(d["replica_rank"]), int(d["world"]), src)
+        # who computes this step: with a synchronous quorum every member (a healing one
+        # loads its peer's state first); with an async one the replicas already at the
+        # step (torchft's max_replica_rank / max_world_size), a healing one sits it out
+        prank = d.get("prank", d["replica_rank"])
+        pworld = int(d.get("pworld", d["world"]))
+        self.view = QuorumView(qkey, self.members, int(d["replica_rank"]), int(d["world"]), src,
+                               participating=prank is not None, prank=int(prank or 0), pworld=pworld)
         return d
 
     # -- the transport's hooks (torchft's quorum thread while recording) ---------------------
     def _sent(self, dst_rank: int, step: int, info: Any) -> None:
         peer = self.peer(dst_rank)
         link = f"{self.actor}->{peer}@{step}"
-        wire = self.sink.decide("recovery-stream", link, lambda: {"stream": info.digest, "nbytes": info.nbytes})
-        state = state_digests(self.st)[1]
-        self.sink.send(recovery_channel(self.actor, peer), peer, bytes(wire["stream"]), link)
-        self.sink.event("recovery_sent", peer, bytes(wire["stream"]), state, int(wire["nbytes"]))
+        wire = self.qsink.decide("recovery-stream", link, lambda: {"stream": info.digest, "nbytes": info.nbytes})
+        state = state_digests(self.st)[1]  # the committed state (the step in flight does not touch it)
+        self.qsink.send(recovery_channel(self.actor, peer), peer, bytes(wire["stream"]), link)
+        self.qsink.event("recovery_sent", peer, bytes(wire["stream"]), state, int(wire["nbytes"]))
 
     def _received(self, src_rank: int, step: int, info: Any) -> None:
         src = self.peer(src_rank)
         link = f"{src}->{self.actor}@{step}"
-        wire = self.sink.decide("recovery-stream", link, lambda: {"stream": info.digest, "nbytes": info.nbytes})
-        self.sink.recv(link)
+        wire = self.qsink.decide("recovery-stream", link, lambda: {"stream": info.digest, "nbytes": info.nbytes})
+        self.qsink.recv(link)
         self._src, self._rx = src, wire
 
     def _load(self, received: Any) -> None:
+        self._drain()  # the quorum and the receipt come first on the tape
         received.load(self.st.ckpt_state())
+        self.st.gen.set_state(self.st.gen_ckpt.get_state())
         state = state_digests(self.st)[1]
         self.sink.event("recovery_loaded", self._src or "", bytes(self._rx["stream"]), state)
 
@@ -165,19 +237,20 @@ class FtCoordinator(_Base):
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
+        self.qsink = _Deferred(sink)
         self.pg = ProcessGroupGloo(timeout=self.timeout)
         self.transport = TapedTransport(self, self.pg, timeout=self.timeout, data=st.cursor,
-                                        generators={"augment": st.gen}, config={"replicas": self.cfg.to_dict()},
+                                        generators={"augment": st.gen_ckpt}, config={"replicas": self.cfg.to_dict()},
                                         tamper=self._tamper())
         self.intra = intra_group(store, self.group, self.grank, group_size, self.cfg.timeout_s)
         self._key = "0.0"
         self.manager = Manager(pg=self.pg, load_state_dict=self._load, state_dict=st.ckpt_state,
-                               min_replica_size=self.cfg.min_replicas, use_async_quorum=False, timeout=self.timeout,
-                               quorum_timeout=timedelta(seconds=120), connect_timeout=timedelta(seconds=60),
-                               rank=self.grank, world_size=group_size, store_addr="127.0.0.1", store_port=store_port,
-                               lighthouse_addr=lighthouse, replica_id=self.group, hostname="127.0.0.1",
-                               checkpoint_transport=self.transport, init_sync=False,
-                               heartbeat_interval=timedelta(milliseconds=100))
+                               min_replica_size=self.cfg.min_replicas, use_async_quorum=self.cfg.async_quorum,
+                               timeout=self.timeout, quorum_timeout=timedelta(seconds=120),
+                               connect_timeout=timedelta(seconds=60), rank=self.grank, world_size=group_size,
+                               store_addr="127.0.0.1", store_port=store_port, lighthouse_addr=lighthouse,
+                               replica_id=self.group, hostname="127.0.0.1", checkpoint_transport=self.transport,
+                               init_sync=False, heartbeat_interval=timedelta(milliseconds=100))
         self.manager._client = _QuorumTap(self.manager._client, self)
 
     def _on_quorum(self, q: Any) -> None:
@@ -185,16 +258,33 @@ class FtCoordinator(_Base):
         detail = {"quorum_id": int(q.quorum_id), "members": members, "replica_rank": int(q.replica_rank),
                   "world": int(q.replica_world_size), "max_step": int(q.max_step), "heal": bool(q.heal),
                   "src": q.recover_src_replica_rank, "dsts": [int(x) for x in q.recover_dst_replica_ranks]}
+        if self.cfg.async_quorum:  # torchft's participating rank and world in async mode
+            detail["prank"] = q.max_replica_rank
+            detail["pworld"] = int(q.max_world_size)
         self._tape_quorum(self._key, lambda: detail)
 
     def current_step(self) -> int:
         return int(self.manager.current_step())
 
-    def start_quorum(self, step: int, attempt: int) -> QuorumView:
+    def start_quorum(self, step: int, attempt: int) -> QuorumView | None:
         self._key = f"{step}.{attempt}"
         self.view = None
         self.manager.start_quorum()
-        assert self.view is not None, "torchft returned from start_quorum without a quorum"
+        if self.cfg.async_quorum:
+            return None  # on torchft's quorum thread while this rank computes
+        return self.wait_quorum()
+
+    def wait_quorum(self) -> QuorumView:
+        m = self.manager
+        m.wait_quorum()
+        self._drain()
+        if m._healing:
+            # as torchft's synchronous path does: the received state is applied now, so the
+            # step's RNG draws come from the peer's committed state (async quorum only)
+            m._apply_pending_state_dict()
+            m._healing = False
+        self._drain()
+        assert self.view is not None, "torchft finished the quorum without one"
         return self.view
 
     def allreduce(self, buckets: Sequence[torch.Tensor], key: str) -> bool:
@@ -209,11 +299,19 @@ class FtCoordinator(_Base):
         return bool(self.sink.decide("allreduce", key, lambda: ok))
 
     def sum_collective(self, t: torch.Tensor) -> bool:
+        # on the replica group itself, not through Manager.allreduce: that zeroes what a
+        # replica sitting the step out sends, and its digests are as real as anyone's
         m = self.manager
         if m.errored() is not None:
             return False
-        m.allreduce(t, reduce_op=dist.ReduceOp.SUM).wait()
-        return m.errored() is None
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        try:
+            self.pg.allreduce([t], opts).wait()
+        except Exception as e:  # a member died in it: the step fails as an all-reduce would
+            m.report_error(e)
+            return False
+        return True
 
     def should_commit(self, key: str, local_ok: bool) -> bool:
         m = self.manager
@@ -240,7 +338,7 @@ class ReplayCoordinator(_Base):
 
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=max(60.0, self.cfg.timeout_s)))
         self.transport = TapedTransport(self, self.pg, timeout=self.timeout, data=st.cursor,
-                                        generators={"augment": st.gen}, config={"replicas": self.cfg.to_dict()},
+                                        generators={"augment": st.gen_ckpt}, config={"replicas": self.cfg.to_dict()},
                                         tamper=self._tamper())
         self.intra = intra_group(store, self.group, self.grank, group_size, 600.0)
         self.port = store_port
@@ -273,15 +371,23 @@ class ReplayCoordinator(_Base):
                 self._load(got["user"]["default"])
         except CkptError:
             self.errored = True  # as torchft: the step runs, fails and is retried
+        assert self.view is not None
+        return self.view
+
+    def wait_quorum(self) -> QuorumView:
+        assert self.view is not None
         return self.view
 
     def allreduce(self, buckets: Sequence[torch.Tensor], key: str) -> bool:
         ok = bool(self.sink.decide("allreduce", key, _never))
         if ok:
-            n = self.view.participants if self.view is not None else 1
+            v = self.view
+            n = v.pworld if v is not None else 1
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
             for b in buckets:  # Manager.allreduce: SUM on the replica group, then / participants
+                if v is not None and not v.participating:
+                    b.zero_()  # a replica that is not participating sends zeros
                 self.pg.allreduce([b], opts).wait()
                 b /= n
         else:
@@ -300,7 +406,7 @@ class ReplayCoordinator(_Base):
         c = bool(self.sink.decide("commit", key, _never))
         if c:
             self.step += 1
-            self.batches += self.view.participants if self.view is not None else 0
+            self.batches += self.view.pworld if self.view is not None else 0
         return c
 
     def die(self) -> None:

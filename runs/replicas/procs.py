@@ -50,9 +50,10 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
     start.wait()
     # the Manager (and its heartbeat to the lighthouse) starts only once the group is let in
     coord = FtCoordinator(actor, group_size, st, sink, lighthouse=lighthouse, store=store, store_port=store_port)
-    res = run_rank(actor, group_size, st, coord, sink)
+    stamps: list[float] = []  # when each step committed, on this rank's clock (bench/replicas.py)
+    res = run_rank(actor, group_size, st, coord, sink, on_commit=lambda s, loss: stamps.append(time.perf_counter()))
     sink.flush(final=True, result={"outcome": res.outcome, "steps": res.steps, "params": res.params,
-                                   "recovered_from": res.recovered_from})
+                                   "recovered_from": res.recovered_from, "commit_times": stamps})
     os._exit(0)  # torchft's server threads need no orderly goodbye
 
 
@@ -62,7 +63,7 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
 
     t0 = time.monotonic()
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
-                                  quorum_tick_ms=20, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+                                  quorum_tick_ms=cfg.quorum_tick_ms, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
     ctx = mp.get_context("spawn")
     lock = threading.Condition()
     procs: dict[str, Any] = {}

@@ -79,7 +79,7 @@ def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None) -> RunRe
     torch.set_num_threads(1)
     t0 = time.monotonic()
     lh = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
-                          quorum_tick_ms=20, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+                          quorum_tick_ms=cfg.quorum_tick_ms, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
     sizes = dict(cfg.all_groups())
     masters = {g: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                 timeout=timedelta(seconds=120)) for g in sizes}

@@ -22,7 +22,7 @@ import msgpack
 
 from replay import Recorder, Stamp
 
-__all__ = ["Hub", "LocalSink", "RemoteSink", "Applier", "recovery_channel"]
+__all__ = ["Hub", "LocalSink", "RemoteSink", "Applier", "recovery_channel", "roundtrip"]
 
 
 def recovery_channel(src: str, dst: str) -> str:
@@ -175,7 +175,7 @@ class LocalSink(_Sink):
             return self.hub.rec.actor(self.name).maybe_inject(fault, target, compute)
 
 
-def _roundtrip(v: Any) -> Any:
+def roundtrip(v: Any) -> Any:
     # what force mode would return: the msgpack image (tuples become lists)
     return msgpack.unpackb(msgpack.packb(v, use_bin_type=True), raw=False)
 
@@ -194,7 +194,7 @@ class RemoteSink(_Sink):
             self._log.append([method, *args])
 
     def decide(self, what: str, key: str, compute: Callable[[], Any]) -> Any:
-        v = _roundtrip(compute())
+        v = roundtrip(compute())
         self._call("decide", what, key, v)
         return v
 
@@ -204,7 +204,7 @@ class RemoteSink(_Sink):
         return m
 
     def inject(self, fault: str, target: str, compute: Callable[[], Any]) -> Any:
-        v = _roundtrip(compute())
+        v = roundtrip(compute())
         self._call("inject", fault, target, v)
         return v
 

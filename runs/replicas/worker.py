@@ -37,15 +37,19 @@ class QuorumView:
     key: str  # the quorum's tape key
     members: list[str]  # replica groups, in replica-rank order
     replica_rank: int
-    participants: int
+    participants: int  # replicas in the quorum (the replica process group's size)
     healed_from: str | None = None  # the source replica when this rank recovered in the quorum
+    participating: bool = True  # computes this step (async quorum: a healing replica sits it out)
+    prank: int = 0  # its rank among the participating replicas
+    pworld: int = 1  # how many replicas compute the step (the gradient is averaged over them)
 
 
 class Coordinator(Protocol):
     """What a rank asks of torchft (record) or of the tape (replay)."""
 
     def current_step(self) -> int: ...
-    def start_quorum(self, step: int, attempt: int) -> QuorumView: ...
+    def start_quorum(self, step: int, attempt: int) -> QuorumView | None: ...  # None: still running
+    def wait_quorum(self) -> QuorumView: ...
     def intra_sum(self, t: torch.Tensor) -> None: ...
     def allreduce(self, buckets: Sequence[torch.Tensor], key: str) -> bool: ...
     def sum_collective(self, t: torch.Tensor) -> bool: ...
@@ -61,7 +65,8 @@ class RankState:
     model: TinyLM
     optim: torch.optim.Optimizer
     cursor: GlobalCursor
-    gen: torch.Generator
+    gen: torch.Generator  # the named generator "augment", drawn by the step in flight
+    gen_ckpt: torch.Generator  # its state at the last commit: what a recovery sends
     corpus: torch.Tensor
 
     def ckpt_state(self) -> dict[str, Any]:
@@ -87,12 +92,14 @@ def build_state(cfg: ReplicaConfig) -> RankState:
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     cursor = GlobalCursor(cfg.corpus, seed=cfg.seed, global_batch=cfg.global_batch)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
+    gen_ckpt = torch.Generator().manual_seed(cfg.seed + 1)
     corpus = make_corpus(cfg.corpus, cfg.seq_len, cfg.vocab, seed=cfg.seed)
-    return RankState(cfg, model, optim, cursor, gen, corpus)
+    return RankState(cfg, model, optim, cursor, gen, gen_ckpt, corpus)
 
 
 def state_digests(st: RankState) -> tuple[bytes, bytes]:
-    """(parameters digest, whole replicated state digest): weights, optimizer, cursor, RNG."""
+    """(parameters digest, whole replicated state digest): weights, optimizer, cursor, RNG
+    (the committed generator state: the step in flight does not count)."""
     named = list(st.model.state_dict().items())
     params = replay.message_digest(msgpack.packb([n for n, _ in named]), [t for _, t in named])
     osd = st.optim.state_dict()
@@ -106,7 +113,7 @@ def state_digests(st: RankState) -> tuple[bytes, bytes]:
                 meta.append([idx, k])
             else:
                 meta.append([idx, k, v])
-    tensors.append(st.gen.get_state())
+    tensors.append(st.gen_ckpt.get_state())
     return params, replay.message_digest(msgpack.packb(meta, use_bin_type=True, default=str), tensors)
 
 
@@ -166,16 +173,32 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
     res = RankResult(actor, 0)
     attempt = 0
     prev_members: list[str] | None = None
+    prev_view: QuorumView | None = None
     pending: tuple[list[str], list[int]] | None = None  # (members, ids) of an attempt not committed
     faults = {(f.step, f.where): f for f in cfg.sdc_faults if f.actor == actor}
     killed = cfg.kill_step(group)
     while coord.current_step() < cfg.steps:
         sink.set_step(coord.current_step())
         q = coord.start_quorum(coord.current_step(), attempt)
+        computed: tuple[list[int], tuple[int, int], int] | None = None
+        loss = torch.zeros(())
+        if q is None:  # async quorum: compute as if the quorum were the last one, then check
+            if prev_view is not None:
+                ids = st.cursor.peek()
+                rows = _rows(ids, prev_view, group_size, grank)
+                loss = _compute(st, ids, rows, prev_view.pworld)
+                computed = (ids, rows, prev_view.pworld)  # the loss is scaled by the participants
+            q = coord.wait_quorum()
+        prev_view = q
         s = coord.current_step()
         key = f"{s}.{attempt}"
+        ids = st.cursor.peek()
+        rows = _rows(ids, q, group_size, grank)
         if q.healed_from:
             res.recovered_from.append(q.healed_from)
+        if computed is not None and (q.healed_from or computed != (ids, rows, q.pworld)):
+            computed = None  # the quorum changed what this rank computes: again, from the step's start
+        gen_before = st.gen_ckpt.get_state()  # the step starts from the committed state (a healed one: its peer's)
         if q.members != prev_members:
             old = prev_members or []
             sink.event("membership", q.key, [m for m in q.members if m not in old], [m for m in old if m not in q.members],
@@ -192,13 +215,9 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
                 res.outcome, res.steps = "killed", s
                 return res
         sink.begin_step(s)
-        ids = st.cursor.peek()
-        rows = share(len(ids), q.participants, q.replica_rank, group_size, grank)
         sink.batch(ids[rows[0] : rows[1]])
-        gen_before = st.gen.get_state()
-        st.optim.zero_grad(set_to_none=True)
-        loss = step_loss(st, ids, rows, q.participants)
-        loss.backward()
+        if computed is None:
+            loss = _compute(st, ids, rows, q.pworld)
         flat.gather(loss)
         if group_size > 1:
             coord.intra_sum(flat.buf)
@@ -208,7 +227,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         local = bucket_digests(flat.buckets) if cfg.sdc else []  # what this rank sends into the all-reduce
         if cfg.sdc:
             sink.event("sdc_digests", "local", [(f"b{i}", d) for i, d in enumerate(local)])
-        ok = coord.allreduce(flat.buckets, key)
+        ok = coord.allreduce([flat.buf], key)  # one all-reduce of the whole gradient: one round trip
         discard = odd_me = False
         if ok and cfg.sdc:
             f = faults.get((s, "reduced"))
@@ -230,7 +249,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
                     sink.detected("sdc", ",".join(v.odd) or "unattributed",
                                   {"step": s, "buckets": list(v.buckets), "policy": cfg.sdc_policy})
             if cfg.reexec_every and s % cfg.reexec_every == 0:
-                again = _reexecute(st, ids, rows, q.participants, gen_before, flat, group_size, coord)
+                again = _reexecute(st, ids, rows, q.pworld, gen_before, flat, group_size, coord)
                 bad = [f"b{i}" for i, (a, b) in enumerate(zip(local, again)) if a != b]
                 sink.event("sdc_verdict", "reexec", int(not bad), [actor] if bad else [], bad, {"step": s})
                 if bad:
@@ -244,6 +263,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             gl = flat.scatter()
             st.optim.step()
             st.cursor.advance()
+            st.gen_ckpt.set_state(st.gen.get_state())
             pd, sd = state_digests(st) if cfg.param_every and (s + 1) % cfg.param_every == 0 else (ZERO, ZERO)
             sink.event("step_commit", q.key, 1, q.participants, pd, sd)
             sink.loss(gl)
@@ -272,6 +292,22 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
     sink.flush()
     coord.leave()
     return res
+
+
+def _rows(ids: list[int], q: QuorumView, group_size: int, grank: int) -> tuple[int, int]:
+    """This rank's rows of the global batch under quorum ``q`` (none when it sits the step out)."""
+    if not q.participating:
+        return (0, 0)
+    return share(len(ids), q.pworld, q.prank, group_size, grank)
+
+
+def _compute(st: RankState, ids: list[int], rows: tuple[int, int], participants: int) -> torch.Tensor:
+    """Forward and backward of this rank's rows, from the step's committed generator state."""
+    st.gen.set_state(st.gen_ckpt.get_state())
+    st.optim.zero_grad(set_to_none=True)
+    loss = step_loss(st, ids, rows, participants)
+    loss.backward()
+    return loss
 
 
 def _fault_json(f: Any) -> dict[str, Any]:
