@@ -116,18 +116,18 @@ def ft_run(cfg: ReplicaConfig, warmup: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=120, help="steps of a small-step run (a big-step run: a third)")
+    ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--groups", type=int, default=2, help="replica groups of one rank (default: one per core here)")
-    ap.add_argument("--big", type=int, default=96, help="global batch of the large step size")
+    ap.add_argument("--big", type=int, default=256, help="global batch of the large step size")
     ap.add_argument("--sizes", default="small,big")
     a = ap.parse_args()
     groups = tuple((f"g{i}", 1) for i in range(a.groups))
     batches = {"small": ReplicaConfig().global_batch, "big": a.big}
     os.environ.setdefault("RUST_LOG", "error")  # torchft's per-step log lines are not what is measured
     for size in a.sizes.split(","):
-        steps = a.steps if size == "small" else max(a.warmup + 8, a.steps // 2)
+        steps = a.steps if size == "small" else max(a.warmup + 10, a.steps // 3)
         base = ReplicaConfig(groups=groups, steps=steps, global_batch=batches[size], param_every=0, sdc=False)
         sdc = ReplicaConfig.from_dict({**base.to_dict(), "sdc": True})
         runs = {"ddp": (ddp_run, base), "ddp2": (ddp_run, base), "ft": (ft_run, base), "ft2": (ft_run, base),
