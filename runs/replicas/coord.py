@@ -39,11 +39,12 @@ import torch.distributed as dist
 
 from ckpt.errors import CkptError
 from ckpt.stream import TorchftTransport
+from replay import ReplayError
 from runs.replicas.config import ReplicaConfig
 from runs.replicas.tapeio import recovery_channel, roundtrip as _roundtrip
 from runs.replicas.worker import QuorumView, RankState, state_digests
 
-__all__ = ["FtCoordinator", "ReplayCoordinator", "TapedTransport", "intra_group"]
+__all__ = ["FtCoordinator", "ReplayCoordinator", "Rendezvous", "TapedTransport", "intra_group"]
 
 
 def _never() -> Any:
@@ -159,6 +160,22 @@ class _Base:
 
         return flip
 
+    def _tamper_received(self) -> Any:
+        """SdcFault(where="received"): the first stream this rank receives is hit in transit."""
+        faults = [f for f in self.cfg.sdc_faults if f.actor == self.actor and f.where == "received"]
+        if not faults:
+            return None
+        f = faults[0]
+        fired = [False]
+
+        def flip(i: int, b: bytearray) -> None:
+            if i == 0 and not fired[0] and self.qsink.inject("bitflip-received", self.actor,
+                                                             lambda: {"segment": 0, "bit": f.bit}):
+                fired[0] = True
+                b[len(b) // 2] ^= 1 << (f.bit % 8)
+
+        return flip
+
     def _drain(self) -> None:
         if isinstance(self.qsink, _Deferred):
             self.qsink.drain()
@@ -200,6 +217,7 @@ class _Base:
         self._drain()  # the quorum and the receipt come first on the tape
         received.load(self.st.ckpt_state())
         self.st.gen.set_state(self.st.gen_ckpt.get_state())
+        self.st.cursor.reset()
         state = state_digests(self.st)[1]
         self.sink.event("recovery_loaded", self._src or "", bytes(self._rx["stream"]), state)
 
@@ -239,11 +257,12 @@ class FtCoordinator(_Base):
 
         self.qsink = _Deferred(sink)
         self.pg = ProcessGroupGloo(timeout=self.timeout)
-        self.transport = TapedTransport(self, self.pg, timeout=self.timeout, data=st.cursor,
+        self.transport = TapedTransport(self, self.pg, timeout=self.timeout, data=st.cursor.loader,
                                         generators={"augment": st.gen_ckpt}, config={"replicas": self.cfg.to_dict()},
-                                        tamper=self._tamper())
+                                        tamper=self._tamper(), tamper_received=self._tamper_received())
         self.intra = intra_group(store, self.group, self.grank, group_size, self.cfg.timeout_s)
         self._key = "0.0"
+        self._xkey, self._exchanges = "0.0", 0  # the step attempt's small all-reduces: "s.a#n"
         self.manager = Manager(pg=self.pg, load_state_dict=self._load, state_dict=st.ckpt_state,
                                min_replica_size=self.cfg.min_replicas, use_async_quorum=self.cfg.async_quorum,
                                timeout=self.timeout, quorum_timeout=timedelta(seconds=120),
@@ -287,7 +306,7 @@ class FtCoordinator(_Base):
         assert self.view is not None, "torchft finished the quorum without one"
         return self.view
 
-    def allreduce(self, buckets: Sequence[torch.Tensor], key: str) -> bool:
+    def allreduce(self, buckets: Sequence[torch.Tensor], key: str, fail_after: bool = False) -> bool:
         m = self.manager
         try:
             works = [m.allreduce(b) for b in buckets]
@@ -295,23 +314,52 @@ class FtCoordinator(_Base):
                 w.wait()
         except Exception as e:  # torchft normally swallows and reports; be sure
             m.report_error(e)
+        if fail_after and m.errored() is None:  # it completed here and everywhere; then this rank fails
+            m.report_error(RuntimeError("injected: the all-reduce completed, then this rank failed"))
         ok = m.errored() is None
+        self._xkey, self._exchanges = key, 0
         return bool(self.sink.decide("allreduce", key, lambda: ok))
 
     def sum_collective(self, t: torch.Tensor) -> bool:
         # on the replica group itself, not through Manager.allreduce: that zeroes what a
         # replica sitting the step out sends, and its digests are as real as anyone's
         m = self.manager
-        if m.errored() is not None:
-            return False
+        self._exchanges += 1
+        ok = m.errored() is None
+        if ok:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            try:
+                self.pg.allreduce([t], opts).wait()
+            except Exception as e:  # a member died in it: the step fails as an all-reduce would
+                m.report_error(e)
+                ok = False
+        return bool(self.sink.decide("exchange", f"{self._xkey}#{self._exchanges}", lambda: ok))
+
+    def share_bytes(self, payload: bytes | None) -> bytes:
+        """What the first replica of the quorum (its group rank 0) passes in, to every rank:
+        over the replica group of group rank 0, then inside each group. The others pass None."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        try:
-            self.pg.allreduce([t], opts).wait()
-        except Exception as e:  # a member died in it: the step fails as an all-reduce would
-            m.report_error(e)
-            return False
-        return True
+
+        def spread(t: torch.Tensor) -> None:  # every rank but the source adds zeros
+            if self.grank == 0:
+                self.pg.allreduce([t], opts).wait()
+            if self.intra is not None:
+                self.intra.allreduce([t], opts).wait()
+
+        n = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
+        spread(n)
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+        if payload is not None:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        spread(buf)
+        return buf.numpy().tobytes()
+
+    def rewind_to(self, step: int) -> None:
+        """After a rollback every replica is at ``step`` again (torchft's own state-dict API)."""
+        m = self.manager
+        m.load_state_dict({"step": int(step), "batches_committed": int(m.batches_committed())})
 
     def should_commit(self, key: str, local_ok: bool) -> bool:
         m = self.manager
@@ -332,14 +380,17 @@ class ReplayCoordinator(_Base):
     """The tape drives: taped quorums, outcomes and verdicts; torchft's gloo group and our
     transport move the bytes as they did in the recorded run."""
 
-    def __init__(self, actor: str, group_size: int, st: RankState, sink: Any, *, store: Any, store_port: int) -> None:
+    def __init__(self, actor: str, group_size: int, st: RankState, sink: Any, *, store: Any, store_port: int,
+                 rdv: "Rendezvous") -> None:
         super().__init__(actor, group_size, st, sink)
+        self.rdv = rdv
+        self._xkey, self._exchanges, self._ops = "0.0", 0, 0
         from torchft.process_group import ProcessGroupGloo
 
         self.pg = ProcessGroupGloo(timeout=timedelta(seconds=max(60.0, self.cfg.timeout_s)))
-        self.transport = TapedTransport(self, self.pg, timeout=self.timeout, data=st.cursor,
+        self.transport = TapedTransport(self, self.pg, timeout=self.timeout, data=st.cursor.loader,
                                         generators={"augment": st.gen_ckpt}, config={"replicas": self.cfg.to_dict()},
-                                        tamper=self._tamper())
+                                        tamper=self._tamper(), tamper_received=self._tamper_received())
         self.intra = intra_group(store, self.group, self.grank, group_size, 600.0)
         self.port = store_port
         self.step = 0
@@ -355,6 +406,7 @@ class ReplayCoordinator(_Base):
         self.errored = False
         if d["quorum_id"] != self.qid:
             self.qid = int(d["quorum_id"])
+            self._ops = 0
             self.pg.configure(f"localhost:{self.port}/torchft/{self.qid}/{self.grank}", self.group,
                               int(d["replica_rank"]), int(d["world"]))
         max_step = int(d["max_step"])
@@ -378,9 +430,19 @@ class ReplayCoordinator(_Base):
         assert self.view is not None
         return self.view
 
-    def allreduce(self, buckets: Sequence[torch.Tensor], key: str) -> bool:
+    def _completed(self, what: str, ok: bool) -> bool:
+        # a collective is the n-th one on the replica group since it was configured: the same
+        # n on every member of the ring, whatever each member's step attempt is called
+        self._ops += 1
+        return self.rdv.any_completed((self.qid, self.grank, self._ops), what, self.actor, ok,
+                                      [f"{m}.{self.grank}" for m in self.members])
+
+    def allreduce(self, buckets: Sequence[torch.Tensor], key: str, fail_after: bool = False) -> bool:
         ok = bool(self.sink.decide("allreduce", key, _never))
-        if ok:
+        self._xkey, self._exchanges = key, 0
+        # the collective ran if any member of this rank's ring completed it (then every member
+        # took part, a member that failed afterwards too): replay it exactly then
+        if self._completed(f"all-reduce of step attempt {key}", ok):
             v = self.view
             n = v.pworld if v is not None else 1
             opts = dist.AllreduceOptions()
@@ -390,17 +452,25 @@ class ReplayCoordinator(_Base):
                     b.zero_()  # a replica that is not participating sends zeros
                 self.pg.allreduce([b], opts).wait()
                 b /= n
-        else:
+        if not ok:
             self.errored = True
         return ok
 
     def sum_collective(self, t: torch.Tensor) -> bool:
-        if self.errored:
-            return False
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        self.pg.allreduce([t], opts).wait()
-        return True
+        self._exchanges += 1
+        what = f"{self._xkey}#{self._exchanges}"
+        ok = bool(self.sink.decide("exchange", what, _never))
+        if self._completed(f"exchange {what}", ok):
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            self.pg.allreduce([t], opts).wait()
+        return ok
+
+    def share_bytes(self, payload: bytes | None) -> bytes:
+        raise RuntimeError("force mode: what the replicas agreed on comes from the tape")
+
+    def rewind_to(self, step: int) -> None:
+        self.step = int(step)
 
     def should_commit(self, key: str, local_ok: bool) -> bool:
         c = bool(self.sink.decide("commit", key, _never))
@@ -414,3 +484,34 @@ class ReplayCoordinator(_Base):
 
     def leave(self) -> None:
         return None
+
+
+class Rendezvous:
+    """Where the replay's rank threads learn what their ring's other members taped for
+    one collective: a collective that completed for one member ran with every member
+    (allreduce needs them all), so each replays it if any member's taped outcome says it
+    completed, the members that failed after it too. A member that never reaches it
+    (killed in the recorded run: its thread has ended) counts as not completed."""
+
+    def __init__(self, wait_s: float = 300.0) -> None:
+        self._cond = threading.Condition()
+        self._seen: dict[tuple, dict[str, bool]] = {}
+        self._ended: set[str] = set()
+        self.wait_s = wait_s  # only a tape whose collectives do not line up ever waits this long
+
+    def any_completed(self, k: tuple, what: str, actor: str, ok: bool, ring: Sequence[str]) -> bool:
+        with self._cond:
+            self._seen.setdefault(k, {})[actor] = ok
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: all(a in self._seen[k] or a in self._ended for a in ring),
+                                       timeout=self.wait_s):
+                missing = [a for a in ring if a not in self._seen[k] and a not in self._ended]
+                raise ReplayError(f"{actor}: collective #{k[2]} of quorum {k[0]} ({what}) was never reached by "
+                                  f"{missing} in {self.wait_s:.0f} s: the tape's collectives do not line up across "
+                                  "the ring (a partially failed collective this replay cannot re-execute)")
+            return any(self._seen[k].get(a, False) for a in ring)
+
+    def ended(self, actor: str) -> None:
+        with self._cond:
+            self._ended.add(actor)
+            self._cond.notify_all()

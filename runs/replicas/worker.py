@@ -1,17 +1,21 @@
 """One rank of one replica group: the training loop, the same code when recorded (torchft
 ``Manager``, a process per rank) and when replayed (taped decisions, a thread per rank).
 
-Per step attempt: quorum (torchft; may heal the rank from a live peer through
+Per step attempt (spec/replicas.md §1): quorum (torchft; with async quorum the rank
+computes meanwhile, as if the quorum were the last one, and recomputes if it changed what
+the rank computes; a quorum may heal the rank from a live peer through
 ``ckpt.stream.TorchftTransport``), the rank's share of the global batch, forward and
-backward, the gradient all-reduce in buckets (inside the group first when it has two ranks,
-then across the replica groups through the manager), the SDC digests and their
-cross-replica comparison, then torchft's commit verdict: a committed step applies the
-optimizer and moves the data cursor; an uncommitted one leaves the replicated state as it
-was (the named generator is rewound) and its samples go back to the stream.
+backward, one all-reduce of the whole gradient (inside the group first when it has two
+ranks, then across the replica groups through the manager), the SDC digests and their
+cross-replica comparison, the loss-spike guard's vote, then torchft's commit verdict: a
+committed step applies the optimizer and moves the data cursor; an uncommitted one leaves
+the replicated state as it was (the named generator is rewound) and its samples go back to
+the stream; a spike (or SDC under policy rollback) rolls every replica back together.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -20,8 +24,9 @@ import msgpack
 import torch
 
 import replay
+from ckpt.guard import judge as judge_loss
 from replay.sdc import bucket_digests, digest_slots, flip_bit, judge, unpack_slots
-from runs.common.tiny_lm import TinyConfig, TinyLM, make_corpus
+from runs.common.tiny_lm import TinyConfig, TinyLM, make_corpus, unlikely_corpus
 from runs.replicas.config import ReplicaConfig
 from runs.replicas.data import GlobalCursor, share
 
@@ -51,7 +56,7 @@ class Coordinator(Protocol):
     def start_quorum(self, step: int, attempt: int) -> QuorumView | None: ...  # None: still running
     def wait_quorum(self) -> QuorumView: ...
     def intra_sum(self, t: torch.Tensor) -> None: ...
-    def allreduce(self, buckets: Sequence[torch.Tensor], key: str) -> bool: ...
+    def allreduce(self, buckets: Sequence[torch.Tensor], key: str, fail_after: bool = False) -> bool: ...
     def sum_collective(self, t: torch.Tensor) -> bool: ...
     def intra_max(self, t: torch.Tensor) -> None: ...
     def should_commit(self, key: str, local_ok: bool) -> bool: ...
@@ -68,10 +73,55 @@ class RankState:
     gen: torch.Generator  # the named generator "augment", drawn by the step in flight
     gen_ckpt: torch.Generator  # its state at the last commit: what a recovery sends
     corpus: torch.Tensor
+    bad: torch.Tensor  # the corrupted text a Spike fault trains on
+    guard: Any = None  # the loss-spike guard (ckpt.guard.LossGuard), when the run has one
 
     def ckpt_state(self) -> dict[str, Any]:
-        """What the transport saves and loads (data and generators ride as their own fields)."""
-        return {"model": self.model, "optim": self.optim}
+        """What the transport saves and loads (data and generators ride as their own fields;
+        a recovering replica also takes its peer's guard window and episodes)."""
+        out: dict[str, Any] = {"model": self.model, "optim": self.optim}
+        if self.guard is not None:
+            out["guard"] = _GuardState(self.guard)
+        return out
+
+
+class _GuardState:
+    """The guard's replicated state, for a recovering replica: it must judge the next loss
+    exactly as its peers do (same window, same episodes: the same rollback budget)."""
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": list(self.guard.window), "episodes": [dict(e) for e in self.guard.episodes]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.guard.window = [float(x) for x in sd["window"]]
+        self.guard.episodes = [dict(e) for e in sd["episodes"]]
+
+
+class GuardTape:
+    """The guard's tape (``ckpt.guard.TapeSink``) in a replica run: its events go on the
+    rank's tape; a rollback is decided once, by the first replica of the quorum (the
+    checkpoints' writer), and every rank acts on those bytes (so all load the same
+    checkpoint and apply the same data edits: the others follow it as a forced replay
+    follows the tape). In force mode every rank takes the taped decision."""
+
+    def __init__(self, sink: Any, coord: "Coordinator", leader: Callable[[], bool]) -> None:
+        self.sink = sink
+        self.coord = coord
+        self.leader = leader
+
+    def record_event(self, kind: int, payload: bytes) -> None:
+        self.sink.record_event(kind, payload)
+
+    def decide_event(self, kind: int, compute: Callable[[], bytes]) -> bytes:
+        from ckpt.guard import events
+
+        if self.sink.forced or kind != events.ROLLBACK:
+            return self.sink.decide_event(kind, compute)
+        payload = self.coord.share_bytes(bytes(compute()) if self.leader() else None)
+        return self.sink.decide_event(kind, lambda: payload)
 
 
 @dataclass
@@ -94,7 +144,8 @@ def build_state(cfg: ReplicaConfig) -> RankState:
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     gen_ckpt = torch.Generator().manual_seed(cfg.seed + 1)
     corpus = make_corpus(cfg.corpus, cfg.seq_len, cfg.vocab, seed=cfg.seed)
-    return RankState(cfg, model, optim, cursor, gen, gen_ckpt, corpus)
+    bad = unlikely_corpus(64, cfg.seq_len, cfg.vocab, seed=cfg.seed) if cfg.spikes else corpus
+    return RankState(cfg, model, optim, cursor, gen, gen_ckpt, corpus, bad)
 
 
 def state_digests(st: RankState) -> tuple[bytes, bytes]:
@@ -142,7 +193,8 @@ class _Flat:
         return float(self.buf[o].item())
 
 
-def step_loss(st: RankState, ids: list[int], rows: tuple[int, int], participants: int) -> torch.Tensor:
+def step_loss(st: RankState, ids: list[int], rows: tuple[int, int], participants: int, *,
+              corrupt: bool = False) -> torch.Tensor:
     """Sum of the per-sample losses of this rank's rows, scaled so that the manager's
     average over the participants is the mean over the whole global batch."""
     cfg = st.cfg
@@ -153,7 +205,7 @@ def step_loss(st: RankState, ids: list[int], rows: tuple[int, int], participants
     lo, hi = rows
     if hi == lo:
         return sum((p.sum() * 0.0 for p in st.model.parameters()), torch.zeros(()))
-    batch = st.corpus[ids[lo:hi]]
+    batch = st.bad[[i % st.bad.shape[0] for i in ids[lo:hi]]] if corrupt else st.corpus[ids[lo:hi]]
     x = batch[:, :-1].clone()
     m = noise[lo:hi] < cfg.augment
     x[m] = repl[lo:hi][m]
@@ -163,12 +215,18 @@ def step_loss(st: RankState, ids: list[int], rows: tuple[int, int], participants
 
 
 def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sink: Any,
-             on_commit: Callable[[int, float], None] | None = None) -> RankResult:
+             on_commit: Callable[[int, float], None] | None = None, ckpt_dir: str | None = None) -> RankResult:
     """The loop of rank ``actor`` ("group.rank"); returns when the run's steps are done, or
-    when this rank is killed (record: never returns) or excluded."""
+    when this rank is killed (record: never returns) or excluded. With ``cfg.ckpt_every``,
+    periodic checkpoints go to ``ckpt_dir`` (one run directory for all replicas)."""
     cfg = st.cfg
     group, rank = actor.split(".")
     grank = int(rank)
+    lead = [False]  # this rank is the first replica's group rank 0: it writes the checkpoints
+    mgr = _checkpoints(st, sink, coord, ckpt_dir, lambda: lead[0]) if cfg.ckpt_every else None
+    guard = st.guard
+    spiked = {(0, s) for f in cfg.spikes for s in range(f.step, f.step + f.span)}
+    late_set = set(cfg.late_failures)
     flat = _Flat(list(st.model.parameters()), cfg.bucket_elems)
     res = RankResult(actor, 0)
     attempt = 0
@@ -186,13 +244,19 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             if prev_view is not None:
                 ids = st.cursor.peek()
                 rows = _rows(ids, prev_view, group_size, grank)
-                loss = _compute(st, ids, rows, prev_view.pworld)
+                loss = _compute(st, ids, rows, prev_view.pworld, st.cursor.position() in spiked)
                 computed = (ids, rows, prev_view.pworld)  # the loss is scaled by the participants
             q = coord.wait_quorum()
         prev_view = q
         s = coord.current_step()
         key = f"{s}.{attempt}"
+        if mgr is not None:
+            lead[0] = q.members[0] == group and grank == 0
+            mgr.set_writer(lead[0])  # the writer's lock moves with the quorum (waits for the last writer)
+            if lead[0] and s == 0 and attempt == 0:
+                mgr.save(0)  # a spike always has a checkpoint to roll back to
         ids = st.cursor.peek()
+        where = st.cursor.position()
         rows = _rows(ids, q, group_size, grank)
         if q.healed_from:
             res.recovered_from.append(q.healed_from)
@@ -216,21 +280,32 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
                 return res
         sink.begin_step(s)
         sink.batch(ids[rows[0] : rows[1]])
+        if where in spiked and attempt == 0:
+            sink.inject("loss-spike", f"e{where[0]}.s{where[1]}", lambda: {"step": s, "epoch": where[0],
+                                                                           "loader_step": where[1]})
         if computed is None:
-            loss = _compute(st, ids, rows, q.pworld)
+            loss = _compute(st, ids, rows, q.pworld, where in spiked)
         flat.gather(loss)
         if group_size > 1:
             coord.intra_sum(flat.buf)
-        f = faults.get((s, "local"))  # a wrong computation on this rank: what it sends is wrong
+        # a fault strikes once (a rolled-back step that runs again is not hit again)
+        f = faults.pop((s, "local"), None) if attempt == 0 else None  # a wrong computation: what it sends is wrong
         if f is not None and attempt == 0 and sink.inject("bitflip-local", actor, lambda: _fault_json(f)):
             flip_bit(flat.buckets[f.bucket], f.index, f.bit)
         local = bucket_digests(flat.buckets) if cfg.sdc else []  # what this rank sends into the all-reduce
         if cfg.sdc:
             sink.event("sdc_digests", "local", [(f"b{i}", d) for i, d in enumerate(local)])
-        ok = coord.allreduce([flat.buf], key)  # one all-reduce of the whole gradient: one round trip
+        late = (actor, s) in late_set and attempt == 0 and bool(sink.inject("late-failure", actor, lambda: {"step": s}))
+        ok = coord.allreduce([flat.buf], key, late)  # one all-reduce of the whole gradient: one round trip
+        if group_size > 1:
+            # each rank of a group reduces on its own ring; one ring can fail while another completes
+            # (a rank that refused its recovery never joins its ring): the group fails together
+            failed = torch.tensor([int(not ok)], dtype=torch.int64)
+            coord.intra_max(failed)
+            ok = not failed[0]
         discard = odd_me = False
         if ok and cfg.sdc:
-            f = faults.get((s, "reduced"))
+            f = faults.pop((s, "reduced"), None) if attempt == 0 else None
             if f is not None and attempt == 0 and sink.inject("bitflip-reduced", actor, lambda: _fault_json(f)):
                 flip_bit(flat.buckets[f.bucket], f.index, f.bit)
             reduced = bucket_digests(flat.buckets)
@@ -249,7 +324,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
                     sink.detected("sdc", ",".join(v.odd) or "unattributed",
                                   {"step": s, "buckets": list(v.buckets), "policy": cfg.sdc_policy})
             if cfg.reexec_every and s % cfg.reexec_every == 0:
-                again = _reexecute(st, ids, rows, q.pworld, gen_before, flat, group_size, coord)
+                again = _reexecute(st, ids, rows, q.pworld, gen_before, flat, group_size, coord, where in spiked)
                 bad = [f"b{i}" for i, (a, b) in enumerate(zip(local, again)) if a != b]
                 sink.event("sdc_verdict", "reexec", int(not bad), [actor] if bad else [], bad, {"step": s})
                 if bad:
@@ -258,6 +333,21 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             flags = torch.tensor([int(odd_me), int(discard)], dtype=torch.int64)
             coord.intra_max(flags)  # a verdict of one rank's ring binds its whole group
             odd_me, discard = bool(flags[0]), bool(flags[1])
+        spike = sdc_back = False
+        gl = float(flat.buf[-1]) if ok else math.nan  # the global batch's mean loss, the same on every replica
+        if guard is not None and ok:
+            # every replica judges the same loss with the same (replicated) window; the votes are
+            # summed anyway, so that one replica's verdict (a spike, SDC under policy rollback)
+            # rolls every replica back together
+            c = guard.config
+            votes = torch.tensor([int(judge_loss(gl, guard.window, min_history=c.min_history,
+                                                 z_threshold=c.z_threshold, min_scale=c.min_scale).anomalous),
+                                  int(discard and not odd_me and cfg.sdc_policy == "rollback")], dtype=torch.int64)
+            ok = coord.sum_collective(votes)
+            if ok and group_size > 1:
+                coord.intra_max(votes)
+            spike, sdc_back = ok and bool(votes[0]), ok and not votes[0] and bool(votes[1])
+            discard = discard or spike or sdc_back
         committed = coord.should_commit(key, ok and not discard)
         if committed:
             gl = flat.scatter()
@@ -271,6 +361,22 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             res.losses[s] = gl
             if on_commit is not None:
                 on_commit(s, gl)
+            attempt = 0
+            if guard is not None and guard.after_step(s + 1, loss=gl) is not None:
+                raise RuntimeError(f"{actor}: the guard rejected step {s + 1} after the replicas accepted it")
+        elif spike or sdc_back:
+            # every replica rolls back together: the writer chooses the checkpoint, all load it
+            sink.event("step_commit", q.key, 0, q.participants, ZERO, ZERO)
+            st.cursor.advance()  # the batch was served, then judged: the data policy's window counts it
+            rb = guard.after_step(s + 1, loss=gl) if spike else guard.roll_back(s + 1, rule="sdc", loss=gl)
+            if rb is None:
+                raise RuntimeError(f"{actor}: the replicas agreed on a loss spike at step {s + 1} that this "
+                                   "replica's guard does not see (its guard state diverged)")
+            coord.rewind_to(rb.step)
+            st.gen.set_state(st.gen_ckpt.get_state())
+            st.cursor.reset()
+            sink.note(f"{actor} rolled back from step {s + 1} to step {rb.step} ({rb.checkpoint}); "
+                      f"{rb.policy} {[e.to_dict() for e in rb.edits]}")
             attempt = 0
         else:
             st.gen.set_state(gen_before)
@@ -288,10 +394,31 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             return res
     res.steps = coord.current_step()
     res.params = state_digests(st)[0]
+    if mgr is not None:
+        mgr.close()
     sink.note(f"{actor} finished at step {res.steps}")
     sink.flush()
     coord.leave()
     return res
+
+
+def _checkpoints(st: RankState, sink: Any, coord: Coordinator, ckpt_dir: str | None, lead: Callable[[], bool]) -> Any:
+    """The rank's ``ckpt.CheckpointManager`` on the run's one checkpoint directory (a
+    follower until it is the first replica of a quorum: the replicated state needs one
+    copy, and every replica, a joiner too, can roll back to any of them) and, with
+    ``cfg.guard``, its loss-spike guard."""
+    from ckpt import CheckpointManager
+    from ckpt.guard import GuardConfig, LossGuard
+
+    cfg = st.cfg
+    if not ckpt_dir:
+        raise ValueError("periodic checkpoints (ckpt_every) need a checkpoint directory")
+    mgr = CheckpointManager(ckpt_dir, {"model": st.model, "optim": st.optim}, data=st.cursor.loader,
+                            generators={"augment": st.gen_ckpt}, config={"replicas": cfg.to_dict()},
+                            every_steps=cfg.ckpt_every, ledger=False, writer=False, run_id="replicas", signals=())
+    if cfg.guard is not None:
+        st.guard = LossGuard(mgr, GuardConfig(**cfg.guard), tape=GuardTape(sink, coord, lead))
+    return mgr
 
 
 def _rows(ids: list[int], q: QuorumView, group_size: int, grank: int) -> tuple[int, int]:
@@ -301,11 +428,11 @@ def _rows(ids: list[int], q: QuorumView, group_size: int, grank: int) -> tuple[i
     return share(len(ids), q.pworld, q.prank, group_size, grank)
 
 
-def _compute(st: RankState, ids: list[int], rows: tuple[int, int], participants: int) -> torch.Tensor:
+def _compute(st: RankState, ids: list[int], rows: tuple[int, int], participants: int, corrupt: bool) -> torch.Tensor:
     """Forward and backward of this rank's rows, from the step's committed generator state."""
     st.gen.set_state(st.gen_ckpt.get_state())
     st.optim.zero_grad(set_to_none=True)
-    loss = step_loss(st, ids, rows, participants)
+    loss = step_loss(st, ids, rows, participants, corrupt=corrupt)
     loss.backward()
     return loss
 
@@ -315,14 +442,14 @@ def _fault_json(f: Any) -> dict[str, Any]:
 
 
 def _reexecute(st: RankState, ids: list[int], rows: tuple[int, int], participants: int, gen_before: torch.Tensor,
-               flat: _Flat, group_size: int, coord: Coordinator) -> list[bytes]:
+               flat: _Flat, group_size: int, coord: Coordinator, corrupt: bool) -> list[bytes]:
     """The step's local gradient computed again under the same inputs and generator state
     (parameters are untouched until the commit): its bucket digests, to compare."""
     after = st.gen.get_state()
     st.gen.set_state(gen_before)
     grads = [p.grad for p in st.model.parameters()]
     st.model.zero_grad(set_to_none=True)
-    loss = step_loss(st, ids, rows, participants)
+    loss = step_loss(st, ids, rows, participants, corrupt=corrupt)
     loss.backward()
     again = _Flat(flat.params, st.cfg.bucket_elems)
     again.gather(loss)
