@@ -116,9 +116,9 @@ class GuardTape:
         self.sink.record_event(kind, payload)
 
     def decide_event(self, kind: int, compute: Callable[[], bytes]) -> bytes:
-        from ckpt.guard import events
+        import ckpt.guard
 
-        if self.sink.forced or kind != events.ROLLBACK:
+        if self.sink.forced or kind != ckpt.guard.events.ROLLBACK:
             return self.sink.decide_event(kind, compute)
         payload = self.coord.share_bytes(bytes(compute()) if self.leader() else None)
         return self.sink.decide_event(kind, lambda: payload)
