@@ -320,12 +320,13 @@ class FtCoordinator(_Base):
         self._xkey, self._exchanges = key, 0
         return bool(self.sink.decide("allreduce", key, lambda: ok))
 
-    def sum_collective(self, t: torch.Tensor) -> bool:
+    def sum_collective(self, t: torch.Tensor, join: bool = True) -> bool:
         # on the replica group itself, not through Manager.allreduce: that zeroes what a
-        # replica sitting the step out sends, and its digests are as real as anyone's
+        # replica sitting the step out sends, and its digests are as real as anyone's.
+        # A rank whose step failed does not join (join=False): the outcome is taped anyway
         m = self.manager
         self._exchanges += 1
-        ok = m.errored() is None
+        ok = join and m.errored() is None
         if ok:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
@@ -456,7 +457,7 @@ class ReplayCoordinator(_Base):
             self.errored = True
         return ok
 
-    def sum_collective(self, t: torch.Tensor) -> bool:
+    def sum_collective(self, t: torch.Tensor, join: bool = True) -> bool:
         self._exchanges += 1
         what = f"{self._xkey}#{self._exchanges}"
         ok = bool(self.sink.decide("exchange", what, _never))

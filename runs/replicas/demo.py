@@ -7,8 +7,9 @@ Four recorded runs of the same tiny transformer and data, each on its own tape:
    restart, a replacement group g3 joins and recovers from a live peer through the
    checkpoint stream;
 3. ``shrink``: three groups of two ranks, group g1 SIGKILLed and never replaced;
-4. ``sdc``: bit flips: one in g2's own gradient (found by re-executing the step), one in
-   g1's reduced gradient (found by the cross-replica digest check, g1 excluded);
+4. ``sdc``: four groups; bit flips: one in g2's own gradient (found by re-executing the
+   step: every replica drops it, g2 is excluded), one in g1's reduced gradient (found by
+   the cross-replica digest check, g1 excluded);
 5. ``spike``: periodic checkpoints (the quorum's first replica writes them), a corrupted
    window of global batches, the loss-spike guard on every replica: all roll back together
    to the same checkpoint and skip the window; ``spike-ref`` is the same run without the
@@ -56,7 +57,7 @@ def scenarios(steps: int) -> dict[str, tuple[ReplicaConfig, str]]:
                                   joins=(Join("g3", 1, kill + 3),)), "processes"),
         "shrink": (ReplicaConfig(groups=(("g0", 2), ("g1", 2), ("g2", 2)), steps=steps, kills=(Kill("g1", kill),)),
                    "processes"),
-        "sdc": (ReplicaConfig(groups=one, steps=max(10, steps // 2), reexec_every=2,
+        "sdc": (ReplicaConfig(groups=one + (("g3", 1),), steps=max(10, steps // 2), reexec_every=2,
                               sdc_faults=(SdcFault("g2.0", 4, "local", bucket=1, index=7, bit=27),
                                           SdcFault("g1.0", 7, "reduced", bucket=2, index=5, bit=30))), "threads"),
         "spike": (spike, "threads"),
@@ -170,9 +171,12 @@ def _sdc(run: tuple[RunResult, list[Any]], checks: Checks, echo: Callable[[str],
     checks.add("sdc: a bit flipped in g1's reduced gradient at step 7 is caught at step 7, g1 named",
                (7, ("g1",), ("b2",)) in cross)
     checks.add("sdc: a bit flipped in g2's own gradient at step 4 is caught by re-execution at step 4", (4, ("g2.0",)) in rex)
-    checks.add("sdc: g1 excluded, torchft continued without it",
-               res.ranks.get("g1.0", {}).get("outcome") == "excluded"
-               and all(res.ranks[a]["steps"] == res.cfg.steps for a in ("g0.0", "g2.0")))
+    dropped = {e.actor for e in evs if e.kind.name == "step_commit" and e.step == 4 and not e.payload["committed"]}
+    checks.add("sdc: every replica dropped step 4 (g2's wrong gradient was in every replica's sum)",
+               dropped >= {"g0.0", "g1.0", "g2.0", "g3.0"})
+    checks.add("sdc: g2 and g1 excluded, torchft continued without them",
+               all(res.ranks.get(a, {}).get("outcome") == "excluded" for a in ("g1.0", "g2.0"))
+               and all(res.ranks[a]["steps"] == res.cfg.steps for a in ("g0.0", "g3.0")))
 
 
 def _spike(run: tuple[RunResult, list[Any]], ref: tuple[RunResult, list[Any]], checks: Checks,

@@ -57,7 +57,7 @@ class Coordinator(Protocol):
     def wait_quorum(self) -> QuorumView: ...
     def intra_sum(self, t: torch.Tensor) -> None: ...
     def allreduce(self, buckets: Sequence[torch.Tensor], key: str, fail_after: bool = False) -> bool: ...
-    def sum_collective(self, t: torch.Tensor) -> bool: ...
+    def sum_collective(self, t: torch.Tensor, join: bool = True) -> bool: ...
     def intra_max(self, t: torch.Tensor) -> None: ...
     def should_commit(self, key: str, local_ok: bool) -> bool: ...
     def die(self) -> None: ...
@@ -304,15 +304,38 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             coord.intra_max(failed)
             ok = not failed[0]
         discard = odd_me = False
+        gl = float(flat.buf[-1]) if ok else math.nan  # the global batch's mean loss, the same on every replica
+        reduced: list[bytes] = []
+        bad: list[str] = []
         if ok and cfg.sdc:
             f = faults.pop((s, "reduced"), None) if attempt == 0 else None
             if f is not None and attempt == 0 and sink.inject("bitflip-reduced", actor, lambda: _fault_json(f)):
                 flip_bit(flat.buckets[f.bucket], f.index, f.bit)
             reduced = bucket_digests(flat.buckets)
             sink.event("sdc_digests", "reduced", [(f"b{i}", d) for i, d in enumerate(reduced)])
-            slots = digest_slots(reduced, q.replica_rank, q.participants)
-            if coord.sum_collective(slots):
-                rows_d = unpack_slots(slots)
+            if cfg.reexec_every and s % cfg.reexec_every == 0:
+                again = _reexecute(st, ids, rows, q.pworld, gen_before, flat, group_size, coord, where in spiked)
+                bad = [f"b{i}" for i, (a, b) in enumerate(zip(local, again)) if a != b]
+                sink.event("sdc_verdict", "reexec", int(not bad), [actor] if bad else [], bad, {"step": s})
+        spike_vote = 0
+        if guard is not None and ok:
+            # every replica judges the same loss with the same (replicated) window; the votes are
+            # summed anyway, so that one replica's verdict rolls every replica back together
+            c = guard.config
+            spike_vote = int(judge_loss(gl, guard.window, min_history=c.min_history, z_threshold=c.z_threshold,
+                                        min_scale=c.min_scale).anomalous)
+        # One small all-reduce per step on the replica group: the reduced gradient's digests
+        # (SDC) and every replica's votes. A replica whose step failed does not join it, so the
+        # others' fails too: a step is committed by every replica or by none (a group that
+        # committed alone could finish a run its peers have not).
+        slots = digest_slots(reduced, q.replica_rank, q.participants)
+        x = torch.cat([slots.reshape(-1), torch.tensor([spike_vote, int(bool(bad))], dtype=torch.int64)])
+        ok = coord.sum_collective(x, join=ok)  # always called: the replay's collectives line up by count
+        spike = False
+        if ok:
+            votes = x[-2:]
+            if cfg.sdc:
+                rows_d = unpack_slots(x[:-2].view_as(slots))
                 v = judge({q.members[i]: rows_d[i] for i in range(q.participants)})
                 sink.event("sdc_verdict", "cross-replica", int(v.ok), list(v.odd), [f"b{b}" for b in v.buckets],
                            {"ambiguous": v.ambiguous, **v.detail})
@@ -323,31 +346,20 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
                     discard = odd_me or cfg.sdc_policy == "rollback" or v.ambiguous
                     sink.detected("sdc", ",".join(v.odd) or "unattributed",
                                   {"step": s, "buckets": list(v.buckets), "policy": cfg.sdc_policy})
-            if cfg.reexec_every and s % cfg.reexec_every == 0:
-                again = _reexecute(st, ids, rows, q.pworld, gen_before, flat, group_size, coord, where in spiked)
-                bad = [f"b{i}" for i, (a, b) in enumerate(zip(local, again)) if a != b]
-                sink.event("sdc_verdict", "reexec", int(not bad), [actor] if bad else [], bad, {"step": s})
-                if bad:
-                    discard = True
-        if group_size > 1 and cfg.sdc:
-            flags = torch.tensor([int(odd_me), int(discard)], dtype=torch.int64)
+            if votes[1] > 0:
+                # a replica computed its own gradient wrong (re-execution): what it sent is in the
+                # sum every replica received, so every replica drops the step; under policy
+                # exclude that replica leaves too
+                discard = True
+                odd_me = odd_me or (bool(bad) and cfg.sdc_policy == "exclude")
+            spike = bool(votes[0])
+        if group_size > 1:
+            flags = torch.tensor([int(not ok), int(odd_me), int(discard), int(spike)], dtype=torch.int64)
             coord.intra_max(flags)  # a verdict of one rank's ring binds its whole group
-            odd_me, discard = bool(flags[0]), bool(flags[1])
-        spike = sdc_back = False
-        gl = float(flat.buf[-1]) if ok else math.nan  # the global batch's mean loss, the same on every replica
-        if guard is not None and ok:
-            # every replica judges the same loss with the same (replicated) window; the votes are
-            # summed anyway, so that one replica's verdict (a spike, SDC under policy rollback)
-            # rolls every replica back together
-            c = guard.config
-            votes = torch.tensor([int(judge_loss(gl, guard.window, min_history=c.min_history,
-                                                 z_threshold=c.z_threshold, min_scale=c.min_scale).anomalous),
-                                  int(discard and not odd_me and cfg.sdc_policy == "rollback")], dtype=torch.int64)
-            ok = coord.sum_collective(votes)
-            if ok and group_size > 1:
-                coord.intra_max(votes)
-            spike, sdc_back = ok and bool(votes[0]), ok and not votes[0] and bool(votes[1])
-            discard = discard or spike or sdc_back
+            ok, odd_me, discard, spike = not flags[0], bool(flags[1]), bool(flags[2]), bool(flags[3]) and not flags[0]
+        # under policy rollback every replica saw the same verdict (the odd one too): all roll back
+        sdc_back = guard is not None and ok and discard and not spike and cfg.sdc_policy == "rollback"
+        discard = discard or spike
         committed = coord.should_commit(key, ok and not discard)
         if committed:
             gl = flat.scatter()
