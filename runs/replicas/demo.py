@@ -219,12 +219,16 @@ def _plot(path: str, base: Mapping[int, float], runs: Mapping[str, tuple[RunResu
         return
     curves = [Curve("no fault (3 groups)", sorted(base), [base[s] for s in sorted(base)])]
     marks: list[tuple[float, str]] = []
-    for name, style in (("replace", "-"), ("shrink", "--"), ("spike", "-.")):
+    for name, label, style in (("replace", "replace", "-"), ("shrink", "shrink", "--"),
+                               ("spike", "spike (lr 1e-2, guarded; as trained last)", "-."),
+                               ("spike-ref", "spike's reference (no corrupted window)", ":")):
         res, evs = runs[name]
         ls = _losses(evs, "g0.0")
-        curves.append(Curve(name, sorted(ls), [ls[s] for s in sorted(ls)], style))
+        curves.append(Curve(label, sorted(ls), [ls[s] for s in sorted(ls)], style))
         marks += [(x, "kill" if kind == "sigkill" else "loss") for x, kind in fault_marks(evs)
                   if kind in ("sigkill", "loss-spike")]
+    sp = [e for e in runs["spike"][1] if e.kind.name == "spike" and e.actor == "g0.0"]
+    curves.append(Curve("the spiking step (rolled back)", [e.step for e in sp], [e.payload["value"] for e in sp], "rx"))
     joined = [float(e.step) for e in runs["replace"][1] if e.kind.name == "recovery_loaded" and e.actor.startswith("g3.")]
     loss_plot(path, curves, marks=sorted(set(marks)), spans=[(j, j + 1) for j in joined[:1]], ylabel="training loss",
               title="replica groups on torchft: kill + replace, shrink, loss spike + rollback (shaded: g3 joins)")

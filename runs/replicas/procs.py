@@ -58,7 +58,8 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
     res = run_rank(actor, group_size, st, coord, sink, on_commit=lambda s, loss: stamps.append(time.perf_counter()),
                    ckpt_dir=ckpt_dir)
     sink.flush(final=True, result={"outcome": res.outcome, "steps": res.steps, "params": res.params,
-                                   "recovered_from": res.recovered_from, "commit_times": stamps})
+                                   "recovered_from": res.recovered_from, "commit_times": stamps,
+                                   "sdc_s": res.sdc_s})
     os._exit(0)  # torchft's server threads need no orderly goodbye
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -132,6 +133,7 @@ class RankResult:
     outcome: str = "finished"  # finished | killed | excluded
     recovered_from: list[str] = field(default_factory=list)
     params: bytes = ZERO
+    sdc_s: float = 0.0  # seconds this rank spent digesting and judging (bench/replicas.py)
 
 
 def build_state(cfg: ReplicaConfig) -> RankState:
@@ -292,7 +294,9 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         f = faults.pop((s, "local"), None) if attempt == 0 else None  # a wrong computation: what it sends is wrong
         if f is not None and attempt == 0 and sink.inject("bitflip-local", actor, lambda: _fault_json(f)):
             flip_bit(flat.buckets[f.bucket], f.index, f.bit)
+        t_sdc = time.perf_counter()
         local = bucket_digests(flat.buckets) if cfg.sdc else []  # what this rank sends into the all-reduce
+        res.sdc_s += time.perf_counter() - t_sdc
         if cfg.sdc:
             sink.event("sdc_digests", "local", [(f"b{i}", d) for i, d in enumerate(local)])
         late = (actor, s) in late_set and attempt == 0 and bool(sink.inject("late-failure", actor, lambda: {"step": s}))
@@ -311,7 +315,9 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             f = faults.pop((s, "reduced"), None) if attempt == 0 else None
             if f is not None and attempt == 0 and sink.inject("bitflip-reduced", actor, lambda: _fault_json(f)):
                 flip_bit(flat.buckets[f.bucket], f.index, f.bit)
+            t_sdc = time.perf_counter()
             reduced = bucket_digests(flat.buckets)
+            res.sdc_s += time.perf_counter() - t_sdc
             sink.event("sdc_digests", "reduced", [(f"b{i}", d) for i, d in enumerate(reduced)])
             if cfg.reexec_every and s % cfg.reexec_every == 0:
                 again = _reexecute(st, ids, rows, q.pworld, gen_before, flat, group_size, coord, where in spiked)
@@ -335,8 +341,10 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         if ok:
             votes = x[-2:]
             if cfg.sdc:
+                t_sdc = time.perf_counter()
                 rows_d = unpack_slots(x[:-2].view_as(slots))
                 v = judge({q.members[i]: rows_d[i] for i in range(q.participants)})
+                res.sdc_s += time.perf_counter() - t_sdc
                 sink.event("sdc_verdict", "cross-replica", int(v.ok), list(v.odd), [f"b{b}" for b in v.buckets],
                            {"ambiguous": v.ambiguous, **v.detail})
                 if not v.ok:
