@@ -58,6 +58,11 @@ holds it for a distributed job). A second manager, in this process or another, g
 the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
 cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
 by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+**Followers.** ``writer=False`` makes a manager that reads a run directory another one
+writes (replicas of one data-parallel state: one writes, every one can ``resume()`` or
+``rewind()`` from it): it takes no lock, never saves (``save()`` refuses) and never
+deletes; ``set_writer(True)`` makes it the writer, waiting for the previous writer's
+lock (released by ``close()`` or by its death), and ``set_writer(False)`` hands it back.
 
 **Compression and dedup** (format 2.0, spec/format-2.md; both off by default).
 ``compress=`` is passed to every save (``True``: float tensors stored as BPZ1 byte planes +
@@ -365,6 +370,7 @@ class CheckpointManager:
         compress: Any = None,
         dedup: bool = False,
         dedup_full_every: int = 0,
+        writer: bool = True,
     ) -> None:
         if every_steps is not None and every_steps < 1:
             raise ValueError(f"every_steps must be >= 1 or None, got {every_steps}")
@@ -455,16 +461,13 @@ class CheckpointManager:
         #: (temporary name, step name) of complete copies put back after a crash
         self.restored_orphans: tuple[tuple[str, str], ...] = ()
         refusal: BaseException | None = None
-        if self.rank == 0:
+        # A follower (writer=False) of a run directory another manager writes: it lists
+        # and loads (resume, rewind) but never locks, saves or deletes; set_writer(True)
+        # makes it the writer (replicated training: one replica writes, all can roll back).
+        self._writer = bool(writer)
+        if self.rank == 0 and self._writer:
             try:
-                self._storage.makedirs(self.run_dir)
-                owner = {"run_id": self.run_id, "world_size": self.world_size}
-                if commits_by_manifest(self._storage):  # an object store: a lock object (§O.6)
-                    self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
-                else:
-                    self._lock = RunLock.acquire(self.run_dir, owner=owner)
-                rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
-                self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
+                self._take_lock(wait=False)
             except BaseException as e:  # noqa: BLE001 - every rank must hear about it
                 refusal = e
         if self._ctl is not None:
@@ -574,6 +577,9 @@ class CheckpointManager:
                       verify=verify, run_id=self.run_id)  # type: ignore[arg-type]
 
     def _after_step_save(self, step: int, metrics: Mapping[str, Any] | None, extra: Any) -> bool:
+        if not self._writer:  # a follower saves nothing; a signal still stops its loop
+            self._stop = self._stop or self._signal is not None
+            return False
         due = bool(self.every_steps and step % self.every_steps == 0)
         if self.every_seconds is not None and self._clock() - self._last_save_time >= self.every_seconds:
             due = True
@@ -601,6 +607,9 @@ class CheckpointManager:
         """Save now (at a step boundary). ``block`` defaults to ``not async_save``."""
         self._check_open()
         self._raise_failure()
+        if not self._writer:
+            raise CkptError("this CheckpointManager is a follower (writer=False): it does not save; "
+                            "set_writer(True) first", path=self.run_dir)
         if self.ledger is not None:
             self.ledger.touch(step)  # a run that only saves still has a ledger: a resume is not "missing" one
         self._save(step, metrics, extra, block=(not self.async_save) if block is None else block)
@@ -636,6 +645,43 @@ class CheckpointManager:
             if self._staging is not None:
                 self._staging.release()
             self._release_lock()
+
+    def _take_lock(self, *, wait: bool) -> None:
+        self._storage.makedirs(self.run_dir)
+        owner = {"run_id": self.run_id, "world_size": self.world_size}
+        if commits_by_manifest(self._storage):  # an object store: a lock object (§O.6)
+            if wait:
+                raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
+                                "object cannot be waited for)", path=self.run_dir)
+            self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
+        else:
+            self._lock = RunLock.acquire(self.run_dir, owner=owner, wait=wait)
+        rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
+        self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
+
+    @property
+    def writer(self) -> bool:
+        """Whether this manager writes the run directory (``False``: a follower)."""
+        return self._writer
+
+    def set_writer(self, on: bool, *, wait: bool = True) -> None:
+        """Become the run directory's writer (take its lock: with ``wait``, block until
+        the previous writer closes or dies; clean leftovers of crashed saves) or stop
+        being it (finish the save in flight, release the lock). Single-process managers
+        only: a distributed job's rank 0 is its writer for good."""
+        self._check_open()
+        if self._ctl is not None:
+            raise CkptError("set_writer is for a single-process manager; a distributed job's rank 0 is its writer",
+                            path=self.run_dir)
+        if bool(on) == self._writer:
+            return
+        if on:
+            self._take_lock(wait=wait)
+            self._writer = True
+        else:
+            self.wait()
+            self._release_lock()
+            self._writer = False
 
     def _release_lock(self) -> None:
         if self._lock is not None:
@@ -695,7 +741,7 @@ class CheckpointManager:
         result, choice, fallbacks = loaded
         target = int(result.step or 0)
         discarded: tuple[str, ...] = ()
-        if self.rank == 0:
+        if self.rank == 0 and self._writer:  # a follower leaves the deleting to the writer
             newer = [r for r in list_checkpoints(self.run_dir, storage=self._storage) if r.committed and r.step > target]
             discarded = delete_checkpoints(self.run_dir, newer, storage=self._storage)
         self._loaded(result, choice)

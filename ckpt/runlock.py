@@ -54,7 +54,9 @@ class RunLock:
                 pass
 
     @classmethod
-    def acquire(cls, run_dir: str, *, owner: dict[str, object] | None = None) -> RunLock:
+    def acquire(cls, run_dir: str, *, owner: dict[str, object] | None = None, wait: bool = False) -> RunLock:
+        """Take the lock; ``RunDirLockedError`` while another holds it, or with ``wait``,
+        block until the holder releases it (or dies: the kernel drops its lock)."""
         path = os.path.join(run_dir, LOCK_NAME)
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         try:
@@ -64,7 +66,7 @@ class RunLock:
                 raise RunDirLockedError("the writer lock file is a symbolic link; refusing to follow it", path=path) from None
             raise
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)

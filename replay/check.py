@@ -34,6 +34,7 @@ recovery-digest-mismatch   a stage_up whose recovery message has no recovery_sou
 commit-without-quorum      a step committed under a quorum this actor never taped, or one without it
 recovery-without-source    a replica loaded a recovery state nobody sent it
 recovery-state-mismatch    a recovered replica's state digest differs from what its source sent
+replica-state-diverged     two replicas committed the same step with different parameter digests
 rollback-not-before-detection  a rollback's target step is not below its event's step
 rollback-without-spike     a rollback has no spike event of its actor and step before it
 routing-replay-uncached    a routing replay has no earlier routing event for its layer and batch
@@ -74,7 +75,7 @@ RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-aft
          "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious",
          "snapshot-channels-early", "snapshot-part-missing", "stage-send-while-offline", "stage-up-mismatch",
          "bypass-outside-outage", "bypass-window", "recovery-digest-mismatch", "commit-without-quorum",
-         "recovery-without-source", "recovery-state-mismatch", "rollback-not-before-detection",
+         "recovery-without-source", "recovery-state-mismatch", "replica-state-diverged", "rollback-not-before-detection",
          "rollback-without-spike", "routing-replay-uncached", "routing-replay-mismatch")
 
 
@@ -107,6 +108,8 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
     quorums: dict[tuple[str, str], Event] = {}  # (actor, key) -> its quorum event
     sent_state: dict[tuple[str, str, int], Event] = {}  # (source, peer, step) -> recovery_sent
     spikes: dict[tuple[str, int], Event] = {}
+    committed_params: dict[tuple[int, int], Event] = {}  # (step, rollbacks before it) -> first step_commit
+    rollbacks_of: dict[str, int] = {}
     routed: dict[tuple[str, str, int, int], Event] = {}
 
     def v(rule: str, msg: str, *evs: Event) -> None:
@@ -187,6 +190,13 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
                 elif group not in q.payload["members"]:
                     v("commit-without-quorum", f"{ev.actor} committed step {ev.step} under quorum {p['quorum']!r}, "
                       f"whose members {q.payload['members']} do not list its group {group!r}", q, ev)
+                if p["params"] != bytes(16):  # a digest was taken: every replica's must be the same
+                    # (per timeline: after its n-th rollback a replica re-commits steps anew)
+                    first = committed_params.setdefault((ev.step, rollbacks_of.get(ev.actor, 0)), ev)
+                    if first.payload["params"] != p["params"]:
+                        v("replica-state-diverged", f"{ev.actor} committed step {ev.step} with parameters "
+                          f"{p['params'].hex()}, {first.actor} with {first.payload['params'].hex()}: the replicas "
+                          "no longer hold one state", first, ev)
         elif k == "recovery_sent":
             sent_state[(ev.actor, ev.payload["peer"], ev.step)] = ev
         elif k == "recovery_loaded":
@@ -226,6 +236,7 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
             spikes[(ev.actor, ev.step)] = ev
         elif k == "rollback":
             p = ev.payload
+            rollbacks_of[ev.actor] = rollbacks_of.get(ev.actor, 0) + 1
             if p["to_step"] >= ev.step:
                 v("rollback-not-before-detection", f"rollback at step {ev.step} goes to step {p['to_step']}, not "
                   "before it", ev)

@@ -146,6 +146,29 @@ class LossGuard:
         self.manager._after_step(step, batch=batch, loss=loss, metrics=metrics, extra=extra)
         return None
 
+    def roll_back(self, step: int, *, rule: str, loss: Any = float("nan"), batch: Any = None,
+                  data_policy: bool = False) -> Rollback:
+        """An episode that another detector asked for (spec §3.1): silent data corruption
+        found in step ``step`` (``rule="sdc"``), say. The step is not accepted; the run
+        rolls back to the newest checkpoint before it that verifies and loads, exactly as
+        for a spike. The data is not at fault, so the data policy applies only with
+        ``data_policy=True`` (earlier episodes' edits are carried forward either way).
+        The tape's ``spike`` event names ``rule`` with the step's loss; the rollback
+        budget is the same."""
+        if self._closed:
+            raise CkptError("the LossGuard is closed", path=self.manager.run_dir)
+        if not isinstance(rule, str) or not rule or rule in ("robust_z", "nonfinite"):
+            raise GuardConfigError(f"roll_back needs the name of the detector that asked for it, got {rule!r}",
+                                   key="rule")
+        value = _loss_value(loss)
+        cfg = self.config
+        verdict = Verdict(True, rule, value, 0.0, 0.0, 0.0, 0.0, cfg.z_threshold, tuple(self.window))
+        rb = self._episode(step, verdict, batch, loss, self.loader.cursor, data_policy=data_policy)
+        if rb is None:  # on_no_checkpoint="continue": there is nothing to roll back to
+            raise NoRollbackTargetError(f"{rule} at step {step}: no checkpoint to roll back to", path=self.manager.run_dir,
+                                        step=step)
+        return rb
+
     def _accept(self, step: int, value: float, cursor: tuple[int, int]) -> None:
         if math.isfinite(value):
             self.window.append(value)
@@ -157,12 +180,14 @@ class LossGuard:
         self._step = step
 
     # -- an episode (§3) -----------------------------------------------------------------------
-    def _episode(self, step: int, verdict: Verdict, batch: Any, loss: Any, cursor: tuple[int, int]) -> Rollback | None:
+    def _episode(self, step: int, verdict: Verdict, batch: Any, loss: Any, cursor: tuple[int, int], *,
+                 data_policy: bool = True) -> Rollback | None:
         cfg, mgr = self.config, self.manager
         if mgr.ledger is not None:
             mgr.ledger.step(step, batch=batch, loss=loss, kill=False)  # the step happened; it is not saved
         self._record(verdict, step)
-        what = f"{'non-finite loss' if verdict.rule == 'nonfinite' else 'loss spike'} at step {step} " \
+        cause = {"nonfinite": "non-finite loss", "robust_z": "loss spike"}.get(verdict.rule, verdict.rule)
+        what = f"{cause} at step {step} " \
                f"(loss {verdict.value!r}, median {verdict.median:.6g}, robust z {verdict.score:.3g})"
         if len(self.episodes) >= cfg.max_rollbacks:
             self._record(ev.Refused("limit", {"episodes": len(self.episodes), "max_rollbacks": cfg.max_rollbacks}),
@@ -187,7 +212,7 @@ class LossGuard:
             if rw is None:
                 raise _NoTarget()
             done["rw"] = rw
-            edits = self._carry_forward() + self._policy(rw.result, cursor)
+            edits = self._carry_forward() + (self._policy(rw.result, cursor) if data_policy else [])
             return self._rollback_payload(rw, edits)
 
         try:

@@ -69,14 +69,17 @@ class TorchftTransport(CheckpointTransport[dict]):
     ``generators``: named ``torch.Generator``\\ s (RNG field); ``config``: the run's config
     (config hash field). ``on_sent`` / ``on_received`` are called with (peer replica rank,
     step, :class:`StreamInfo`) after each transfer (a run tapes them). ``tamper`` corrupts
-    frames after their digest is taken (fault injection: the receiver must refuse them).
+    frames after their digest is taken, ``tamper_received(segment index, bytes)`` what
+    arrives before it is read (fault injection, in the sender or on the wire: the
+    receiver must refuse them).
     """
 
     def __init__(self, pg: Any, *, timeout: timedelta = timedelta(seconds=60), data: Any = None,
                  generators: Mapping[str, torch.Generator] | None = None, config: Any = None,
                  spool_dir: str | None = None, chunk_bytes: int = DEFAULT_CHUNK, segment_bytes: int = 4 << 20,
                  max_bytes: int = DEFAULT_MAX_BYTES, on_sent: Hook | None = None, on_received: Hook | None = None,
-                 tamper: Tamper | None = None) -> None:
+                 tamper: Tamper | None = None,
+                 tamper_received: Callable[[int, bytearray], None] | None = None) -> None:
         self._pg = pg
         self._timeout = timeout
         self.data = data
@@ -89,6 +92,7 @@ class TorchftTransport(CheckpointTransport[dict]):
         self.on_sent = on_sent
         self.on_received = on_received
         self.tamper = tamper
+        self.tamper_received = tamper_received
         self._lock = threading.Lock()
 
     # -- torchft's interface ------------------------------------------------------------
@@ -171,6 +175,7 @@ class TorchftTransport(CheckpointTransport[dict]):
         pg = self._pg
         pending = bytearray()
         limit = self._segment + MAX_CHUNK + 64  # a segment is flushed once it reaches segment_bytes
+        seen = [0]
 
         def read(n: int) -> bytes:
             while not pending:
@@ -181,7 +186,11 @@ class TorchftTransport(CheckpointTransport[dict]):
                     raise FormatError(f"stream segment of {size} bytes announced by replica {src} (limit {limit})")
                 t = torch.empty(size, dtype=torch.uint8)
                 pg.recv([t], src, _DATA_TAG).wait(timeout)
-                pending.extend(t.numpy().tobytes())
+                seg = bytearray(t.numpy().tobytes())
+                if self.tamper_received is not None:
+                    self.tamper_received(seen[0], seg)
+                seen[0] += 1
+                pending.extend(seg)
             out = bytes(pending[:n])
             del pending[:n]
             return out

@@ -6,7 +6,7 @@ the tape as the coordinator), ``procs.py`` (the orchestrator) and ``demo.py``.
 
 from __future__ import annotations
 
-from runs.replicas.config import Join, Kill, ReplicaConfig, SdcFault
+from runs.replicas.config import Join, Kill, ReplicaConfig, SdcFault, Spike
 from runs.replicas.run import ENTRY_POINT, RunResult, main, record
 
-__all__ = ["ReplicaConfig", "Kill", "Join", "SdcFault", "RunResult", "record", "main", "ENTRY_POINT"]
+__all__ = ["ReplicaConfig", "Kill", "Join", "SdcFault", "Spike", "RunResult", "record", "main", "ENTRY_POINT"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["ReplicaConfig", "Kill", "Join", "SdcFault", "check"]
+__all__ = ["ReplicaConfig", "Kill", "Join", "SdcFault", "Spike", "check"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class Join:
 class SdcFault:
     """Flip ``bit`` of element ``index`` of gradient bucket ``bucket`` on ``actor`` at
     ``step``: ``where`` = reduced (after the all-reduce: the cross-replica check sees it)
-    or local (before it: every replica receives the corrupt sum; re-execution sees it)."""
+    or local (before it: every replica receives the corrupt sum; re-execution sees it);
+    stream (the recovery streams ``actor`` sends: one frame, once) or received (the first
+    recovery stream ``actor`` receives, hit in transit): refused on receipt either way."""
 
     actor: str
     step: int
@@ -39,6 +41,16 @@ class SdcFault:
     bucket: int = 0
     index: int = 0
     bit: int = 30
+
+
+@dataclass(frozen=True)
+class Spike:
+    """Corrupt the global batches of loader steps ``[step, step + span)`` of epoch 0
+    (their samples come from ``runs.common.tiny_lm.unlikely_corpus``): the loss spikes
+    when they are trained; the guard's skip policy rolls back and skips them."""
+
+    step: int
+    span: int = 1
 
 
 @dataclass(frozen=True)
@@ -54,25 +66,39 @@ class ReplicaConfig:
     seed: int = 0
     corpus: int = 2048  # sequences in the generated corpus
     augment: float = 0.05  # probability of replacing an input token (the named generator "augment")
-    bucket_elems: int = 32768  # gradient bucket size (elements) for the all-reduce and the SDC digests
+    bucket_elems: int = 32768  # gradient bucket size (elements) of the SDC digests
     kills: tuple[Kill, ...] = ()
     joins: tuple[Join, ...] = ()
     data_policy: str = "redistribute"  # or "drop": what happens to an uncommitted attempt's samples
     min_replicas: int = 1
+    async_quorum: bool = True  # torchft's use_async_quorum: the quorum overlaps the forward and backward
     sdc: bool = True  # cross-replica digest check at every accumulation boundary
     sdc_policy: str = "exclude"  # on a named odd replica: exclude it (torchft continues) or rollback
     reexec_every: int = 0  # re-execute every Nth step locally and compare gradient digests (0: on suspicion only)
     sdc_faults: tuple[SdcFault, ...] = ()
     param_every: int = 1  # state digests on step_commit every N steps (0: never)
+    # periodic checkpoints (a ckpt.CheckpointManager per rank on one run directory, written
+    # by the replica that is first in the quorum) every N committed steps (0: none)
+    ckpt_every: int = 0
+    guard: Mapping[str, Any] | None = None  # ckpt.guard.GuardConfig fields: a loss-spike guard (needs ckpt_every)
+    spikes: tuple[Spike, ...] = ()
+    # (actor, step): the all-reduce of that step completes on every member, then ``actor``
+    # reports it failed (a late error: a watchdog, a link reset) -- a partially failed collective
+    late_failures: tuple[tuple[str, int], ...] = ()
     timeout_s: float = 20.0  # collectives and recovery
     heartbeat_timeout_ms: int = 1500
+    # how often the lighthouse looks again while it waits for stragglers (torchft's default);
+    # a quorum whose members are all back forms on the last one's request, not on a tick
+    quorum_tick_ms: int = 100
     join_timeout_ms: int = 2500
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["groups"] = [list(g) for g in self.groups]
+        d["late_failures"] = [list(x) for x in self.late_failures]
         d["extra"] = dict(self.extra)
+        d["guard"] = None if self.guard is None else dict(self.guard)
         return d
 
     @classmethod
@@ -82,6 +108,10 @@ class ReplicaConfig:
         d["kills"] = tuple(Kill(**k) for k in d.get("kills", ()))
         d["joins"] = tuple(Join(**j) for j in d.get("joins", ()))
         d["sdc_faults"] = tuple(SdcFault(**f) for f in d.get("sdc_faults", ()))
+        d["spikes"] = tuple(Spike(**f) for f in d.get("spikes", ()))
+        d["late_failures"] = tuple((str(a), int(s)) for a, s in d.get("late_failures", ()))
+        if d.get("guard") is not None:
+            d["guard"] = dict(d["guard"])
         return cls(**d)
 
     def all_groups(self) -> list[tuple[str, int]]:
@@ -109,4 +139,10 @@ def check(cfg: ReplicaConfig) -> ReplicaConfig:
         raise ValueError(f"group names must be distinct, without '.' or ':': {names}")
     if cfg.data_policy not in ("redistribute", "drop") or cfg.sdc_policy not in ("exclude", "rollback"):
         raise ValueError("data_policy is redistribute or drop; sdc_policy exclude or rollback")
+    if cfg.guard is not None and not cfg.ckpt_every:
+        raise ValueError("a loss-spike guard rolls back to periodic checkpoints: set ckpt_every")
+    if cfg.guard is not None:
+        from ckpt.guard import GuardConfig
+
+        GuardConfig(**cfg.guard)  # a bad field is refused here, naming it
     return cfg

@@ -1,7 +1,7 @@
 """The data position of a replica run: one global stream, replicated on every replica.
 
-Step ``t``'s global batch is the next ``global_batch`` positions of the stream (the
-epoch's ``ckpt.data.EpochOrder``), split over the ranks that take part in the attempt,
+Step ``t``'s global batch is the next global batch of a ``ckpt.data.ResumableLoader``
+(every replica holds the same one), split over the ranks that take part in the attempt,
 in quorum order. The cursor moves only when the step is committed: the samples of an
 attempt that failed (a group died in it) are handed out again at the retry, split over
 the survivors (policy ``redistribute``), or skipped (``drop``), and a ``data_reassign``
@@ -15,53 +15,68 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt.data import EpochOrder
+import torch
+
+from ckpt.data import ResumableLoader
 
 __all__ = ["GlobalCursor", "share"]
 
 
+class _Ids(torch.utils.data.Dataset):
+    """Sample ``i`` is its own id: the loader serves ids, each rank gathers its rows."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return int(i)
+
+
 class GlobalCursor:
-    """Stateful: (epoch, position) in the global stream, the data field of the checkpoint."""
+    """The replicated data position: a ``ckpt.data.ResumableLoader`` of the whole global
+    batch (one "rank": every replica holds the same cursor), peeked at by each attempt and
+    moved only by a committed (or, policy ``drop``, a dropped) step. ``loader`` is the
+    data field of every checkpoint (the periodic ones and the recovery stream), and the
+    loss-spike guard edits its order (skip or defer a window)."""
 
     def __init__(self, n: int, *, seed: int, global_batch: int) -> None:
-        self.n = n
-        self.seed = seed
-        self.global_batch = global_batch
-        self.epoch = 0
-        self.position = 0
-        self.skipped = 0
+        self.loader = ResumableLoader(_Ids(n), seed=seed, global_batch_size=global_batch, world_size=1, rank=0,
+                                      seed_sample_rngs=False)
+        self._it: Any = None
+        self._at: tuple[int, int] | None = None  # the cursor the live iterator stands at
 
     def peek(self) -> list[int]:
         """The sample ids of the next global batch (does not move)."""
-        out = []
-        e, p = self.epoch, self.position
-        order = EpochOrder(self.n, self.seed, e)
-        for _ in range(self.global_batch):
-            if p >= self.n:
-                e, p = e + 1, 0
-                order = EpochOrder(self.n, self.seed, e)
-            out.append(order.index(p))
-            p += 1
-        return out
+        return [int(i) for i in self.loader.peek(1)[0][1]]
 
     def advance(self) -> None:
-        p = self.position + self.global_batch
-        self.epoch += p // self.n
-        self.position = p % self.n
+        # a load or an edit (a rollback) makes a live iterator stale: a fresh one then
+        if self._it is None or self._at != self.loader.cursor:
+            self._it = iter(self.loader)
+        try:
+            next(self._it)
+        except StopIteration:  # the epoch is over: the next iter() starts the next one
+            self._it = iter(self.loader)
+            next(self._it)
+        self._at = self.loader.cursor
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, loader step) of the next global batch."""
+        return self.loader.upcoming(1)[0]
+
+    def reset(self) -> None:
+        """After a load or an edit: the next advance starts a fresh iterator."""
+        self._it = None
 
     def skip(self) -> None:
         """Policy drop: the failed attempt's samples are skipped, the stream moves on."""
         self.advance()
-        self.skipped += self.global_batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n,
-                "global_batch": self.global_batch, "skipped": self.skipped}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if (sd["n"], sd["seed"], sd["global_batch"]) != (self.n, self.seed, self.global_batch):
-            raise ValueError(f"cursor of another stream: {sd}")
-        self.epoch, self.position, self.skipped = int(sd["epoch"]), int(sd["position"]), int(sd["skipped"])
+        return self.loader.state_dict()
 
 
 def share(n: int, participants: int, replica_rank: int, group_size: int, group_rank: int) -> tuple[int, int]:

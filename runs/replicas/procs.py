@@ -33,7 +33,11 @@ def _free_port() -> int:
 
 
 def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: str, store_port: int, conn: Any,
-               start: Any) -> None:  # pragma: no cover - child process
+               start: Any, ckpt_dir: str | None, log_dir: str | None) -> None:  # pragma: no cover - child process
+    if log_dir:  # torchft's logging (its Rust logger writes to fd 2) goes to the rank's log file
+        fd = os.open(os.path.join(log_dir, f"{actor}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -50,19 +54,22 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
     start.wait()
     # the Manager (and its heartbeat to the lighthouse) starts only once the group is let in
     coord = FtCoordinator(actor, group_size, st, sink, lighthouse=lighthouse, store=store, store_port=store_port)
-    res = run_rank(actor, group_size, st, coord, sink)
+    stamps: list[float] = []  # when each step committed, on this rank's clock (bench/replicas.py)
+    res = run_rank(actor, group_size, st, coord, sink, on_commit=lambda s, loss: stamps.append(time.perf_counter()),
+                   ckpt_dir=ckpt_dir)
     sink.flush(final=True, result={"outcome": res.outcome, "steps": res.steps, "params": res.params,
-                                   "recovered_from": res.recovered_from})
+                                   "recovered_from": res.recovered_from, "commit_times": stamps,
+                                   "sdc_s": res.sdc_s})
     os._exit(0)  # torchft's server threads need no orderly goodbye
 
 
 def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int], None] | None = None,
-                  timeout_s: float = 900.0) -> dict[str, Any]:
+                  timeout_s: float = 900.0, ckpt_dir: str | None = None, log_dir: str | None = None) -> dict[str, Any]:
     from torchft._torchft import LighthouseServer
 
     t0 = time.monotonic()
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
-                                  quorum_tick_ms=20, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+                                  quorum_tick_ms=cfg.quorum_tick_ms, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
     ctx = mp.get_context("spawn")
     lock = threading.Condition()
     procs: dict[str, Any] = {}
@@ -108,7 +115,7 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
         for r in range(n):
             actor = f"{group}.{r}"
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, args=(actor, n, cfg.to_dict(), lighthouse.address(), port, child, start),
+            p = ctx.Process(target=_rank_main, args=(actor, n, cfg.to_dict(), lighthouse.address(), port, child, start, ckpt_dir, log_dir),
                             name=actor, daemon=True)
             p.start()
             child.close()
@@ -146,7 +153,7 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
             crashed = [a for a, p in procs.items() if p.exitcode not in (None, 0) and a.split(".")[0] not in killed]
             if crashed:
                 raise RuntimeError(f"replica ranks crashed: {crashed} (exit codes "
-                                   f"{[procs[a].exitcode for a in crashed]})")
+                                   f"{[procs[a].exitcode for a in crashed]}; their logs: {log_dir})")
             if not alive and not go:
                 if pending_joins:  # the run ended before the joiner's turn: it never asked to join
                     for j in pending_joins:

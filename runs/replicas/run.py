@@ -10,13 +10,16 @@ and state digests come out bit-identical.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -25,7 +28,7 @@ from runs.replicas.config import ReplicaConfig, check
 from runs.replicas.tapeio import Hub, LocalSink
 from runs.replicas.worker import RankResult
 
-__all__ = ["ENTRY_POINT", "RunResult", "record", "main", "run_threads", "open_recorder"]
+__all__ = ["ENTRY_POINT", "RunResult", "record", "main", "run_threads", "open_recorder", "stderr_to"]
 
 ENTRY_POINT = "runs.replicas.run:main"
 
@@ -46,27 +49,51 @@ def open_recorder(tape: str | os.PathLike[str], cfg: ReplicaConfig, **opts: Any)
                          rng_every=0, param_digest_every=0, rng_sources=(), **opts)
 
 
+@contextlib.contextmanager
+def stderr_to(path: str | os.PathLike[str]) -> Iterator[None]:
+    """File descriptor 2 of this process goes to ``path`` (appended) for the block: torchft's
+    Rust logger and its Python loggers write every quorum and commit there, not on the
+    demo's terminal. An exception still propagates (and prints) after the block."""
+    sys.stderr.flush()
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
 def record(tape: str | os.PathLike[str], cfg: ReplicaConfig, *, transport: str = "processes", **kw: Any) -> RunResult:
     """Run ``cfg`` with torchft and record ``tape``: a process per rank (``processes``, the
     real thing, SIGKILLs included) or a thread per rank (``threads``: torchft's Managers in
     one process, as torchft's own integration tests run them; no kills)."""
     check(cfg)
     Path(tape).parent.mkdir(parents=True, exist_ok=True)
-    with open_recorder(tape, cfg) as rec:
+    if cfg.ckpt_every:  # the run's periodic checkpoints, beside its tape (run.tape -> run.ckpt/)
+        d = Path(kw.setdefault("ckpt_dir", str(Path(tape).with_suffix(".ckpt"))))
+        if d.exists() and any(d.iterdir()):
+            raise FileExistsError(f"{d} is not empty: a run's checkpoints never mix with another's")
+    logs = Path(tape).with_suffix(".logs")  # torchft's own logging (Rust and Python), per process
+    logs.mkdir(parents=True, exist_ok=True)
+    with open_recorder(tape, cfg) as rec, stderr_to(logs / "run.log"):
         hub = Hub(rec, wait_s=max(120.0, 6 * cfg.timeout_s))
         if transport == "threads":
             res = _ft_threads(hub, cfg, **kw)
         else:
             from runs.replicas.procs import run_processes
 
-            out = run_processes(hub, cfg, **kw)
+            out = run_processes(hub, cfg, log_dir=str(logs), **kw)
             res = RunResult(cfg, "processes", {a: dict(r) for a, r in out["results"].items()}, out["exitcodes"],
                             out["killed"], out["wall_s"])
     res.tape = str(tape)
     return res
 
 
-def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None) -> RunResult:
+def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None, ckpt_dir: str | None = None) -> RunResult:
     """torchft's Managers as threads of this process (recording; no SIGKILL possible here)."""
     import torch.distributed as dist
     from torchft._torchft import LighthouseServer
@@ -79,7 +106,7 @@ def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None) -> RunRe
     torch.set_num_threads(1)
     t0 = time.monotonic()
     lh = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
-                          quorum_tick_ms=20, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+                          quorum_tick_ms=cfg.quorum_tick_ms, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
     sizes = dict(cfg.all_groups())
     masters = {g: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                 timeout=timedelta(seconds=120)) for g in sizes}
@@ -111,7 +138,8 @@ def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None) -> RunRe
             coord = FtCoordinator(actor, sizes[g], st, sink, lighthouse=lh.address(), store=store,
                                   store_port=masters[g].port)
             results[actor] = run_rank(actor, sizes[g], st, coord, sink,
-                                      on_commit=(lambda s, loss: on_commit(actor, s)) if on_commit else None)
+                                      on_commit=(lambda s, loss: on_commit(actor, s)) if on_commit else None,
+                                      ckpt_dir=ckpt_dir)
         except BaseException as e:  # the main thread reports it
             errors.append(e)
             with cond:
@@ -132,12 +160,13 @@ def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None) -> RunRe
     return RunResult(cfg, "threads", ranks, wall_s=time.monotonic() - t0)
 
 
-def run_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
+def run_threads(hub: Hub, cfg: ReplicaConfig, ckpt_dir: str | None = None) -> RunResult:
     """Every rank (joiners and the killed included) as a thread of this process, driven by
-    the tape's decisions (force mode)."""
+    the tape's decisions (force mode). The replay's own periodic checkpoints (a rollback
+    loads one) go to ``ckpt_dir``."""
     import torch.distributed as dist
 
-    from runs.replicas.coord import ReplayCoordinator
+    from runs.replicas.coord import Rendezvous, ReplayCoordinator
     from runs.replicas.worker import build_state, run_rank
 
     torch.set_num_threads(1)
@@ -146,6 +175,9 @@ def run_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
     sizes = dict(cfg.all_groups())
     results: dict[str, RankResult] = {}
     errors: list[BaseException] = []
+    rdv = Rendezvous()
+    done = threading.Condition()
+    ended: list[str] = []
 
     def rank_thread(actor: str) -> None:
         try:
@@ -154,16 +186,21 @@ def run_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
             st = build_state(cfg)
             sink = LocalSink(hub, actor)
             g = actor.split(".")[0]
-            coord = ReplayCoordinator(actor, sizes[g], st, sink, store=store, store_port=master.port)
-            results[actor] = run_rank(actor, sizes[g], st, coord, sink)
+            coord = ReplayCoordinator(actor, sizes[g], st, sink, store=store, store_port=master.port, rdv=rdv)
+            results[actor] = run_rank(actor, sizes[g], st, coord, sink, ckpt_dir=ckpt_dir)
         except BaseException as e:  # the main thread reports it
             errors.append(e)
+        finally:
+            rdv.ended(actor)
+            with done:
+                ended.append(actor)
+                done.notify_all()
 
     threads = [threading.Thread(target=rank_thread, args=(a,), name=a, daemon=True) for a in cfg.actors()]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(1800)
+    with done:  # the first error ends the replay: ranks it left waiting in a collective are daemons
+        done.wait_for(lambda: errors or len(ended) == len(threads), timeout=1800)
     if errors:
         raise errors[0]
     stuck = [t.name for t in threads if t.is_alive()]
@@ -177,4 +214,7 @@ def run_threads(hub: Hub, cfg: ReplicaConfig) -> RunResult:
 def main(rec: Recorder) -> RunResult:
     """The tape entry point (force mode): re-run the recorded replica run as threads."""
     cfg = ReplicaConfig.from_dict(dict(rec.config["replicas"]))
-    return run_threads(Hub(rec, wait_s=600.0), cfg)
+    if not cfg.ckpt_every:
+        return run_threads(Hub(rec, wait_s=600.0), cfg)
+    with tempfile.TemporaryDirectory(prefix="replicas-replay-") as d:  # never the recorded run's checkpoints
+        return run_threads(Hub(rec, wait_s=600.0), cfg, ckpt_dir=d)

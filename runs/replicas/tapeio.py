@@ -22,7 +22,7 @@ import msgpack
 
 from replay import Recorder, Stamp
 
-__all__ = ["Hub", "LocalSink", "RemoteSink", "Applier", "recovery_channel"]
+__all__ = ["Hub", "LocalSink", "RemoteSink", "Applier", "recovery_channel", "roundtrip"]
 
 
 def recovery_channel(src: str, dst: str) -> str:
@@ -86,6 +86,11 @@ class Hub:
                     out = getattr(a, method)(args[0])
                 elif method == "detected":
                     out = a.fault_detected(*args)
+                elif method == "record_event":
+                    out = a.record_event(int(args[0]), bytes(args[1]))
+                elif method == "decide_event":
+                    kind, payload = args
+                    out = a.decide_event(int(kind), lambda: bytes(payload))
                 else:
                     raise ValueError(f"unknown sink call {method!r}")
         for f in self.listeners:
@@ -103,6 +108,11 @@ class _Sink:
 
     @property
     def replaying(self) -> bool:
+        return False
+
+    @property
+    def forced(self) -> bool:
+        """Force mode: decisions come from the tape (nothing to agree on with the others)."""
         return False
 
     def set_step(self, step: int) -> None:
@@ -135,7 +145,14 @@ class _Sink:
     def recv(self, link: str) -> None:
         self._call("recv", link)
 
+    def record_event(self, kind: int, payload: bytes) -> None:
+        """An event a library encodes (the loss-spike guard's kinds)."""
+        self._call("record_event", int(kind), bytes(payload))
+
     def decide(self, what: str, key: str, compute: Callable[[], Any]) -> Any:
+        raise NotImplementedError
+
+    def decide_event(self, kind: int, compute: Callable[[], bytes]) -> bytes:
         raise NotImplementedError
 
     def quorum(self, key: str, minimum: int, members: Callable[[], Sequence[str]]) -> list[str]:
@@ -174,8 +191,18 @@ class LocalSink(_Sink):
         with self.hub.lock:
             return self.hub.rec.actor(self.name).maybe_inject(fault, target, compute)
 
+    @property
+    def forced(self) -> bool:
+        return self.hub.rec.mode == "force"
 
-def _roundtrip(v: Any) -> Any:
+    def decide_event(self, kind: int, compute: Callable[[], bytes]) -> bytes:
+        # computed outside the lock (it loads a checkpoint and talks to the other replicas)
+        payload = None if self.forced else bytes(compute())
+        with self.hub.lock:
+            return self.hub.rec.actor(self.name).decide_event(int(kind), lambda: payload)
+
+
+def roundtrip(v: Any) -> Any:
     # what force mode would return: the msgpack image (tuples become lists)
     return msgpack.unpackb(msgpack.packb(v, use_bin_type=True), raw=False)
 
@@ -194,7 +221,7 @@ class RemoteSink(_Sink):
             self._log.append([method, *args])
 
     def decide(self, what: str, key: str, compute: Callable[[], Any]) -> Any:
-        v = _roundtrip(compute())
+        v = roundtrip(compute())
         self._call("decide", what, key, v)
         return v
 
@@ -204,9 +231,14 @@ class RemoteSink(_Sink):
         return m
 
     def inject(self, fault: str, target: str, compute: Callable[[], Any]) -> Any:
-        v = _roundtrip(compute())
+        v = roundtrip(compute())
         self._call("inject", fault, target, v)
         return v
+
+    def decide_event(self, kind: int, compute: Callable[[], bytes]) -> bytes:
+        payload = bytes(compute())
+        self._call("decide_event", int(kind), payload)
+        return payload
 
     def flush(self, *, final: bool = False, dying: bool = False, result: Any = None) -> None:
         with self._lock:

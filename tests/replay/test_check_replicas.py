@@ -12,12 +12,14 @@ S1, S2 = b"\x01" * 16, b"\x02" * 16
 Z = bytes(16)
 
 
-def _tape(path, *, commit_quorum="q1", members=("g0", "g1"), loaded_state=S1):
+def _tape(path, *, commit_quorum="q1", members=("g0", "g1"), loaded_state=S1, b_params=None):
     with Recorder.open(str(path), actor="run", rng_every=0, param_digest_every=0, rng_sources=()) as rec:
         a, b = rec.actor("g0.0"), rec.actor("g1.0")
         for x in (a, b):
             x.quorum("q1", 1, lambda: list(members))
         a.event("step_commit", commit_quorum, 1, 2, S1, S1)
+        if b_params is not None:
+            b.event("step_commit", "q1", 1, 2, b_params, S1)
         a.current_step = b.current_step = 3
         st = a.send("recovery:g0.0->g1.0", peer="g1.0", digest=S2)
         a.event("recovery_sent", "g1.0", S2, S1, 100)
@@ -52,3 +54,9 @@ def test_tampered_events_of_a_real_history_are_caught(tmp_path):
     raw = evs[k].kind.pack("q7", 1, 2, S1, S1)
     assert [x.rule for x in check_events(evs[:k] + [replace(evs[k], raw=raw)] + evs[k + 1:])] == [
         "commit-without-quorum"]
+
+
+def test_replicas_that_commit_one_step_with_different_states_are_caught(tmp_path):
+    assert check_tape(_tape(tmp_path / "e.tape", b_params=S1)) == []  # the same state: fine
+    v = check_tape(_tape(tmp_path / "f.tape", b_params=S2))
+    assert [x.rule for x in v] == ["replica-state-diverged"] and {e.actor for e in v[0].events} == {"g0.0", "g1.0"}
