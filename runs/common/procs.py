@@ -8,7 +8,7 @@ Every reference run starts its workers the same way, so they share one launcher:
   that ended (``-9``: SIGKILLed), the ones still alive killed;
 - :func:`join_gloo`: this process's rank of the job's torch.distributed gloo group, over a
   c10d ``TCPStore`` that is returned with it (the snapshots' control plane rides on it:
-  ``replay.TorchStoreControl``);
+  ``replay.snapshot.TorchStoreControl``);
 - :class:`Threads`: workers as threads of this process (every replay, and the in-process
   transport): the first error re-raised, a thread that does not finish named.
 

@@ -7,8 +7,8 @@ start and idles until the syncer activates it: a hot spare, as production fleets
 The killed process really is gone (SIGKILL, exit -9); its replacement starts with no
 state and recovers it from a healthy peer.
 
-Learners record through :class:`~replay.RemoteTape`; their logs ride on
-their messages to the syncer, whose :class:`~replay.LogApplier` puts them
+Learners record through :class:`~replay.channel.RemoteTape`; their logs ride on
+their messages to the syncer, whose :class:`~replay.channel.LogApplier` puts them
 on the one tape. A learner about to be killed flushes its log and waits for the
 syncer's acknowledgement first (the kill point is a logical step, so that a replay can
 stop the learner at the same point), and a finishing learner does the same.
@@ -21,14 +21,14 @@ import signal
 import time
 from typing import Any, Callable
 
-from replay import Endpoint
+from replay.channel import Endpoint
 from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, run_learner, sigkill_self
-from replay import Inbox
+from replay.channel import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
-from replay import LogApplier, RemoteTape, TapeHub, endpoint_name
+from replay.channel import LogApplier, RemoteTape, TapeHub, endpoint_name
 from runs.common.procs import Workers, free_port, join_gloo, leave_gloo, worker_threads
 
 __all__ = ["run_processes"]
@@ -42,7 +42,7 @@ def _join(cfg: DiLoCoConfig, rank: int, world: int, port: int) -> Any:
 
 def _control(store: Any) -> Any:
     # the c10d store the group was built on: the snapshots' control plane (no sockets of our own)
-    from replay import TorchStoreControl
+    from replay.snapshot import TorchStoreControl
 
     return TorchStoreControl(store, prefix="diloco/")
 
@@ -58,7 +58,7 @@ def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: di
     cfg = DiLoCoConfig.from_dict(cfg_d)
     schedule = Schedule.from_json(schedule_d)
     store = _join(cfg, rank, world, port)
-    from replay import TorchDistTransport
+    from replay.channel import TorchDistTransport
 
     transport = TorchDistTransport(actors)
     remote = RemoteTape(actor)
@@ -89,7 +89,7 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
     processes are launched afresh from that snapshot (after a syncer fault), each
     incarnation of the cut from its part, a learner left out alive afresh to rejoin; the
     ones dead before the cut are not launched."""
-    from replay import TorchDistTransport
+    from replay.channel import TorchDistTransport
     from runs.diloco.outcome import RunResult, decide_schedule, spares_of
 
     worker_threads()

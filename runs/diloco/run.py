@@ -19,15 +19,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from replay import Endpoint, InProcessNetwork
+from replay.channel import Endpoint, InProcessNetwork
 from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, LearnerOutcome, run_learner
 from runs.diloco.outcome import RunResult, decide_schedule, spares_of
-from replay import Inbox
+from replay.channel import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
-from replay import TapeHub, endpoint_name
+from replay.channel import TapeHub, endpoint_name
 from replay import Recorder
 from runs.common.procs import Threads, worker_threads
 

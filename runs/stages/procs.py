@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from replay import Endpoint, RecorderSink, TorchDistTransport, TorchStoreControl, merge_tapes
+from replay import merge_tapes
+from replay.channel import Endpoint, RecorderSink, TorchDistTransport
+from replay.snapshot import TorchStoreControl
 from runs.common.procs import Workers, free_port, join_gloo, leave_gloo, worker_threads
 from runs.stages.config import StagesConfig
 from runs.stages.ctl import Controller

@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from replay import Endpoint, InProcessNetwork, MemoryControl, Recorder, RecorderSink, ReplayResult, replay
+from replay import Recorder, ReplayResult, replay
+from replay.channel import Endpoint, InProcessNetwork, RecorderSink
+from replay.snapshot import MemoryControl
 from runs.common.procs import Threads, worker_threads
 from runs.stages.config import StagesConfig
 from runs.stages.ctl import Controller, snapshot_name

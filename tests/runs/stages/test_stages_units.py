@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from replay import Endpoint, InProcessNetwork, Message, RecorderSink, TapeReader, check_tape
+from replay import TapeReader, check_tape
+from replay.channel import Endpoint, InProcessNetwork, Message, RecorderSink
 from runs.stages import sparseloco as sl
 from runs.stages.chaos import make_schedule, plans_at
 from runs.stages.config import StagesConfig
