@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import ckpt
-from replay import Actor, Endpoint, Message, state_digest
+from replay import Actor, state_digest
+from replay.channel import Endpoint, Message
 from runs.stages import sparseloco as sl
 from runs.stages.config import StagesConfig
-from runs.stages.model import Data, NamedTensors, build_stage, flat_params, lr_factor, set_flat_params
+from runs.stages.model import Data, build_stage, flat_params, lr_factor, set_flat_params
 
 __all__ = ["Worker", "LoopState", "RecoveryError", "ProtocolError", "CTL"]
 
@@ -127,7 +128,7 @@ class Worker:
                 on_plan(plan)
             self.step(plan)
         self.actor.current_step = int(msg.meta["step"])
-        self.actor.params([("", NamedTensors(self.named_state()))])
+        self.actor.params(named=self.named_state())
 
     def step(self, plan: Mapping[str, Any]) -> None:
         t = int(plan["step"])
