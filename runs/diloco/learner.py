@@ -24,14 +24,14 @@ import torch
 
 from ckpt.data import QuarantinePolicy, ResumableLoader
 from runs.common.tiny_lm import warmup_cosine
-from replay import Message
+from replay.channel import Message
 from runs.diloco import quant
 from runs.diloco.chaos import Fault
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
-from replay import Inbox, LocalTape, ref_of
+from replay.channel import Inbox, LocalTape, ref_of
 from runs.diloco.model import LearnerShards, build_model, learner_corpus, weighted_loss
-from replay import RemoteTape, meta_digest
+from replay.channel import RemoteTape, meta_digest
 
 __all__ = ["LearnerCore", "LearnerCtx", "LearnerOutcome", "LearnerLoop", "Learner", "run_learner"]
 
