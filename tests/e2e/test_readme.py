@@ -366,6 +366,28 @@ def test_every_page_is_linked_from_the_readme() -> None:
         assert f"]({rel})" in text or f"]({rel}#" in text, f"README.md links no {rel}"
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_resolves() -> None:
+    """Relative links of the README and the docs pages name files that exist, and their
+    ``#anchor`` a heading of that file (moving a section must not strand its readers)."""
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            rel, _, anchor = target.partition("#")
+            dest = (page.parent / rel).resolve() if rel else page
+            assert dest.exists(), f"{page.relative_to(ROOT)}: link ({target}) names no file"
+            if anchor:
+                headings = re.findall(r"^#+ (.*)$", dest.read_text(encoding="utf-8"), flags=re.M)
+                assert anchor in {_slug(h) for h in headings}, (
+                    f"{page.relative_to(ROOT)}: link ({target}): {dest.name} has no heading with that anchor")
+
+
 RUNNABLE = [b for b in BLOCKS[1:] if b.lang in ("python", "console") and "no-run" not in b.options]
 
 
