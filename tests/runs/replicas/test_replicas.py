@@ -118,8 +118,11 @@ def test_a_partially_failed_all_reduce_replays_exactly(tmp_path):
     # does not join the step's exchange, so the others' fails (timeout_s) and no replica commits
     # the attempt (a step is committed by all or by none). The replay re-runs the all-reduce
     # with every member (it completed for some, so all took part), g1.0 then failing it as taped.
+    # min_replicas=3: no quorum forms without a live group (torchft's lighthouse would otherwise
+    # form one without a group that is slow to ask, after its join timeout: on a loaded machine
+    # g1 could then heal past step 3 and never run the attempt this test is about)
     cfg = ReplicaConfig(groups=(("g0", 1), ("g1", 1), ("g2", 1)), steps=8, sdc=False, late_failures=(("g1.0", 3),),
-                        timeout_s=5.0)
+                        timeout_s=5.0, min_replicas=3)
     tape = str(tmp_path / "run.tape")
     res = record(tape, cfg, transport="threads")
     assert len({bytes(r["params"]) for r in res.ranks.values()}) == 1
