@@ -262,12 +262,16 @@ class Worker:
         rel = f"recovery/{target}-{t:05d}"
         # One stage's state, written by this process alone (this_rank_only: under the job's
         # process group every worker writes its own recoveries).
-        info = ckpt.save(self.run_dir / rel, self.recovery_state(), step=t, config={"stages": self.cfg.to_dict()},
-                         this_rank_only=True)
-        digest = state_digest(self.recovery_named())
+        ckpt.save(self.run_dir / rel, self.recovery_state(), step=t, config={"stages": self.cfg.to_dict()},
+                  this_rank_only=True)
+        named = self.recovery_named()
+        digest = state_digest(named)
         msg = self.ep.send(target, {"kind": "recover", "step": t, "path": rel, "digest": digest})
-        # every run's peer-recovery pair (spec/tape-format.md §6): what carried the state is the message
-        self.actor.event("recovery_sent", target, message_digest(msg.meta_bytes(), msg.tensors), digest, info.bytes)
+        # every run's peer-recovery pair (spec/tape-format.md §6): what carried the state is the
+        # message; nbytes the state's tensor bytes (the checkpoint's own size depends on the
+        # topology it records, which a replay as threads does not share)
+        nbytes = sum(v.numel() * v.element_size() for _, v in named)
+        self.actor.event("recovery_sent", target, message_digest(msg.meta_bytes(), msg.tensors), digest, nbytes)
 
     def recover(self, src: str, t: int) -> None:
         msg = self.recv(src, "recover", t)
