@@ -265,6 +265,7 @@ for _t, _s in (("u32", _U32), ("u64", _U64), ("i64", _I64), ("f64", _F64)):
 #   25-31 DiLoCo (runs/diloco)             32-47 replicas and SDC (runs/replicas)
 #   48-55 loss-spike rollback and routing  56-71 pipeline stages (runs/stages)
 #   72-95 free
+# 33/34 (recovery_sent / recovery_loaded) are every run's peer-recovery pair, one rule for all.
 KINDS: tuple[Kind, ...] = (
     Kind(1, "actor", (("name", "str"),),
          "Declares the next actor id (= this event's actor field) for the name. Precedes any use."),
