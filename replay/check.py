@@ -25,15 +25,14 @@ snapshot-inflight-spurious recorded channel state lists a message that did not c
 snapshot-channels-early    channel state taped for a snapshot the actor has not recorded yet
 snapshot-part-missing      a committed snapshot lists a part whose cut or channel state is not taped
 stage-send-while-offline   a pipeline stage sends between its stage_down and its stage_up
-stage-up-mismatch          a stage_up with no stage_down before it, or not at that outage's end
+stage-up-mismatch          a stage_up with no stage_down before it, or not at that outage's end,
+                           or without its actor's recovery_loaded of that step from its source
 bypass-outside-outage      a bypass names a stage that is not offline at that step
 bypass-window              an outage's bypasses cover neither none nor all of its window, or the
                            gradient bypasses differ from the activation bypasses
-recovery-digest-mismatch   a stage_up whose recovery message has no recovery_source, or whose
-                           digest, source or target disagrees with it
 commit-without-quorum      a step committed under a quorum this actor never taped, or one without it
-recovery-without-source    a replica loaded a recovery state nobody sent it
-recovery-state-mismatch    a recovered replica's state digest differs from what its source sent
+recovery-without-source    a worker loaded a recovery state nobody sent it (replicas, stages)
+recovery-state-mismatch    a recovered worker's state or stream digest differs from what its source sent
 replica-state-diverged     two replicas committed the same step with different parameter digests
 rollback-not-before-detection  a rollback's target step is not below its event's step
 rollback-without-spike     a rollback has no spike event of its actor and step before it
@@ -74,7 +73,7 @@ RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-aft
          "quorum-below-minimum", "quorum-duplicate-member", "recovery-before-target", "snapshot-duplicate",
          "snapshot-inconsistent", "snapshot-orphan", "snapshot-inflight-missing", "snapshot-inflight-spurious",
          "snapshot-channels-early", "snapshot-part-missing", "stage-send-while-offline", "stage-up-mismatch",
-         "bypass-outside-outage", "bypass-window", "recovery-digest-mismatch", "commit-without-quorum",
+         "bypass-outside-outage", "bypass-window", "commit-without-quorum",
          "recovery-without-source", "recovery-state-mismatch", "replica-state-diverged", "rollback-not-before-detection",
          "rollback-without-spike", "routing-replay-uncached", "routing-replay-mismatch")
 
@@ -267,7 +266,7 @@ def check_events(events: Iterable[Event]) -> list[Violation]:
     return out
 
 
-_STAGE_KINDS = frozenset({"send", "stage_down", "stage_up", "recovery_source", "bypass"})
+_STAGE_KINDS = frozenset({"send", "stage_down", "stage_up", "recovery_loaded", "bypass"})
 
 
 class _Stages:
@@ -277,8 +276,7 @@ class _Stages:
         self.open: dict[str, Event] = {}  # actor -> its stage_down not yet followed by a stage_up
         self.windows: list[tuple[str, int, int, Event, Event | None]] = []  # actor, first, until, down, up
         self.bypasses: list[Event] = []
-        self.sources: dict[tuple[str, int], Event] = {}
-        self.ups: list[Event] = []
+        self.loaded: dict[tuple[str, int], Event] = {}  # (actor, step) -> its recovery_loaded
 
     def see(self, ev: Event, v: Any) -> None:
         k = ev.kind.name
@@ -298,14 +296,19 @@ class _Stages:
             if down is None:
                 v("stage-up-mismatch", f"{ev.actor} came up at step {ev.step} without going down", ev)
             else:
+                # the state it comes up with is a peer recovery, loaded at this step from the
+                # source it names (the recovery rules check that load against its source)
+                got = self.loaded.get((ev.actor, ev.step))
                 if ev.step != down.payload["until"]:
                     v("stage-up-mismatch", f"{ev.actor} came up at step {ev.step}, its outage ends at step "
                       f"{down.payload['until']}", down, ev)
+                elif got is None or got.payload["source"] != ev.payload["source"]:
+                    v("stage-up-mismatch", f"{ev.actor} came up at step {ev.step} with the state of "
+                      f"{ev.payload['source']} without loading a recovery from it at that step",
+                      down, *([got] if got else []), ev)
                 self._close(ev.actor, ev)
-            self.ups.append(ev)
-        elif k == "recovery_source":
-            p = ev.payload
-            self.sources[(p["channel"], p["chan_seq"])] = ev
+        elif k == "recovery_loaded":
+            self.loaded[(ev.actor, ev.step)] = ev
         else:  # bypass
             self.bypasses.append(ev)
 
@@ -344,17 +347,6 @@ class _Stages:
                 if g != f:
                     v("bypass-window", f"{x}'s outage {first}..{until - 1}: gradient bypasses at steps {sorted(g)[:8]} "
                       f"differ from activation bypasses at {sorted(f)[:8]}", down, *([up] if up else []))
-        for up in self.ups:
-            p = up.payload
-            src = self.sources.get((p["channel"], p["chan_seq"]))
-            if src is None:
-                v("recovery-digest-mismatch", f"{up.actor} recovered through {p['channel']}#{p['chan_seq']}, which no "
-                  f"recovery_source names", up)
-            elif (src.payload["digest"] != p["digest"] or src.actor != p["source"]
-                  or src.payload["target"] != up.actor):
-                v("recovery-digest-mismatch", f"{up.actor} recovered from {p['source']} through {p['channel']}#"
-                  f"{p['chan_seq']}: loaded digest {p['digest'].hex()}, {src.actor} saved {src.payload['digest'].hex()} "
-                  f"for {src.payload['target']}", src, up)
 
 
 def _check_cut(sid: str, cut: dict[str, Event], chans: dict[str, Event], outcome: Event | None,

@@ -265,6 +265,7 @@ for _t, _s in (("u32", _U32), ("u64", _U64), ("i64", _I64), ("f64", _F64)):
 #   25-31 DiLoCo (runs/diloco)             32-47 replicas and SDC (runs/replicas)
 #   48-55 loss-spike rollback and routing  56-71 pipeline stages (runs/stages)
 #   72-95 free
+# 33/34 (recovery_sent / recovery_loaded) are every run's peer-recovery pair, one rule for all.
 KINDS: tuple[Kind, ...] = (
     Kind(1, "actor", (("name", "str"),),
          "Declares the next actor id (= this event's actor field) for the name. Precedes any use."),
@@ -328,10 +329,11 @@ KINDS: tuple[Kind, ...] = (
          "state digest its parameters and its whole replicated state after the step (zero when not committed); "
          "invariant: a committed step follows this actor's quorum event of that key, which lists it."),
     Kind(33, "recovery_sent", (("peer", "str"), ("stream", "d128"), ("state", "d128"), ("nbytes", "u64")),
-         "This replica streamed its state at the step (the step field) to the recovering replica peer: the "
-         "checkpoint stream's digest, the state digest and the data bytes."),
+         "This worker sent its state at the step (the step field) to the recovering peer: the digest of what "
+         "carried it (a checkpoint stream; a message naming a checkpoint: that message's digest), the state digest "
+         "and the data bytes. Every run's peer recovery (replicas, pipeline stages)."),
     Kind(34, "recovery_loaded", (("source", "str"), ("stream", "d128"), ("state", "d128")),
-         "This replica loaded the state streamed by source for the step; invariant: state equals the digest of the "
+         "This worker loaded the state source sent it for the step; invariant: stream and state equal those of the "
          "source's recovery_sent to this actor for the same step."),
     Kind(35, "membership", (("quorum", "str"), ("joined", "strs"), ("left", "strs"), ("members", "strs")),
          "The replica groups of quorum `quorum` as this replica sees them, against its previous quorum."),
@@ -375,12 +377,10 @@ KINDS: tuple[Kind, ...] = (
     # 56-71: pipeline stages (runs/stages, spec/stages.md)
     Kind(56, "stage_down", (("first", "u64"), ("until", "u64")),
          "This pipeline stage goes offline for global steps first..until-1; it sends nothing until its stage_up."),
-    Kind(57, "stage_up", (("source", "str"), ("channel", "str"), ("chan_seq", "u64"), ("digest", "d128")),
-         "This stage rejoined with the state of source, recovered through the message channel#chan_seq; digest is "
-         "the state digest of what it loaded."),
-    Kind(58, "recovery_source", (("target", "str"), ("channel", "str"), ("chan_seq", "u64"), ("digest", "d128")),
-         "This stage sent its state to target for a peer recovery, as the message channel#chan_seq; digest is the "
-         "state digest of what it saved."),
+    Kind(57, "stage_up", (("source", "str"),),
+         "This stage rejoined at the end of its outage with the state of source, loaded by its recovery_loaded "
+         "of the same step."),
+    # 58: retired before release (a stage's recovery source tapes recovery_sent, 33)
     Kind(59, "bypass", (("offline", "str"), ("src", "str"), ("dst", "str"), ("direction", "str")),
          "This step's activations (direction fwd, taped by the upstream stage) or gradients (bwd, by the downstream "
          "stage) go from src to dst around the offline stage."),

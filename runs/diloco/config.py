@@ -8,8 +8,9 @@ changes the numerics is counted in logical steps.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Mapping
+from dataclasses import dataclass
+
+from runs.common.config import Record
 
 __all__ = ["DiLoCoConfig"]
 
@@ -18,7 +19,9 @@ UPDATES = ("replace", "mean", "rda")
 
 
 @dataclass(frozen=True, slots=True)
-class DiLoCoConfig:
+class DiLoCoConfig(Record):
+    what = "DiLoCo config"  # in errors: "unknown DiLoCo config keys: [...]"
+
     # topology
     learners: int = 4
     quorum: int = 2  # K: a syncer step needs at least K contributions of its fragment
@@ -157,24 +160,7 @@ class DiLoCoConfig:
         random.Random(self.chaos_seed * 7919 + 1).shuffle(order)
         return float(self.speeds[order[index]])
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["speeds"] = list(self.speeds)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DiLoCoConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown DiLoCo config keys: {unknown}")
-        d = dict(d)
-        if "speeds" in d:  # a list once it went through msgpack
-            d["speeds"] = tuple(float(x) for x in d["speeds"])
-        cfg = cls(**d)
-        if cfg.merge not in MERGES:
-            raise ValueError(f"merge must be one of {MERGES}, got {cfg.merge!r}")
-        return cfg
-
-    def with_(self, **changes: Any) -> "DiLoCoConfig":
-        return replace(self, **changes)
+    def checked(self) -> "DiLoCoConfig":
+        if self.merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
+        return self

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from runs.common.config import Record
 
 __all__ = ["ReplicaConfig", "Kill", "Join", "SdcFault", "Spike", "check"]
 
@@ -54,7 +56,9 @@ class Spike:
 
 
 @dataclass(frozen=True)
-class ReplicaConfig:
+class ReplicaConfig(Record):
+    what = "replica config"
+
     groups: tuple[tuple[str, int], ...] = (("g0", 2), ("g1", 1), ("g2", 1))  # (replica id, ranks)
     steps: int = 40
     global_batch: int = 12  # samples per committed step, split over the participating ranks
@@ -92,27 +96,6 @@ class ReplicaConfig:
     quorum_tick_ms: int = 100
     join_timeout_ms: int = 2500
     extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["groups"] = [list(g) for g in self.groups]
-        d["late_failures"] = [list(x) for x in self.late_failures]
-        d["extra"] = dict(self.extra)
-        d["guard"] = None if self.guard is None else dict(self.guard)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ReplicaConfig":
-        d = dict(d)
-        d["groups"] = tuple((str(g), int(n)) for g, n in d["groups"])
-        d["kills"] = tuple(Kill(**k) for k in d.get("kills", ()))
-        d["joins"] = tuple(Join(**j) for j in d.get("joins", ()))
-        d["sdc_faults"] = tuple(SdcFault(**f) for f in d.get("sdc_faults", ()))
-        d["spikes"] = tuple(Spike(**f) for f in d.get("spikes", ()))
-        d["late_failures"] = tuple((str(a), int(s)) for a, s in d.get("late_failures", ()))
-        if d.get("guard") is not None:
-            d["guard"] = dict(d["guard"])
-        return cls(**d)
 
     def all_groups(self) -> list[tuple[str, int]]:
         """Every group that ever runs: the initial ones, then the joiners."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+
+from runs.common.config import Record
 
 __all__ = ["StagesConfig", "COMPRESSIONS", "POLICIES", "TRANSPORTS"]
 
@@ -13,7 +14,9 @@ TRANSPORTS = ("gloo", "threads")
 
 
 @dataclass(frozen=True)
-class StagesConfig:
+class StagesConfig(Record):
+    what = "stages config"
+
     # topology
     replicas: int = 3
     stages: int = 4
@@ -108,23 +111,3 @@ class StagesConfig:
         """(inbound, outbound) peers of ``actor`` in the channel graph."""
         es = self.edges()
         return sorted(a for a, b in es if b == actor), sorted(b for a, b in es if a == actor)
-
-    # -- (de)serialisation ---------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["snapshot_at"] = list(self.snapshot_at)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "StagesConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}")
-        kw = dict(d)
-        if "snapshot_at" in kw:
-            kw["snapshot_at"] = tuple(kw["snapshot_at"])
-        return cls(**kw)
-
-    def with_(self, **changes: Any) -> "StagesConfig":
-        return replace(self, **changes)

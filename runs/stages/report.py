@@ -42,8 +42,8 @@ def busy_fraction(out: Any) -> float:
 
 def tape_counts(events: Iterable[Any]) -> dict[str, int]:
     """How many of each pipeline-stage event the tape holds (and merges, snapshots)."""
-    names = ("stage_down", "stage_up", "recovery_source", "bypass", "ef_residual", "stage_stall", "merge",
-             "snapshot_outcome", "fault_injected", "send", "recv")
+    names = ("stage_down", "stage_up", "recovery_sent", "recovery_loaded", "bypass", "ef_residual", "stage_stall",
+             "merge", "snapshot_outcome", "fault_injected", "send", "recv")
     out = dict.fromkeys(names, 0)
     for e in events:
         if e.kind.name in out:

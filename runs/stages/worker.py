@@ -17,7 +17,7 @@ from torch import nn
 
 import ckpt
 from replay import Actor, state_digest
-from replay.channel import Endpoint, Message
+from replay.channel import Endpoint, Message, message_digest
 from runs.stages import sparseloco as sl
 from runs.stages.config import StagesConfig
 from runs.stages.model import Data, build_stage, flat_params, lr_factor, set_flat_params
@@ -264,9 +264,14 @@ class Worker:
         # process group every worker writes its own recoveries).
         ckpt.save(self.run_dir / rel, self.recovery_state(), step=t, config={"stages": self.cfg.to_dict()},
                   this_rank_only=True)
-        digest = state_digest(self.recovery_named())
+        named = self.recovery_named()
+        digest = state_digest(named)
         msg = self.ep.send(target, {"kind": "recover", "step": t, "path": rel, "digest": digest})
-        self.actor.event("recovery_source", target, msg.channel, msg.seq + 1, digest)
+        # every run's peer-recovery pair (spec/tape-format.md §6): what carried the state is the
+        # message; nbytes the state's tensor bytes (the checkpoint's own size depends on the
+        # topology it records, which a replay as threads does not share)
+        nbytes = sum(v.numel() * v.element_size() for _, v in named)
+        self.actor.event("recovery_sent", target, message_digest(msg.meta_bytes(), msg.tensors), digest, nbytes)
 
     def recover(self, src: str, t: int) -> None:
         msg = self.recv(src, "recover", t)
@@ -276,5 +281,6 @@ class Worker:
         if digest != bytes(msg.meta["digest"]):
             raise RecoveryError(f"{self.name} loaded {msg.meta['path']} from {src}: state digest {digest.hex()}, "
                                 f"the source saved {bytes(msg.meta['digest']).hex()}")
-        self.actor.event("stage_up", src, msg.channel, msg.seq + 1, digest)
+        self.actor.event("recovery_loaded", src, message_digest(msg.meta_bytes(), msg.tensors), digest)
+        self.actor.event("stage_up", src)
         self.loop.down = False

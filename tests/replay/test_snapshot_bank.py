@@ -32,7 +32,7 @@ from replay.snapshot import (
     cut_from_meta,
     delivery_order,
 )
-from tests.replay._bank import INITIAL, Teller
+from tests.replay._bank import INITIAL, Teller, finish_forced
 
 
 @dataclass
@@ -114,15 +114,7 @@ def replay_from(run: Run, name: str) -> None:
     net, tellers, eps, agents = make(names, edges, run.store, MemoryControl(), sink, orders, seed=99991)
     for a in names:
         agents[a].restore(name)
-    targets = {a: run.tellers[a].steps for a in names}
-    while True:
-        todo = [a for a in names if tellers[a].steps < targets[a]]
-        if not todo:
-            break
-        ready = [a for a in todo if eps[a].can_deliver()]
-        assert ready, f"forced replay deadlocked with {todo} unfinished"
-        for a in ready:
-            tellers[a].step(eps[a])
+    finish_forced(names, tellers, eps, {a: run.tellers[a].steps for a in names})
     for a in names:
         o, r = run.tellers[a], tellers[a]
         assert torch.equal(o.balance, r.balance), a

@@ -4,14 +4,14 @@ ckpt-backed store (real directories) and the in-memory one."""
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
 import torch
 
 from replay.channel import Endpoint, InProcessNetwork, ListSink
-from replay.errors import PeerDiedError, SnapshotError
+from replay.errors import SnapshotError
+from tests.replay._agents import pump
 from tests.replay._bank import Box
 from replay.snapshot import (
     CHANNELS_KEY,
@@ -31,18 +31,6 @@ def job(store, names=("p0", "p1", "p2"), **kw):
     agents = {a: SnapshotAgent(eps[a], {"box": boxes[a]}, store=store, control=ctl, participants=names, **kw)
               for a in names}
     return net, sink, eps, boxes, agents
-
-
-def pump(agents, handle, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not handle.done() and time.monotonic() < end:
-        for ag in agents:
-            try:
-                ag.poll()
-            except PeerDiedError:
-                pass
-        time.sleep(0.001)
-    return handle.wait(1)
 
 
 @pytest.fixture(params=["ckpt", "memory"])

@@ -22,7 +22,7 @@ from replay.clock import VectorClock
 from replay.errors import ReceiveTimeoutError
 from replay.events import KIND_BY_NAME, Event
 
-D1, D2 = b"\x01" * 16, b"\x02" * 16
+D1, D2, D3 = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
 
 
 class H:
@@ -51,8 +51,9 @@ def outage(h: H, *, first: int = 3, until: int = 6, bypass_steps: range | None =
         h.add("r0s0", "bypass", "r0s1", "r0s0", "r0s2", "fwd", step=t)
     for t in bwd:
         h.add("r0s2", "bypass", "r0s1", "r0s2", "r0s0", "bwd", step=t)
-    h.add("r1s1", "recovery_source", "r0s1", "r1s1->r0s1", 4, D1, step=until)
-    h.add("r0s1", "stage_up", "r1s1", "r1s1->r0s1", 4, up_digest, step=until if up_step is None else up_step)
+    h.add("r1s1", "recovery_sent", "r0s1", D3, D1, 4096, step=until)
+    h.add("r0s1", "recovery_loaded", "r1s1", D3, up_digest, step=until)
+    h.add("r0s1", "stage_up", "r1s1", step=until if up_step is None else up_step)
     return h
 
 
@@ -69,7 +70,7 @@ def test_send_while_offline() -> None:
     h = H()
     down = h.add("r0s1", "stage_down", 3, 6, step=3)
     bad = h.add("r0s1", "send", "r0s1->r0s2", 7, "r0s2", D1, step=4)
-    h.add("r0s1", "stage_up", "r1s1", "r1s1->r0s1", 1, D1, step=6)
+    h.add("r0s1", "stage_up", "r1s1", step=6)
     h.add("r0s1", "send", "r0s1->r0s2", 8, "r0s2", D1, step=6)  # after coming up: fine
     vs = [v for v in check_events(h.events) if v.rule == "stage-send-while-offline"]
     assert len(vs) == 1 and vs[0].events == (down, bad)
@@ -102,22 +103,32 @@ def test_a_tape_that_ends_inside_an_outage_is_judged_up_to_its_end() -> None:
 def test_stage_up_must_close_its_outage() -> None:
     assert rules(outage(H(), up_step=7)) == ["stage-up-mismatch"]
     h = H()
-    h.add("r1s1", "recovery_source", "r0s1", "r1s1->r0s1", 1, D1, step=2)
-    h.add("r0s1", "stage_up", "r1s1", "r1s1->r0s1", 1, D1, step=2)
+    h.add("r1s1", "recovery_sent", "r0s1", D3, D1, 4096, step=2)
+    h.add("r0s1", "recovery_loaded", "r1s1", D3, D1, step=2)
+    h.add("r0s1", "stage_up", "r1s1", step=2)
     vs = check_events(h.events)
     assert [v.rule for v in vs] == ["stage-up-mismatch"]
     assert "r0s1 came up at step 2 without going down" in vs[0].message
 
 
-def test_recovery_digest_must_match_its_source() -> None:
+def test_recovery_state_must_match_its_source() -> None:
+    # a stage's recovery is checked by the one peer-recovery rule of every run (replicas too)
     vs = check_events(outage(H(), up_digest=D2).events)
-    assert [v.rule for v in vs] == ["recovery-digest-mismatch"]
-    assert f"loaded digest {D2.hex()}, r1s1 saved {D1.hex()} for r0s1" in vs[0].message
-    assert {e.kind.name for e in vs[0].events} == {"recovery_source", "stage_up"}
+    assert [v.rule for v in vs] == ["recovery-state-mismatch"]
+    assert f"r0s1 recovered from r1s1 at step 6 with state {D2.hex()}" in vs[0].message
+    assert f"the source sent {D1.hex()}" in vs[0].message
+    assert {e.kind.name for e in vs[0].events} == {"recovery_sent", "recovery_loaded"}
     h = H()
     h.add("r0s1", "stage_down", 1, 2, step=1)
-    h.add("r0s1", "stage_up", "r1s1", "r1s1->r0s1", 9, D1, step=2)
-    assert rules(h) == ["recovery-digest-mismatch"]
+    h.add("r0s1", "recovery_loaded", "r1s1", D3, D1, step=2)  # nobody sent it
+    h.add("r0s1", "stage_up", "r1s1", step=2)
+    assert rules(h) == ["recovery-without-source"]
+    h = H()
+    h.add("r0s1", "stage_down", 1, 2, step=1)
+    h.add("r0s1", "stage_up", "r1s1", step=2)  # came up with no recovery loaded at all
+    vs = check_events(h.events)
+    assert [v.rule for v in vs] == ["stage-up-mismatch"]
+    assert "without loading a recovery from it at that step" in vs[0].message
 
 
 # -- Endpoint.recv_from ------------------------------------------------------------------

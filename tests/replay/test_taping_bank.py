@@ -28,7 +28,7 @@ from replay.events import Event
 from replay.snapshot import CHANNELS_KEY, MemoryControl, MemorySnapshotStore, SnapshotAgent
 from replay.tape import TapeReader, TapeWriter
 from replay.tape.reader import EVENT_HEAD
-from tests.replay._bank import INITIAL, Teller
+from tests.replay._bank import INITIAL, Teller, finish_forced
 
 SNAPS = [(40, "p0", "s-a"), (45, "p2", "s-b"), (200, "p3", "s-c")]  # (tick, initiator, name)
 
@@ -215,14 +215,7 @@ def test_receive_moved_before_the_cut_is_caught(taped: Taped, tmp_path: Path) ->
 
 
 def _finish(tellers: dict[str, Teller], eps: dict[str, Endpoint], targets: dict[str, int]) -> None:
-    while True:
-        todo = [a for a in NAMES if tellers[a].steps < targets[a]]
-        if not todo:
-            return
-        ready = [a for a in todo if eps[a].can_deliver()]
-        assert ready, f"forced replay deadlocked with {todo} unfinished"
-        for a in ready:
-            tellers[a].step(eps[a])
+    finish_forced(NAMES, tellers, eps, targets)
 
 
 def _assert_same(taped: Taped, tellers: dict[str, Teller], eps: dict[str, Endpoint],

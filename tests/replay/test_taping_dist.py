@@ -5,68 +5,21 @@ one: clean, while any tape alone lacks the sends its receives need."""
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import time
-import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import msgpack
 import pytest
-import torch
 from click.testing import CliRunner
 
 from tests.replay._bank import INITIAL, Teller
+from tests.replay._gloo import spawn_world as _spawn
 
 WORLD = 3
 STEPS = 50
 SNAPS = {"t-a": (0, 15), "t-b": (1, 18)}  # name -> (initiator rank, at step)
 NAMES = [f"r{i}" for i in range(WORLD)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        result = fn(rank, world, store, Path(out))
-        result["ok"] = True
-    except BaseException:
-        result = {"ok": False, "error": traceback.format_exc()}
-    Path(out, f"result-{rank}.msgpack").write_bytes(msgpack.packb(result, use_bin_type=True))
-    os._exit(0)  # skip destroy_process_group; the OS reclaims the sockets
-
-
-def _spawn(fn: Callable[..., Any], world: int, out: Path, timeout: float) -> list[dict[str, Any]]:
-    ctx = torch.multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, str(out)), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()  # only processes this test started, by handle
-        p.join(5)
-    assert not alive, f"{len(alive)} worker(s) hung past {timeout} s"
-    results = []
-    for r in range(world):
-        res = msgpack.unpackb(Path(out, f"result-{r}.msgpack").read_bytes(), raw=False, strict_map_key=False)
-        assert res.get("ok"), f"rank {r} failed:\n{res.get('error')}"
-        results.append(res)
-    return results
 
 
 def _worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from replay.errors import MessageTooLargeError, PeerDiedError, ReplayError
 from replay.events import KIND_BY_NAME, Event
 from replay.snapshot import MemoryControl, MemorySnapshotStore, SnapshotAgent
 from replay.tape import TapeReader
+from tests.replay._agents import pump
 
 ROOT = Path(__file__).resolve().parents[2]
 D1 = b"\x01" * 16
@@ -128,18 +128,6 @@ def _job(rec: Recorder, excludable: tuple[str, ...] = ()) -> tuple[Any, dict[str
     return net, eps, agents
 
 
-def _pump(agents: list[SnapshotAgent], handle: Any) -> Any:
-    end = time.monotonic() + 10
-    while not handle.done() and time.monotonic() < end:
-        for ag in agents:
-            try:
-                ag.poll()
-            except PeerDiedError:
-                pass
-        time.sleep(0.001)
-    return handle.wait(1)
-
-
 def test_exclusion_and_abort_reach_the_tape(tmp_path: Path) -> None:
     path = tmp_path / "x.tape"
     with Recorder.open(str(path), actor="p0", rng_every=0) as rec:
@@ -148,11 +136,11 @@ def test_exclusion_and_abort_reach_the_tape(tmp_path: Path) -> None:
         h = agents["p0"].initiate("ex")
         agents["p1"].poll()
         net.kill("p2")
-        out = _pump([agents["p0"], agents["p1"]], h)
+        out = pump([agents["p0"], agents["p1"]], h)
         assert out.committed and out.excluded == ("p2",), out.reason
         agents["p0"].excludable = frozenset()  # p2 is dead and, this time, not excludable
         h2 = agents["p0"].initiate("ab")
-        out2 = _pump([agents["p0"], agents["p1"]], h2)
+        out2 = pump([agents["p0"], agents["p1"]], h2)
         assert not out2.committed
         for a in ("p0", "p1"):
             agents[a].close()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
+import msgpack
 import pytest
 
 from replay import Recorder, TapeReader, replay
+from runs.common.config import Record
 from runs.common.chaos import DEATHS, FAULT_CLASSES, Fault, Schedule, describe, place_faults, taped_schedule
 from runs.common.plot import Curve, fault_marks, loss_plot
 from runs.common.report import Checks, fault_tally, gap_words, verify_checkpoints
@@ -91,3 +95,34 @@ def test_verify_checkpoints_reports_each_path(tmp_path: Path) -> None:
 def test_schedule_from_json_refuses_incomplete_records(bad) -> None:
     with pytest.raises(KeyError):
         Schedule.from_json(bad)
+
+
+
+@dataclass(frozen=True)
+class _Kid:
+    name: str
+    step: int
+
+
+@dataclass(frozen=True)
+class _Cfg(Record):
+    what = "test config"
+    pairs: tuple[tuple[str, int], ...] = ()
+    kids: tuple[_Kid, ...] = ()
+    speeds: tuple[float, ...] = ()
+    opt: Mapping[str, Any] | None = None
+    lr: float = 1.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def test_config_records_round_trip_through_msgpack_and_refuse_unknown_keys() -> None:
+    cfg = _Cfg(pairs=(("g0", 2),), kids=(_Kid("a", 3),), speeds=(1.0, 0.5), opt={"z": 6}, lr=1, extra={"k": [1]})
+    d = cfg.to_dict()
+    assert d == {"pairs": [["g0", 2]], "kids": [{"name": "a", "step": 3}], "speeds": [1.0, 0.5], "opt": {"z": 6},
+                 "lr": 1, "extra": {"k": [1]}}
+    back = _Cfg.from_dict(msgpack.unpackb(msgpack.packb(d), raw=False))
+    assert back == cfg and type(back.lr) is int  # a field's own scalar reads back as written
+    assert _Cfg.from_dict({"speeds": [1, 2]}).speeds == (1.0, 2.0)  # inside a tuple: the element type
+    with pytest.raises(ValueError, match=r"unknown test config keys: \['bogus'\]"):
+        _Cfg.from_dict({"bogus": 1})
+    assert cfg.with_(lr=2.0).lr == 2.0 and cfg.lr == 1

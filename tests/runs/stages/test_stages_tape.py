@@ -51,11 +51,13 @@ def test_the_tape_checks_clean_and_holds_the_schedule(run: RunOutcome) -> None:
     assert bypass == sorted((x, t, d) for x, ts in (("r1s1", range(1, 4)), ("r0s2", range(4, 7)))
                             for t in ts for d in ("fwd", "bwd"))
     # an offline stage is silent: nothing of it between its stage_down and its stage_up but the
-    # snapshot's bookkeeping and the receipt of its rejoin plan and recovery order
+    # snapshot's bookkeeping and the receipt of its rejoin plan and recovery order, then the
+    # recovery it loads as it comes up
     for x in ("r0s2", "r1s1"):
         mine = [e.kind.name for e in evs if e.actor == x]
         i, j = mine.index("stage_down"), mine.index("stage_up")
-        assert set(mine[i + 1:j]) <= {"recv", "snapshot", "snapshot_channels"}, mine[i + 1:j]
+        assert mine[j - 1] == "recovery_loaded", mine[i + 1:j]
+        assert set(mine[i + 1:j - 1]) <= {"recv", "snapshot", "snapshot_channels"}, mine[i + 1:j]
     # busy stage-steps: everything but the offline ones
     assert sum(run.ctl.busy.values()) == CFG.replicas * CFG.stages * CFG.steps - 6
 
@@ -142,9 +144,9 @@ def test_a_send_from_an_offline_stage_is_caught(run: RunOutcome, tmp_path: Path)
     _rewrite(run.tape, same, down, "note", ("harmless",))
     assert CliRunner().invoke(cli, ["tape", "check", str(same)]).exit_code == 0
     # and a recovery whose digest is not its source's
-    (up,) = [e for e in evs if e.actor == "r0s2" and e.kind.name == "stage_up"]
-    p = up.payload
+    (loaded,) = [e for e in evs if e.actor == "r0s2" and e.kind.name == "recovery_loaded"]
+    p = loaded.payload
     forged = tmp_path / "forged.tape"
-    _rewrite(run.tape, forged, up, "stage_up", (p["source"], p["channel"], p["chan_seq"], b"\x09" * 16))
+    _rewrite(run.tape, forged, loaded, "recovery_loaded", (p["source"], p["stream"], b"\x09" * 16))
     r = CliRunner().invoke(cli, ["tape", "check", str(forged)])
-    assert r.exit_code == 6 and "[recovery-digest-mismatch]" in r.output, r.output
+    assert r.exit_code == 6 and "[recovery-state-mismatch]" in r.output, r.output

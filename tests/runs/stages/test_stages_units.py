@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from replay import TapeReader, check_tape
+from replay import TapeReader, check_tape, state_digest
 from replay.channel import Endpoint, InProcessNetwork, Message, RecorderSink
 from runs.stages import sparseloco as sl
 from runs.stages.chaos import make_schedule, plans_at
@@ -182,9 +182,12 @@ def test_recovered_state_equals_the_source(tmp_path: Path) -> None:
     for (n, a), (_, b) in zip(mine, theirs):
         assert a.dtype == b.dtype and torch.equal(a, b), n
     assert int(dict(dst.optim_named())["step"]) == 7 and torch.equal(dst.ef["e"], torch.zeros_like(dst.ef["e"]))  # its own residual restarts
-    evs = {e.kind.name: e for e in TapeReader(job.tape).events() if e.kind.name in ("stage_up", "recovery_source")}
-    assert evs["stage_up"].payload["digest"] == evs["recovery_source"].payload["digest"]
-    assert evs["stage_up"].payload["source"] == "r1s1" and evs["recovery_source"].payload["target"] == "r0s1"
+    evs = {e.kind.name: e for e in TapeReader(job.tape).events()
+           if e.kind.name in ("stage_up", "recovery_sent", "recovery_loaded")}
+    sent, loaded = evs["recovery_sent"].payload, evs["recovery_loaded"].payload
+    assert loaded["state"] == sent["state"] and loaded["stream"] == sent["stream"]
+    assert sent["nbytes"] > 0 and sent["state"] == state_digest(theirs)
+    assert evs["stage_up"].payload["source"] == loaded["source"] == "r1s1" and sent["peer"] == "r0s1"
     import ckpt
 
     ckpt.open(tmp_path / "recovery" / "r0s1-00005").verify()
