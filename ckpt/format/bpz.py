@@ -111,29 +111,33 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SHIFTS = sys.byteorder == "little"  # plane p is bits 8p.. of the element read as an integer
 
 
-def _scratch(n: int, dtype: Any) -> np.ndarray:
-    """A per-thread scratch array (warm pages: fresh ones cost a page fault each 4 KiB)."""
-    buf = getattr(_local, "scratch", None)
+def _scratch(name: str, n: int, dtype: Any) -> np.ndarray:
+    """A per-thread scratch array (warm pages: fresh ones cost a page fault each 4 KiB).
+    Its bytes are overwritten by the next use of ``name`` on this thread."""
+    bufs = getattr(_local, "scratch", None)
+    if bufs is None:
+        bufs = _local.scratch = {}
+    buf = bufs.get(name)
     need = n * np.dtype(dtype).itemsize
     if buf is None or len(buf) < need:
-        buf = _local.scratch = np.empty(need, dtype=np.uint8)
+        buf = bufs[name] = np.empty(need, dtype=np.uint8)
     return buf[:need].view(dtype)
 
 
-def _split(raw: memoryview, e: int) -> np.ndarray:
-    """The ``e`` byte planes of ``raw`` as the rows of one (e, n) array."""
+def _split_into(raw: memoryview, e: int, rows: Sequence[np.ndarray]) -> None:
+    """Byte plane ``p`` of the values ``raw`` into ``rows[p]`` (uint8, one per element)."""
     n = len(raw) // e
-    planes = np.empty((e, n), dtype=np.uint8)
     if _SHIFTS and e in _UINT:
         x = np.frombuffer(raw, dtype=_UINT[e])
-        np.copyto(planes[0], x, casting="unsafe")  # the cast keeps the low byte
-        tmp = _scratch(n, _UINT[e])
+        np.copyto(rows[0], x, casting="unsafe")  # the cast keeps the low byte
+        tmp = _scratch("shift", n, _UINT[e])
         for p in range(1, e):
             np.right_shift(x, 8 * p, out=tmp)
-            np.copyto(planes[p], tmp, casting="unsafe")
+            np.copyto(rows[p], tmp, casting="unsafe")
     else:
-        np.copyto(planes, np.frombuffer(raw, dtype=np.uint8).reshape(n, e).T)
-    return planes
+        grid = np.frombuffer(raw, dtype=np.uint8).reshape(n, e)
+        for p in range(e):
+            np.copyto(rows[p], grid[:, p])
 
 
 def _merge(planes: list[Any], e: int, out: memoryview) -> None:
@@ -142,7 +146,7 @@ def _merge(planes: list[Any], e: int, out: memoryview) -> None:
     if _SHIFTS and e in _UINT:
         ox = np.frombuffer(out, dtype=_UINT[e])
         np.copyto(ox, np.frombuffer(planes[0], dtype=np.uint8), casting="unsafe")
-        tmp = _scratch(n, _UINT[e])
+        tmp = _scratch("shift", n, _UINT[e])
         for p in range(1, e):
             np.copyto(tmp, np.frombuffer(planes[p], dtype=np.uint8), casting="unsafe")
             np.left_shift(tmp, 8 * p, out=tmp)
@@ -153,34 +157,84 @@ def _merge(planes: list[Any], e: int, out: memoryview) -> None:
             grid[:, p] = np.frombuffer(planes[p], dtype=np.uint8)
 
 
-def _encode_block(raw: memoryview, itemsize: int) -> list[Any]:
-    """One block as a list of buffers (its header, then each plane's bytes). The buffers
-    are fresh and never reused: a sink may hold them until it is closed (it hashes big
-    pieces on another thread).
+class _Buffers:
+    """A free list of block buffers for the stored planes (``encode_many(reuse=True)``).
 
-    Which planes pay is decided per block from a 16 KiB probe of each plane (deterministic:
-    the same values always give the same bytes), so a float32 block compresses its
-    exponent plane and stores its three mantissa planes without spending zstd time on them.
+    Fresh memory is expensive here: glibc hands freed block-sized chunks back to the
+    kernel (``madvise``) and every page then faults again on its next use, which cost
+    about a third of the encoder's time on two threads (profiled). A buffer is taken by
+    an encoder thread and put back by the consumer's generator once the consumer has
+    moved on from the block (it must have consumed the bytes by then)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None or len(buf) < nbytes:
+            buf = np.empty(max(nbytes, self.size), dtype=np.uint8)
+        return buf
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < 16:
+                self._free.append(buf)
+
+
+def _encode_block(raw: memoryview, itemsize: int, buffers: _Buffers | None = None) -> tuple[list[Any], np.ndarray | None]:
+    """One block as a list of buffers (its header, then each plane's bytes), and the block
+    buffer the stored planes are in when it came from ``buffers`` (else None). Without
+    ``buffers`` the pieces are fresh and never reused: a sink may hold them until it is
+    closed (an object-store sink queues them for upload).
+
+    Which planes pay is decided per block from a 16 KiB probe of each plane (the byte of
+    the block's first 16 Ki elements; deterministic: the same values always give the same
+    bytes), before the block is split: a float32 block then compresses its exponent plane
+    and stores its three mantissa planes without spending zstd time on them, and the
+    planes to compress are split into this thread's warm scratch (only their compressed
+    frames are handed on), not into fresh memory.
     """
     e = itemsize
     n = len(raw) // e
-    planes = _split(raw, e)  # every plane a contiguous row
     comp = _thread_compressor()
+    if n > _PROBE:
+        head = _scratch("probe", e * _PROBE, np.uint8).reshape(e, _PROBE)
+        _split_into(raw[: e * _PROBE], e, head)
+        squeeze = [len(comp.compress(head[p].data)) < _TRY_AGAIN * _PROBE for p in range(e)]
+    else:
+        squeeze = [True] * e
+    nkept = e - sum(squeeze)
+    owned = buffers.take(nkept * n) if buffers is not None and nkept else None
+    # stored planes: fresh (see above), or a recycled block buffer
+    kept = (owned[: nkept * n] if owned is not None else np.empty(nkept * n, dtype=np.uint8)).reshape(nkept, n)
+    warm = _scratch("planes", sum(squeeze) * n, np.uint8).reshape(-1, n)
+    rows: list[np.ndarray] = []
+    ki = wi = 0
+    for p in range(e):
+        if squeeze[p]:
+            rows.append(warm[wi])
+            wi += 1
+        else:
+            rows.append(kept[ki])
+            ki += 1
+    _split_into(raw, e, rows)
     codecs = bytearray(e)
     lengths = [n] * e
     payload: list[Any] = []
-    for p in range(e):
-        row = planes[p]
-        z = None
-        if n <= _PROBE or len(comp.compress(row[:_PROBE].data)) < _TRY_AGAIN * _PROBE:
-            z = comp.compress(row.data)
+    for p, row in enumerate(rows):
+        z = comp.compress(row.data) if squeeze[p] else None
         if z is not None and len(z) < n and n <= MAX_EXPANSION * len(z):
             codecs[p] = _ZSTD
             lengths[p] = len(z)
             payload.append(z)
+        elif squeeze[p]:
+            payload.append(bytes(row.data))  # did not pay after all: a fresh copy (scratch is reused)
         else:
             payload.append(row.data)
-    return [bytes(codecs) + struct.pack(f"<{e}I", *lengths), *payload]
+    return [bytes(codecs) + struct.pack(f"<{e}I", *lengths), *payload], owned
 
 
 def encode_blocks(
@@ -200,6 +254,7 @@ def encode_many(
     *,
     block: int = 4 << 20,
     pool: ThreadPoolExecutor | None = None,
+    reuse: bool = False,
 ) -> Iterator[tuple[int, list[Any]]]:
     """The spans of several tensors' values, one after the other, as ``(item index, buffers)``:
     each span's header, then its blocks in order.
@@ -208,6 +263,11 @@ def encode_many(
     across tensor boundaries (zstd and numpy's copies release the GIL), so writing overlaps
     encoding even for tensors of one block; memory stays a few blocks (plus what the
     consumer keeps).
+
+    ``reuse``: the buffers of an item are overwritten once the consumer asks for the next
+    item, so the consumer must be done with their bytes by then (a sink's ``write_copy``
+    copies and hashes before it returns); a consumer that keeps references (a sink that
+    uploads later) must not ask for it.
     """
     # (item, bytes, itemsize): a block's values to encode, or (itemsize -1) a span header as is
     jobs: list[tuple[int, memoryview, int]] = []
@@ -220,28 +280,41 @@ def encode_many(
         _check_block_size(itemsize, r)
         jobs.append((i, memoryview(span_header(itemsize, r)), -1))
         jobs.extend((i, mv[lo : lo + r], itemsize) for lo in range(0, n, r))
+    buffers = _Buffers(block) if reuse else None
     if pool is None:
         for i, mv, e in jobs:
-            yield i, [mv] if e < 0 else _encode_block(mv, e)
+            if e < 0:
+                yield i, [mv]
+                continue
+            pieces, owned = _encode_block(mv, e, buffers)
+            yield i, pieces
+            if owned is not None and buffers is not None:
+                buffers.give(owned)
         return
     window = 2 * max(1, getattr(pool, "_max_workers", 2)) + 1
-    pending: list[tuple[int, Future[list[Any]] | list[Any]]] = []
+    pending: list[tuple[int, Future[tuple[list[Any], np.ndarray | None]] | list[Any]]] = []
     todo = iter(jobs)
 
     def submit() -> None:
         job = next(todo, None)
         if job is not None:
             i, mv, e = job
-            pending.append((i, [mv] if e < 0 else pool.submit(_encode_block, mv, e)))
+            pending.append((i, [mv] if e < 0 else pool.submit(_encode_block, mv, e, buffers)))
 
     try:
         for _ in range(window):
             submit()
         while pending:
             i, out = pending.pop(0)
-            pieces = out if isinstance(out, list) else out.result()
+            if isinstance(out, list):
+                pieces, owned = out, None
+            else:
+                pieces, owned = out.result()
             submit()
             yield i, pieces
+            del pieces
+            if owned is not None and buffers is not None:
+                buffers.give(owned)  # the consumer asked for the next item: done with it
     finally:
         for _, f in pending:
             if isinstance(f, Future):
