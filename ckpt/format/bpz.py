@@ -109,6 +109,7 @@ _PROBE = 16 << 10  # bytes of a plane compressed to decide whether the whole pla
 #: element sizes split and merged with integer shifts (about 2x a byte-strided transpose)
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SHIFTS = sys.byteorder == "little"  # plane p is bits 8p.. of the element read as an integer
+_SUB = 1 << 18  # elements per sub-block of the split
 
 
 def _scratch(name: str, n: int, dtype: Any) -> np.ndarray:
@@ -129,11 +130,17 @@ def _split_into(raw: memoryview, e: int, rows: Sequence[np.ndarray]) -> None:
     n = len(raw) // e
     if _SHIFTS and e in _UINT:
         x = np.frombuffer(raw, dtype=_UINT[e])
-        np.copyto(rows[0], x, casting="unsafe")  # the cast keeps the low byte
-        tmp = _scratch("shift", n, _UINT[e])
-        for p in range(1, e):
-            np.right_shift(x, 8 * p, out=tmp)
-            np.copyto(rows[p], tmp, casting="unsafe")
+        step = min(n, _SUB)
+        tmp = _scratch("shift", step, _UINT[e])
+        # In sub-blocks, so the shifted copy stays in the cache for its cast (and the
+        # scratch stays small).
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            xs, ts = x[lo:hi], tmp[: hi - lo]
+            np.copyto(rows[0][lo:hi], xs, casting="unsafe")  # the cast keeps the low byte
+            for p in range(1, e):
+                np.right_shift(xs, 8 * p, out=ts)
+                np.copyto(rows[p][lo:hi], ts, casting="unsafe")
     else:
         grid = np.frombuffer(raw, dtype=np.uint8).reshape(n, e)
         for p in range(e):
@@ -180,8 +187,24 @@ class _Buffers:
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
-            if len(self._free) < 16:
+            if len(self._free) < _KEEP:
                 self._free.append(buf)
+
+
+#: block buffers kept between saves, per block size: about one pipeline window's worth
+#: (2 threads: 5 in flight), so a process that saves compressed checkpoints again finds its
+#: pages warm (a few tens of MiB, held for the life of the process)
+_KEEP = 8
+_shared: dict[int, _Buffers] = {}
+_shared_lock = threading.Lock()
+
+
+def _buffers_for(block: int) -> _Buffers:
+    with _shared_lock:
+        b = _shared.get(block)
+        if b is None:
+            b = _shared[block] = _Buffers(block)
+        return b
 
 
 def _encode_block(raw: memoryview, itemsize: int, buffers: _Buffers | None = None) -> tuple[list[Any], np.ndarray | None]:
@@ -280,7 +303,7 @@ def encode_many(
         _check_block_size(itemsize, r)
         jobs.append((i, memoryview(span_header(itemsize, r)), -1))
         jobs.extend((i, mv[lo : lo + r], itemsize) for lo in range(0, n, r))
-    buffers = _Buffers(block) if reuse else None
+    buffers = _buffers_for(block) if reuse else None
     if pool is None:
         for i, mv, e in jobs:
             if e < 0:
