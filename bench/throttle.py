@@ -98,26 +98,44 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, buck
             pass
 
 
-async def _serve(upstream: tuple[str, int], counters: Counters, port: int, ready: Any) -> None:
+async def _serve(upstream: tuple[str, int], counters: Counters, port: int, ready: Any,
+                 stop: asyncio.Event | None = None) -> None:
     up, down = counters.up_bucket, counters.down_bucket
+    handlers: set[asyncio.Task[Any]] = set()
 
     async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
         try:
-            sr, sw = await asyncio.open_connection(*upstream)
-        except OSError:
-            cw.close()
-            return
-        counters.connections += 1
-        try:
-            await asyncio.gather(_pipe(cr, sw, up), _pipe(sr, cw, down))
+            try:
+                sr, sw = await asyncio.open_connection(*upstream)
+            except OSError:
+                cw.close()
+                return
+            counters.connections += 1
+            try:
+                await asyncio.gather(_pipe(cr, sw, up), _pipe(sr, cw, down))
+            finally:
+                for w in (sw, cw):
+                    w.close()
+        except asyncio.CancelledError:
+            pass  # the proxy is stopping
         finally:
-            for w in (sw, cw):
-                w.close()
+            handlers.discard(task)
 
     server = await asyncio.start_server(handle, "127.0.0.1", port)
     ready(server.sockets[0].getsockname()[1])
-    async with server:
-        await server.serve_forever()
+    if stop is None:
+        async with server:
+            await server.serve_forever()
+        return
+    await stop.wait()
+    server.close()
+    for t in list(handlers):
+        t.cancel()
+    await asyncio.gather(*handlers, return_exceptions=True)
+    await server.wait_closed()
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -133,6 +151,7 @@ class Proxy:
     counters: Counters | None = None  # on a thread only
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
+    _stop: asyncio.Event | None = None
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -140,9 +159,8 @@ class Proxy:
             self.proc.wait()
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
-        if self._loop is not None and self._thread is not None:
-            loop = self._loop
-            loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
+        if self._loop is not None and self._thread is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join()
 
 
@@ -166,6 +184,7 @@ def start(upstream: str, mb_per_s: float, *, burst: int = 256 << 10, thread: boo
     got: list[int] = []
     listening = threading.Event()
     counters = Counters(Bucket(rate, burst), Bucket(rate, burst))
+    stop = asyncio.Event()
 
     def ready(port: int) -> None:
         got.append(port)
@@ -174,9 +193,7 @@ def start(upstream: str, mb_per_s: float, *, burst: int = 256 << 10, thread: boo
     def run() -> None:
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(_serve(_host_port(upstream), counters, 0, ready))
-        except asyncio.CancelledError:
-            pass
+            loop.run_until_complete(_serve(_host_port(upstream), counters, 0, ready, stop))
         finally:
             loop.close()
             listening.set()
@@ -186,7 +203,7 @@ def start(upstream: str, mb_per_s: float, *, burst: int = 256 << 10, thread: boo
     listening.wait()
     if not got:
         raise RuntimeError("throttling proxy did not start")
-    return Proxy(f"http://127.0.0.1:{got[0]}", rate, None, counters, loop, t)
+    return Proxy(f"http://127.0.0.1:{got[0]}", rate, None, counters, loop, t, stop)
 
 
 def main() -> None:
