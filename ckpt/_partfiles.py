@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -237,32 +236,6 @@ def _parent(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[0]
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def _encoder_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's encoder threads, kept between saves: their per-thread scratch (the
-    split's shifted copy, the planes to compress) stays warm, where a pool per save paid
-    a page fault per 4 KiB of it again every time (a 96 MiB save spent ~20 ms on that)."""
-    global _pool
-    threads = max(1, threads)
-    with _pool_lock:
-        if _pool is None or _pool[0] != threads:
-            if _pool is not None:
-                _pool[1].shutdown(wait=False)
-            _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="ckpt-bpz"))
-        return _pool[1]
-
-
-def _forget_pool() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the parent's threads
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
 def write_packed(
     layout: Layout, tmp_dir: str, storage: Storage
 ) -> tuple[FileEntry, list[TensorEntry]] | None:
@@ -284,7 +257,7 @@ def write_packed(
         put = put or sink.write
         # One pipeline over every tensor's blocks: small tensors overlap too.
         items = [(_values(t), t.element_size()) for _, t in layout.packed]
-        for i, pieces in bpz.encode_many(items, block=k.bpz_block, pool=_encoder_pool(k.bpz_threads), reuse=reuse):
+        for i, pieces in bpz.encode_many(items, block=k.bpz_block, pool=bpz.shared_pool(k.bpz_threads), reuse=reuse):
             if i == len(starts):
                 starts.append(pos)
             for b in pieces:
