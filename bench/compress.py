@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -102,10 +103,21 @@ def sizes(model: torch.nn.Module, opt: torch.optim.Optimizer, d: str) -> list[di
     return rows
 
 
+_CPU: dict[str, list[float]] = {}  # save kind -> CPU seconds (user + system, every thread of this process)
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _durable_save(path: str, state: dict, compress: bool) -> float:
+    c0 = _cpu()
     t0 = time.perf_counter()
     ckpt.save(path, state, compress=compress or None)
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    _CPU.setdefault("packed" if compress else "plain", []).append(_cpu() - c0)
+    return t
 
 
 def _load(path: str) -> float:
@@ -129,6 +141,7 @@ def timings(state: dict, d: str, rounds: int, label: str = "") -> dict:
     A/A control) and two fresh loads, the order alternating; medians of per-round ratios."""
     save, aa, load = [], [], []
     tp, tc, lp, lc = [], [], [], []
+    _CPU.clear()
     for i in range(rounds):
         paths = {k: f"{d}/{k}-{i}" for k in ("plain", "plain2", "packed")}
         order = ["plain", "packed", "plain2"] if i % 2 == 0 else ["packed", "plain2", "plain"]
@@ -159,6 +172,10 @@ def timings(state: dict, d: str, rounds: int, label: str = "") -> dict:
         "packed_save_s": med(tc),
         "plain_load_s": med(lp),
         "packed_load_s": med(lc),
+        # CPU per save, this process only (the kernel's writeback threads are not in it):
+        # on a machine whose cores are busy, the wall-time ratio tends to this one
+        "plain_save_cpu_s": med(_CPU["plain"]),
+        "packed_save_cpu_s": med(_CPU["packed"]),
     }
 
 
@@ -193,7 +210,9 @@ def _load_line() -> str:
 def _row(name: str, mib: float, t: dict) -> str:
     return (f"  {name:<22} {mib:6.0f} MiB  save throughput compressed / uncompressed {t['save_throughput_vs_uncompressed']:.2f}x "
             f"(A/A {t['save_aa_control']:.2f}x; median {mib / t['plain_save_s']:.0f} vs {mib / t['packed_save_s']:.0f} MiB/s)   "
-            f"fresh load uncompressed / compressed time {t['fresh_load_speed_vs_uncompressed']:.2f}x")
+            f"fresh load uncompressed / compressed time {t['fresh_load_speed_vs_uncompressed']:.2f}x\n"
+            f"  {'':<22} {'':6}      CPU per save (this process) uncompressed {t['plain_save_cpu_s'] * 1e3:.0f} ms, "
+            f"compressed {t['packed_save_cpu_s'] * 1e3:.0f} ms: ratio {t['plain_save_cpu_s'] / t['packed_save_cpu_s']:.2f}x")
 
 
 def s3_caps(state: dict, caps: list[float], rounds: int, out: dict) -> None:
