@@ -357,28 +357,39 @@ def encode_many(
                 f.exception()  # wait: the memory they read must outlive them
 
 
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
+
+
+def _thread_nice() -> int:
+    """The calling thread's nice value (Linux applies nice per thread; 0 elsewhere)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return 0
 
 
 def shared_pool(threads: int) -> ThreadPoolExecutor:
     """The process's codec threads (encoding and decoding blocks), kept between calls:
     their per-thread scratch (the split's shifted copy, the planes to compress, the zstd
     contexts) stays warm, where a pool per save paid a page fault per 4 KiB of it again
-    every time (a 96 MiB save spent ~20 ms on that)."""
-    global _pool
-    threads = max(1, threads)
+    every time (a 96 MiB save spent ~20 ms on that).
+
+    One pool per nice value of the calling thread: new threads inherit their creator's
+    nice, and an async save's worker runs at a lower priority than training
+    (``save_thread_nice``) which its encoding must keep, while a save or load on the
+    training thread must not be demoted by a pool an async save created."""
+    key = (max(1, threads), _thread_nice())
     with _pool_lock:
-        if _pool is None or _pool[0] != threads:
-            if _pool is not None:
-                _pool[1].shutdown(wait=False)
-            _pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="ckpt-bpz"))
-        return _pool[1]
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = ThreadPoolExecutor(key[0], thread_name_prefix="ckpt-bpz")
+        return pool
 
 
 def _forget_pool() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the parent's threads
+    global _pools, _pool_lock
+    _pools, _pool_lock = {}, threading.Lock()  # a forked child has none of the parent's threads
 
 
 if hasattr(os, "register_at_fork"):

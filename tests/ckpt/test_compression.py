@@ -384,3 +384,29 @@ def test_blocks_decode_on_the_codec_threads_exactly_and_errors_still_surface() -
         dec.finish()
     dec.wait()
     assert not dec._jobs
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread nice is a POSIX/Linux notion")
+def test_codec_threads_keep_the_priority_of_the_thread_that_saves() -> None:
+    """An async save's worker runs at a higher nice value than training (save_thread_nice):
+    the codec threads its encoding uses must too, and a pool it created must not demote
+    a save on the training thread (one pool per nice value)."""
+    import threading
+
+    def nice_of(pool: Any) -> int:
+        return pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+
+    mine = bpz.shared_pool(2)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    got: dict[str, Any] = {}
+
+    def worker() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, base + 10))
+        got["pool"] = bpz.shared_pool(2)
+        got["nice"] = nice_of(got["pool"])
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got["pool"] is not mine and got["nice"] == min(19, base + 10)
+    assert bpz.shared_pool(2) is mine and nice_of(mine) == base
