@@ -24,7 +24,7 @@ test: venv
 	$(BIN)/python -m pytest -q -m "not cuda"
 
 bench: venv
-	for b in save_load async_save resume tape ledger snapshot replicas cli_hf object_store compress dedup scale stages; do $(BIN)/python bench/$$b.py || exit 1; done
+	for b in save_load async_save resume tape ledger snapshot replicas cli_hf object_store compress dedup scale stages optim_startup; do $(BIN)/python bench/$$b.py || exit 1; done
 
 # the long fuzz run: mutated, re-signed checkpoints and tapes; prints the counts the README quotes
 FUZZ_CASES ?= 5000

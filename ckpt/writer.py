@@ -62,7 +62,7 @@ from .format.manifest import (
 from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
-from .storage import Storage, commits_by_manifest, resolve
+from .storage import PendingCheckpoint, Recovery, Storage, commits_by_manifest, resolve
 from . import _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
 from ._tensorbytes import tensor_memoryview
@@ -86,29 +86,6 @@ __all__ = [
 OLD_SUFFIX = ".old"
 #: suffix of a checkpoint being deleted on purpose (retention)
 DEL_SUFFIX = ".del"
-
-@dataclass(frozen=True, slots=True)
-class PendingCheckpoint:
-    """A checkpoint being written. Rebuild it in another process from the two paths
-    and ``tag`` (and the same ``overwrite``: the commit, not ``begin``, enforces it).
-
-    ``tmp_dir`` is where the part files are created: a temporary sibling directory on
-    a filesystem, the final prefix itself on an object store, where ``tag`` (``.`` and
-    12 hex digits, empty on a filesystem) makes every file name unique to this save so
-    that racing or replacing writers never overwrite each other's objects
-    (spec/object-storage.md)."""
-
-    final: str
-    tmp_dir: str
-    overwrite: bool = False
-    tag: str = ""
-    #: format 2.0: each part writes a part manifest and returns a PartRef (many ranks)
-    part_manifests: bool = False
-
-    def file_name(self, part: str, suffix: str) -> str:
-        """The name of a part's file in this save: ``<part><tag><suffix>``."""
-        return f"{part}{self.tag}{suffix}"
-
 
 def tmp_name(name: str, suffix: str = "") -> str:
     """``.tmp-<name>-<12 hex>[suffix]``: a sibling no reader accepts (§3)."""
@@ -616,14 +593,6 @@ def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
 # --- crash recovery -------------------------------------------------------------------
 
 _TMP_RE = re.compile(r"^\.tmp-(?P<name>.+)-[0-9a-f]{12}(?P<suffix>\.old|\.del)?$")
-
-
-@dataclass(frozen=True, slots=True)
-class Recovery:
-    """What :func:`recover` did: temporary dirs renamed back to a final name, and removed."""
-
-    restored: tuple[tuple[str, str], ...]  # (temporary name, final name)
-    removed: tuple[str, ...]
 
 
 def is_complete(path: str, *, storage: Storage | None = None) -> bool:

@@ -41,7 +41,8 @@ class _Shell:
               help="Output directory: it must be new or empty (a demo never overwrites what an earlier one wrote).")
 @click.option("--list", "list_", is_flag=True, help="List the demos, one line each, and exit.")
 @click.option("--basic", is_flag=True, help="Alias of NAME=basic.")
-@click.option("--quick", is_flag=True, help="diloco, stages: a small reference run (for tests).")
+@click.option("--quick", is_flag=True,
+              help="diloco, stages, replicas, rollback: a smaller run (for tests; about 1 min each on 2 cores).")
 @click.option("--transport", type=click.Choice(["gloo", "threads"]), default="gloo", show_default=True,
               help="diloco, stages: workers as processes over torch.distributed gloo, or as threads of one process.")
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=10), help="basic: training steps.")

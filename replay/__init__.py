@@ -1,10 +1,21 @@
-"""Event tapes with vector clocks, tape invariants, deterministic replay, channels and
-Chandy-Lamport snapshots.
+"""Event tapes with vector clocks, tape invariants and deterministic replay.
 
-Public names only; internals live in the submodules. Keep this a plain list so that
-additions merge cleanly. The channel and snapshot names need torch, and importing
-``replay`` must not (``ckpt --help`` and the tape tools stay torch-free): they are
-imported on first use, by the module ``__getattr__`` below.
+The core is at the top level: clocks, events, the tape (reader, writer, repair, merge),
+the recorder and the replayer, the tape checker and the errors. Channels and snapshots
+are public subpackages with exact ``__all__`` of their own, named here:
+
+- ``replay.channel``: endpoints and transports (``Endpoint``, ``InProcessNetwork``,
+  ``TorchDistTransport``), taping channel traffic (``RecorderSink``), one tape for a job
+  of threads and processes (``TapeHub``, ``LocalTape``, ``RemoteTape``, ``LogApplier``,
+  ``Inbox``);
+- ``replay.snapshot``: Chandy-Lamport snapshots (``SnapshotAgent``, the stores, the
+  control planes, ``check_cut``);
+- ``replay.sdc`` (silent-data-corruption digests) and ``replay.errors``.
+
+Both subpackages need torch, and importing ``replay`` must not (``ckpt --help`` and the
+tape tools stay torch-free): they are imported on first use, by the module
+``__getattr__`` below. The names they held at the top level before (``replay.Endpoint``,
+...) still resolve, with a DeprecationWarning naming their home.
 """
 
 from __future__ import annotations
@@ -52,77 +63,44 @@ __all__ = [
     "TapeCorruptError",
     "TapeTruncatedError",
     "DivergenceError",
-    "errors",
+    # public subpackages (imported on first use)
+    "channel",
+    "snapshot",
     "sdc",
-    # channels and snapshots (lazy: they import torch)
-    "Endpoint",
-    "Message",
-    "MessageKind",
-    "Transport",
-    "EventSink",
-    "ClockSink",
-    "ListSink",
-    "InProcessNetwork",
-    "TorchDistTransport",
-    "ArrivalScheduler",
-    "SeededScheduler",
-    "ForcedScheduler",
-    "RecorderSink",
-    "taped_delivery_order",
-    "message_digest",
-    "TapeHub",
-    "TapeSink",
-    "TapeSinkEvents",
-    "LocalTape",
-    "RemoteTape",
-    "LogApplier",
-    "MsgRef",
-    "Inbox",
-    "ref_of",
-    "endpoint_name",
-    "actor_of",
-    "meta_digest",
-    "stamp_to_json",
-    "stamp_from_json",
-    "SnapshotAgent",
-    "SnapshotHandle",
-    "Outcome",
-    "CkptSnapshotStore",
-    "MemorySnapshotStore",
-    "TorchStoreControl",
-    "MemoryControl",
-    "check_cut",
-    "cut_from_meta",
-    "delivery_order",
-    "CHANNELS_KEY",
-    "Pending",
+    "errors",
 ]
 
-_LAZY: dict[str, str] = {
+_SUBPACKAGES = ("channel", "snapshot", "sdc", "errors")
+
+# The names the top level held before the subpackages were its public face: still resolved
+# (old code keeps working), with a warning that names the subpackage to import them from.
+_MOVED: dict[str, str] = {
     **dict.fromkeys(["Endpoint", "Message", "MessageKind", "Transport", "EventSink", "ClockSink", "ListSink",
                      "InProcessNetwork", "TorchDistTransport", "ArrivalScheduler", "SeededScheduler",
                      "ForcedScheduler", "RecorderSink", "taped_delivery_order", "message_digest", "TapeHub",
                      "TapeSink", "TapeSinkEvents", "LocalTape", "RemoteTape", "LogApplier", "MsgRef", "Inbox", "ref_of",
                      "endpoint_name", "actor_of", "meta_digest", "stamp_to_json", "stamp_from_json"],
-                    "replay.channel"),
+                    "channel"),
     **dict.fromkeys(["SnapshotAgent", "SnapshotHandle", "Outcome", "CkptSnapshotStore", "MemorySnapshotStore",
                      "TorchStoreControl", "MemoryControl", "check_cut", "cut_from_meta", "delivery_order", "CHANNELS_KEY",
                      "Pending"],
-                    "replay.snapshot"),
+                    "snapshot"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("sdc", "errors"):
+    if name in _SUBPACKAGES:
         value = import_module(f"replay.{name}")
         globals()[name] = value
         return value
-    mod = _LAZY.get(name)
-    if mod is None:
+    sub = _MOVED.get(name)
+    if sub is None:
         raise AttributeError(f"module 'replay' has no attribute {name!r}")
-    value = getattr(import_module(mod), name)
-    globals()[name] = value  # later lookups skip this hook
-    return value
+    import warnings
+
+    warnings.warn(f"replay.{name} moved to replay.{sub}.{name}: import it from replay.{sub}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(import_module(f"replay.{sub}"), name)  # not cached: every old use is told
 
 
 def __dir__() -> list[str]:

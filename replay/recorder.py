@@ -291,13 +291,19 @@ class Actor:
         for source, d in dg.rng_digests(self._core.rng_sources):
             self._emit(_RNG.code, _RNG.pack(source, d))
 
-    def params(self, modules: Sequence[tuple[str, Any]] | None = None) -> None:
-        """Record parameter digests of the watched modules (or the given (prefix, module) pairs)."""
-        mods = modules if modules is not None else self._core.watched
-        named: list[tuple[str, Any]] = []
-        for prefix, m in mods:
-            named.extend((prefix + k, v) for k, v in m.state_dict(keep_vars=True).items())
-        total, per = dg.named_digests(named)
+    def params(self, modules: Sequence[tuple[str, Any]] | None = None, *,
+               named: Sequence[tuple[str, Any]] | None = None) -> None:
+        """Record parameter digests of the watched modules (or the given (prefix, module)
+        pairs), or of ``named`` tensors in their order (a state that is not one module:
+        a stage's model, anchor and optimizer tensors, a job's shipped digests)."""
+        if named is None:
+            mods = modules if modules is not None else self._core.watched
+            named = []
+            for prefix, m in mods:
+                named.extend((prefix + k, v) for k, v in m.state_dict(keep_vars=True).items())
+        elif modules is not None:
+            raise TypeError("params() takes modules or named tensors, not both")
+        total, per = dg.named_digests(list(named))
         self._emit(_PARAMS.code, _PARAMS.pack(total, per))
 
     def note(self, text: str) -> None:

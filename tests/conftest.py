@@ -94,3 +94,72 @@ def s3(s3_server, monkeypatch):
     forget_backends()
     yield S3Bucket(s3_server, name)
     forget_backends()
+
+
+# --- long commands that several tests need, run once per session ---------------------------
+#: name -> (the command line exactly as the README or docs/*.md shows it, seconds it may take).
+#: ``/tmp/`` in it stands for the run's own scratch directory (as in tests/e2e/test_readme.py).
+#: A README/docs block marked ``<!-- example: shared=NAME -->`` shows this command and its output;
+#: the tests that check more of the run's claims ask ``shared_runs.get(NAME)`` for the same run,
+#: so that a demo of minutes is paid once however many tests read it.
+SHARED_RUNS: dict[str, tuple[str, float]] = {
+    "stages-quick": ("ckpt demo stages --quick --out /tmp/stages-demo", 1200),
+    "rollback-quick": ("ckpt demo rollback --quick --out /tmp/rollback-demo", 600),
+    "replicas-quick": ("ckpt demo replicas --quick --out /tmp/replicas-demo", 1200),
+}
+
+
+class SharedRun:
+    """One finished run of a :data:`SHARED_RUNS` command: its scratch directory, what it
+    printed (stdout and stderr together, as a terminal shows them) and its exit code."""
+
+    def __init__(self, command: str, scratch, output: str, returncode: int) -> None:
+        self.command, self.scratch, self.output, self.returncode = command, scratch, output, returncode
+
+    def path(self, shown: str):
+        """The real path of a ``/tmp/...`` path as the command line shows it."""
+        assert shown.startswith("/tmp/"), shown
+        return self.scratch / shown[len("/tmp/"):]
+
+
+class SharedRuns:
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self._factory = factory
+        self._done: dict[str, SharedRun] = {}
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        """The environment of a README console command: the virtualenv's ``bin`` first on
+        PATH, the repository importable, no progress bars, stdout unbuffered."""
+        env = dict(os.environ)
+        env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"
+        env["CKPT_PROGRESS"] = "0"
+        env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr interleave in time order, as on a terminal
+        env.setdefault("COLUMNS", "120")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+        return env
+
+    @staticmethod
+    def command(name: str) -> str:
+        assert name in SHARED_RUNS, f"shared run {name!r}: known are {sorted(SHARED_RUNS)}"
+        return SHARED_RUNS[name][0]
+
+    def get(self, name: str) -> SharedRun:
+        """The run named ``name``, run now if no test of this session ran it yet."""
+        import re
+        import subprocess
+
+        if name not in self._done:
+            cmd, timeout = self.command(name), SHARED_RUNS[name][1]
+            scratch = self._factory.mktemp(f"shared-{name}")
+            real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
+            p = subprocess.run(["bash", "-c", real], cwd=scratch, env=self.env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            self._done[name] = SharedRun(cmd, scratch, p.stdout, p.returncode)
+        return self._done[name]
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> SharedRuns:
+    """:class:`SharedRuns`: ``shared_runs.get("stages-quick")`` runs that command once per session."""
+    return SharedRuns(tmp_path_factory)

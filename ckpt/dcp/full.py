@@ -7,7 +7,7 @@ saved key paths) with every global tensor and value.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping, Protocol
 
 import torch
 
@@ -15,17 +15,26 @@ from ..errors import FormatError, StateMismatchError
 from ..format import dtypes
 from .layout import ShardedLayout, decode_layout
 
-if TYPE_CHECKING:  # annotations only: reader.state() imports this module (no import cycle)
-    from ..reader import CheckpointReader
-
 __all__ = ["full_tensor", "full_state"]
 
 
-def _layout(reader: "CheckpointReader") -> ShardedLayout:
+class _Reader(Protocol):
+    """What this module needs of a ``ckpt.CheckpointReader`` (which calls it from
+    ``state()``): typed structurally, so that this module never imports the reader."""
+
+    path: str
+    manifest: Any
+
+    def tensor(self, key: str, *, part: str | None = ..., verify: bool = ...) -> torch.Tensor: ...
+
+    def tree(self, part: str | None = ..., *, verify: bool = ...) -> Mapping[str, Any]: ...
+
+
+def _layout(reader: _Reader) -> ShardedLayout:
     return decode_layout(reader.manifest, path=reader.path)
 
 
-def full_tensor(reader: "CheckpointReader", fqn: str, *, verify: bool = True, layout: ShardedLayout | None = None) -> torch.Tensor:
+def full_tensor(reader: _Reader, fqn: str, *, verify: bool = True, layout: ShardedLayout | None = None) -> torch.Tensor:
     layout = layout or _layout(reader)
     rec = layout.tensors.get(fqn)
     if rec is None:
@@ -62,7 +71,7 @@ def _set(root: dict[Any, Any], path: tuple[Any, ...], value: Any, where: str) ->
         cur[last] = value
 
 
-def full_state(reader: "CheckpointReader", *, verify: bool = True) -> dict[str, Any]:
+def full_state(reader: _Reader, *, verify: bool = True) -> dict[str, Any]:
     """The whole state as nested trees of global tensors (memory: the full state)."""
     layout = _layout(reader)
     out: dict[Any, Any] = {}

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 from ._url import BACKENDS, refuse_url, unsupported, url_scheme
 from .posix import (
@@ -37,9 +38,6 @@ from .posix import (
     preadv_full,
     walk_files,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..writer import PendingCheckpoint, Recovery
 
 __all__ = [
     "Storage",
@@ -58,7 +56,44 @@ __all__ = [
     "is_space_error",
     "is_regular_file",
     "walk_files",
+    "PendingCheckpoint",
+    "Recovery",
 ]
+
+
+# The records of the commit protocols (what Storage.begin and Storage.recover return): the seam's
+# own types, so that a backend needs nothing from the writer (ckpt.writer re-exports them).
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCheckpoint:
+    """A checkpoint being written. Rebuild it in another process from the two paths
+    and ``tag`` (and the same ``overwrite``: the commit, not ``begin``, enforces it).
+
+    ``tmp_dir`` is where the part files are created: a temporary sibling directory on
+    a filesystem, the final prefix itself on an object store, where ``tag`` (``.`` and
+    12 hex digits, empty on a filesystem) makes every file name unique to this save so
+    that racing or replacing writers never overwrite each other's objects
+    (spec/object-storage.md)."""
+
+    final: str
+    tmp_dir: str
+    overwrite: bool = False
+    tag: str = ""
+    #: format 2.0: each part writes a part manifest and returns a PartRef (many ranks)
+    part_manifests: bool = False
+
+    def file_name(self, part: str, suffix: str) -> str:
+        """The name of a part's file in this save: ``<part><tag><suffix>``."""
+        return f"{part}{self.tag}{suffix}"
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """What :func:`ckpt.writer.recover` did: temporary dirs renamed back to a final name, and removed."""
+
+    restored: tuple[tuple[str, str], ...]  # (temporary name, final name)
+    removed: tuple[str, ...]
 
 
 class FileSink(Protocol):

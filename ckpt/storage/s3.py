@@ -356,7 +356,7 @@ class S3Storage:
 
     # -- the commit protocol (spec/object-storage.md §O.3) -------------------------------
     def begin(self, final: str, *, overwrite: bool) -> Any:
-        from ..writer import PendingCheckpoint
+        from . import PendingCheckpoint
 
         if not overwrite and self.isfile(f"{final}/{MANIFEST_NAME}"):
             # Early refusal only: the conditional MANIFEST put enforces it atomically.
@@ -438,7 +438,7 @@ class S3Storage:
         """Orphan cleanup of a run prefix (only the run's lock holder may call it):
         objects of an uncommitted prefix, and objects a committed MANIFEST does not
         name (losers of a race, crashed or replaced saves), are deleted."""
-        from ..writer import Recovery
+        from . import Recovery
 
         removed: list[str] = []
         try:

@@ -59,19 +59,9 @@ def actor_of(endpoint: str) -> str:
 
 
 def meta_digest(meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> bytes:
-    """The channel's payload digest (``replay.message_digest``) of a message about to be
+    """The channel's payload digest (``replay.channel.message_digest``) of a message about to be
     sent, from its metadata mapping (packed as the wire packs it) and its tensors."""
     return _payload_digest(msgpack.packb(dict(meta), use_bin_type=True), list(tensors))
-
-
-class _NamedTensors:
-    """Quacks like a module for ``Actor.params``: a fixed list of named tensors."""
-
-    def __init__(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self._named = list(named)
-
-    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        return dict(self._named)
 
 
 class TapeSink(Protocol):
@@ -191,7 +181,7 @@ class LocalTape:
 
     def params(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         with self.hub.lock:
-            self.actor.params([("", _NamedTensors(named))])
+            self.actor.params(named=named)
 
     def send(self, ref: MsgRef, peer: str, digest: bytes) -> None:
         with self.hub.lock:

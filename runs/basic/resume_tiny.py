@@ -14,7 +14,6 @@ Options (``ctx.options``), to break it on purpose in tests:
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from ckpt.data import ResumableLoader
+from runs.common.tiny_lm import warmup_cosine
 
 __all__ = ["train", "TinyTransformer", "AugmentedTokens"]
 
@@ -63,16 +63,6 @@ class TinyTransformer(nn.Module):
         return self.head(self.block(h))
 
 
-def warmup_cosine(total: int, warmup: int = 3):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-    return f
-
-
 def train(ctx: Any) -> None:
     # One intra-op thread: the model is tiny, and two loader workers share the cores.
     torch.set_num_threads(1)
@@ -85,7 +75,7 @@ def train(ctx: Any) -> None:
     random.seed(ctx.seed * 1000 + ctx.rank + 2)
     np.random.seed(ctx.seed * 1000 + ctx.rank + 3)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(ctx.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(3, ctx.steps))
     loader = ResumableLoader(
         AugmentedTokens(),
         seed=ctx.seed,

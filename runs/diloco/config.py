@@ -14,6 +14,7 @@ from typing import Any, Mapping
 __all__ = ["DiLoCoConfig"]
 
 MERGES = ("mean", "rda")
+UPDATES = ("replace", "mean", "rda")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,15 @@ class DiLoCoConfig:
     # how the learners' outer gradients are averaged: "mean" (token-weighted) or "rda"
     # (radial-directional: norms and directions averaged separately; merge.py)
     merge: str = "mean"
+    # how a learner updates its model when a merged fragment arrives (merge.py,
+    # model_update): "replace" (adopt the global fragment; its own steps since it last
+    # adopted one are dropped), or combine its own update (theta_local - base) with the
+    # global one (Theta_new - base), both from ``base``, the global fragment it last
+    # adopted, with weights update_alpha and 1 - update_alpha: "mean" (Streaming DiLoCo's
+    # mixing, alpha * theta_local + (1 - alpha) * Theta_new) or "rda" (norms and
+    # directions averaged separately, as the merge's "rda")
+    model_update: str = "replace"
+    update_alpha: float = 0.5
     # adaptive grace window, "Eq. 3": gamma * (tau * xi_step - xi_quorum - xi_sync), in [0, cap]
     grace_gamma: float = 1.0
     overlap_tau: int = 2
@@ -99,6 +109,10 @@ class DiLoCoConfig:
                              f"got {self.speeds}")
         if self.comm_bits not in (1, 2, 4, 8, 16, 32) or self.comm_block < 1:
             raise ValueError(f"comm_bits must be one of 1, 2, 4, 8, 16, 32 (got {self.comm_bits}), comm_block >= 1")
+        if self.model_update not in UPDATES:
+            raise ValueError(f"model_update must be one of {UPDATES}, got {self.model_update!r}")
+        if not 0.0 <= self.update_alpha <= 1.0:
+            raise ValueError(f"update_alpha must be in [0, 1], got {self.update_alpha}")
         if self.transport not in ("threads", "gloo"):
             raise ValueError(f"transport must be 'threads' or 'gloo', got {self.transport!r}")
 

@@ -106,6 +106,7 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     rep.replay_detail = (f"; every learner's final-state digest and loss on the tape matched, syncer state and "
                          f"validation losses equal: {'yes' if same_syncer else 'NO'}")
     rep.tape_check_violations = len(violations)
+    rep.tape_check_first = [v.format() for v in violations[:3]]
     rep.snapshot_restore = restore_line
     rep.snapshot_restore_identical = restore_ok
     rep.syncer_fault, rep.syncer_fault_ok = fault_line, fault_ok

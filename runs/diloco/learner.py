@@ -24,14 +24,15 @@ import torch
 
 from ckpt.data import QuarantinePolicy, ResumableLoader
 from runs.common.tiny_lm import warmup_cosine
-from replay import Message
+from replay.channel import Message
 from runs.diloco import quant
 from runs.diloco.chaos import Fault
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
-from replay import Inbox, LocalTape, ref_of
+from replay.channel import Inbox, LocalTape, ref_of
+from runs.diloco.merge import model_update
 from runs.diloco.model import LearnerShards, build_model, learner_corpus, weighted_loss
-from replay import RemoteTape, meta_digest
+from replay.channel import RemoteTape, meta_digest
 
 __all__ = ["LearnerCore", "LearnerCtx", "LearnerOutcome", "LearnerLoop", "Learner", "run_learner"]
 
@@ -73,6 +74,12 @@ class LearnerCore:
         if cfg.comm_bits != 32:
             self.anchor = [self.fragment(p) for p in range(cfg.fragments)]
         self.resid = [[torch.zeros_like(self.params[n]) for n in f.names] for f in self.frags]
+        # model_update "mean"/"rda": per fragment, the global fragment last adopted (the
+        # origin of both updates the next merged fragment is combined from; merge.py)
+        self.base: list[list[torch.Tensor]] | None = None
+        if cfg.model_update != "replace":
+            self.base = [self.fragment(p) for p in range(cfg.fragments)]
+        self.last_update_norm = 0.0  # the norm of the last model update's step from base
 
     def train_step(self) -> tuple[list[int], float]:
         batch = None
@@ -138,8 +145,16 @@ class LearnerCore:
             self.held_v[p] = s
         if s <= self.applied[p]:
             return False
+        names = self.frags[p].names
         with torch.no_grad():
-            for n, t in zip(self.frags[p].names, tensors):
+            if self.base is None:
+                new = list(tensors)
+            else:
+                new, self.last_update_norm = model_update(
+                    self.cfg.model_update, self.cfg.update_alpha, self.base[p],
+                    [self.params[n].detach() for n in names], tensors)
+                self.base[p] = [t.detach().clone() for t in tensors]
+            for n, t in zip(names, new):
                 self.params[n].copy_(t)
         self.applied[p] = s
         self.c_tokens[p] = 0
@@ -158,7 +173,12 @@ class LearnerCore:
         return out
 
     def export(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The whole state (a peer's recovery, a snapshot part): model, inner optimiser,
+        schedule, step, and the model update's bases (``update_base.*``, in the part's
+        ``optim`` entry)."""
         named = self.named_state()
+        if self.base is not None:
+            named += [(f"update_base.{n}", t) for f, ts in zip(self.frags, self.base) for n, t in zip(f.names, ts)]
         sd = self.opt.state_dict()
         meta = {"names": [n for n, _ in named], "param_groups": sd["param_groups"],
                 "sched": {k: v for k, v in self.sched.state_dict().items() if k != "lr_lambdas"},
@@ -179,6 +199,8 @@ class LearnerCore:
         self.sched.load_state_dict(sd)
         self.t = int(meta["t"])
         self.applied = [int(x) for x in meta["applied"]]
+        if self.base is not None:  # the peer's bases: it adopted the global fragments it applied
+            self.base = [[named[f"update_base.{n}"].clone() for n in f.names] for f in self.frags]
         if self.cfg.comm_bits != 32:
             # Compressed: the syncer knows exactly which fragment each endpoint holds, and
             # a new one holds none; it sends it every fragment whole first.
@@ -398,7 +420,10 @@ class Learner:
             kind = msg.meta["kind"]
             tape.recv(ref)
             if kind == "merged":
-                core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors, msg.meta)
+                if core.apply(int(msg.meta["p"]), int(msg.meta["s"]), msg.tensors, msg.meta) and \
+                        core.base is not None:
+                    # the model update's result pinned on the tape (the replay compares it)
+                    tape.metric(f"update_norm.p{msg.meta['p']}", core.last_update_norm)
             elif kind == "state_req":
                 # the step it was asked at: the recovery accounting's transfer wait
                 msg.meta["asked_at"] = core.t  # type: ignore[index]

@@ -6,6 +6,15 @@ vector's norm is the weighted mean of the norms, and its direction is the normal
 weighted mean of the directions, so learners that disagree in direction do not shrink
 the step the way a plain mean does. A fragment is one vector (all its tensors together).
 Pure functions of float64 tensors, so the merge is bit-reproducible.
+
+The same two averages serve a learner's *model update* (``model_update``): when a
+merged fragment arrives, the learner has moved on from ``base``, the global fragment it
+last adopted (its own update, ``theta_local - base``), and so has the syncer (the global
+update, ``Theta_new - base``). ``replace`` adopts ``Theta_new``; ``mean`` and ``rda``
+average the two updates with weights ``alpha`` and ``1 - alpha`` and step from ``base``:
+``mean`` is Streaming DiLoCo's mixing ``alpha * theta_local + (1 - alpha) * Theta_new``;
+``rda`` keeps the weighted mean of the two updates' norms, so when they disagree in
+direction the step is not shortened the way the plain mix shortens it.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["average", "mean_average", "rda_average"]
+__all__ = ["average", "mean_average", "rda_average", "model_update"]
 
 
 def mean_average(grads: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> list[torch.Tensor]:
@@ -57,3 +66,16 @@ def average(kind: str, grads: Sequence[Sequence[torch.Tensor]], weights: Sequenc
     if kind == "rda":
         return rda_average(grads, weights)
     raise ValueError(f"unknown merge {kind!r}")
+
+
+def model_update(kind: str, alpha: float, base: Sequence[torch.Tensor], local: Sequence[torch.Tensor],
+                 merged: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+    """A learner's fragment after a merged fragment arrives (module docstring), in the
+    local tensors' dtype, and the norm of the step it takes from ``base`` (float64)."""
+    if kind == "replace":
+        step = [m.to(torch.float64) - b.to(torch.float64) for b, m in zip(base, merged)]
+        return [m.clone() for m in merged], _norm(step)
+    mine = [x.to(torch.float64) - b.to(torch.float64) for b, x in zip(base, local)]
+    glob = [m.to(torch.float64) - b.to(torch.float64) for b, m in zip(base, merged)]
+    step = average(kind, [mine, glob], [alpha, 1.0 - alpha])
+    return [(b.to(torch.float64) + u).to(x.dtype) for b, u, x in zip(base, step, local)], _norm(step)

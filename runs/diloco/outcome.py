@@ -13,7 +13,7 @@ from runs.diloco.chaos import learner_names, make_schedule
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerOutcome
 from runs.diloco.syncer import SyncerOutcome
-from replay import TapeHub, endpoint_name
+from replay.channel import TapeHub, endpoint_name
 
 __all__ = ["RunResult", "decide_schedule", "spares_of"]
 

@@ -7,8 +7,8 @@ start and idles until the syncer activates it: a hot spare, as production fleets
 The killed process really is gone (SIGKILL, exit -9); its replacement starts with no
 state and recovers it from a healthy peer.
 
-Learners record through :class:`~replay.RemoteTape`; their logs ride on
-their messages to the syncer, whose :class:`~replay.LogApplier` puts them
+Learners record through :class:`~replay.channel.RemoteTape`; their logs ride on
+their messages to the syncer, whose :class:`~replay.channel.LogApplier` puts them
 on the one tape. A learner about to be killed flushes its log and waits for the
 syncer's acknowledgement first (the kill point is a logical step, so that a replay can
 stop the learner at the same point), and a finishing learner does the same.
@@ -18,60 +18,47 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from replay import Endpoint
+from replay.channel import Endpoint
 from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, run_learner, sigkill_self
-from replay import Inbox
+from replay.channel import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
-from replay import LogApplier, RemoteTape, TapeHub, endpoint_name
+from replay.channel import LogApplier, RemoteTape, TapeHub, endpoint_name
+from runs.common.procs import Workers, free_port, join_gloo, leave_gloo, worker_threads
 
 __all__ = ["run_processes"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pg_timeout(cfg: DiLoCoConfig) -> timedelta:
+def _join(cfg: DiLoCoConfig, rank: int, world: int, port: int) -> Any:
     # A receiver thread waits on gloo with the group's timeout; spares and learner<->learner
     # channels idle for the whole run, so the timeout must exceed the run.
-    return timedelta(seconds=max(600.0, 20 * cfg.io_timeout_s))
+    return join_gloo(rank, world, port, timeout_s=max(600.0, 20 * cfg.io_timeout_s))
 
 
-def _control() -> Any:
+def _control(store: Any) -> Any:
     # the c10d store the group was built on: the snapshots' control plane (no sockets of our own)
-    from replay import TorchStoreControl
+    from replay.snapshot import TorchStoreControl
 
-    return TorchStoreControl(dist.distributed_c10d._get_default_store(), prefix="diloco/")
+    return TorchStoreControl(store, prefix="diloco/")
 
 
 def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: dict[str, Any], actor: str,
                   inc: int, schedule_d: dict[str, Any], pythonpath: str, snap_root: str | None = None,
                   restore_path: str | None = None, rejoin: bool = False,
                   dropped: tuple[str, ...] = ()) -> None:  # pragma: no cover - child
-    torch.set_num_threads(1)
     if os.environ.get("DILOCO_DEBUG"):  # `kill -USR1 <pid>` prints every thread's stack
         import faulthandler
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = DiLoCoConfig.from_dict(cfg_d)
     schedule = Schedule.from_json(schedule_d)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=_pg_timeout(cfg))
-    from replay import TorchDistTransport
+    store = _join(cfg, rank, world, port)
+    from replay.channel import TorchDistTransport
 
     transport = TorchDistTransport(actors)
     remote = RemoteTape(actor)
@@ -80,7 +67,7 @@ def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: di
     if snap_root is not None:
         from runs.diloco.snapshots import Snapshots
 
-        parts = Snapshots(snap_root, control=_control(), keep_last=cfg.snapshot_keep,
+        parts = Snapshots(snap_root, control=_control(store), keep_last=cfg.snapshot_keep,
                           config={"diloco": cfg.to_dict()})
     restore = None
     if restore_path is not None:  # relaunched from a snapshot: this incarnation starts from its part
@@ -102,10 +89,10 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
     processes are launched afresh from that snapshot (after a syncer fault), each
     incarnation of the cut from its part, a learner left out alive afresh to rejoin; the
     ones dead before the cut are not launched."""
-    from replay import TorchDistTransport
+    from replay.channel import TorchDistTransport
     from runs.diloco.outcome import RunResult, decide_schedule, spares_of
 
-    torch.set_num_threads(1)
+    worker_threads()
     t0 = time.monotonic()
     schedule = Schedule.from_json(restore.syncer["schedule"]) if restore is not None else decide_schedule(hub, cfg)
     names = learner_names(cfg)
@@ -114,37 +101,29 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
     incs = [(a, k) for a in names for k in range(first_inc[a], len(spares[a]) + 1)]
     actors = ["syncer"] + [endpoint_name(a, k) for a, k in incs]
     world = len(actors)
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = []
+    port = free_port()
+    workers = Workers()
     for rank, (a, k) in enumerate(incs, start=1):
         e = endpoint_name(a, k)
         from_part = restore is not None and k == first_inc[a] and a in restore.learners
-        p = ctx.Process(target=_learner_proc, args=(rank, world, port, actors, cfg.to_dict(), a, k,
-                                                     schedule.to_json(), os.environ.get("PYTHONPATH", ""),
-                                                     snapshots.root if snapshots is not None else None,
-                                                     restore.path if from_part else None, e in rejoin,
-                                                     tuple(sorted(rejoin))),
-                        name=e, daemon=True)
-        p.start()
-        procs.append(p)
+        workers.start(e, _learner_proc, rank, world, port, actors, cfg.to_dict(), a, k, schedule.to_json(),
+                      os.environ.get("PYTHONPATH", ""), snapshots.root if snapshots is not None else None,
+                      restore.path if from_part else None, e in rejoin, tuple(sorted(rejoin)))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
-                                timeout=_pg_timeout(cfg))
+        store = _join(cfg, 0, world, port)
         transport = TorchDistTransport(actors)
         if snapshots is not None:
-            snapshots.control = _control()
+            snapshots.control = _control(store)
         link = Inbox(Endpoint(transport), hub.local("syncer"), timeout_s=cfg.io_timeout_s, markers=True)
         applier = LogApplier(hub)
         byes_acked: set[str] = set()
-        by_name = {p.name: p for p in procs}
 
         def dead_probe() -> list[str]:
             # The orchestrator sees a process exit at once; gloo may notice a dead peer
             # only when it next sends to it.
-            return [n for n, p in by_name.items() if p.exitcode is not None and p.exitcode != 0]
+            return workers.failed()
 
-        link.gone = lambda e: e in by_name and by_name[e].exitcode is not None
+        link.gone = lambda e: e in workers.procs and workers.ended(e)
 
         if restore is not None:
             restore.register_stamps(hub)
@@ -154,15 +133,12 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         for e in sorted(set(actors[1:])):
             # a process that has ended (killed, or a spare that was told to stop) needs no
             # goodbye, and a gloo send to it can wait for a receive that never comes
-            if e not in byes_acked and by_name[e].exitcode is None:
+            if e not in byes_acked and not workers.ended(e):
                 try:
                     link.send(e, {"kind": "ack"}, taped=False)
                 except Exception:  # a dead or finished peer needs no goodbye
                     pass
-        deadline = time.monotonic() + cfg.io_timeout_s
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        exitcodes = {p.name: p.exitcode for p in procs}
+        exitcodes = workers.join(cfg.io_timeout_s)
         try:
             # Every peer is gone now, so each receiver thread has ended on its closed
             # connection; destroying the group under a thread still inside gloo aborts.
@@ -172,12 +148,8 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         if applier.pending():
             raise RuntimeError(f"{applier.pending()} remote tape entries could not be applied")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        workers.close()
+        leave_gloo()
     res = RunResult(cfg, schedule, sy, [], time.monotonic() - t0)
     res.extra["exitcodes"] = exitcodes
     if snapshots is not None:

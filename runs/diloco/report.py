@@ -192,6 +192,7 @@ class Report:
     replay_events: int = 0
     replay_detail: str = ""
     tape_check_violations: int | None = None
+    tape_check_first: list[str] = field(default_factory=list)  # the first violations, formatted
     checkpoints_verified: list[tuple[str, bool]] = field(default_factory=list)
     plot_path: str | None = None
     wall_s: dict[str, float] = field(default_factory=dict)
@@ -269,6 +270,7 @@ class Report:
                          f"({self.replay_events} events){self.replay_detail}")
         if self.tape_check_violations is not None:
             lines.append(f"tape check: {self.tape_check_violations} violations")
+            lines += [f"  {ln}" for v in self.tape_check_first for ln in v.splitlines()]
         lines.append(f"snapshot restore: {self.snapshot_restore}")
         if self.syncer_fault_ok is not None:
             lines.append(f"syncer fault: {self.syncer_fault}")

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replay import CHANNELS_KEY, Recorder, TapeHub, TapeReader, replay
+from replay import Recorder, TapeReader, replay
+from replay.channel import TapeHub
+from replay.snapshot import CHANNELS_KEY
 from replay.errors import SnapshotError
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.run import open_recorder, run_actors

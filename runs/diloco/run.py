@@ -19,18 +19,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import torch
-
-from replay import Endpoint, InProcessNetwork
+from replay.channel import Endpoint, InProcessNetwork
 from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, LearnerOutcome, run_learner
 from runs.diloco.outcome import RunResult, decide_schedule, spares_of
-from replay import Inbox
+from replay.channel import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
-from replay import TapeHub, endpoint_name
+from replay.channel import TapeHub, endpoint_name
 from replay import Recorder
+from runs.common.procs import Threads, worker_threads
 
 __all__ = ["RunResult", "record", "main", "run_actors", "ENTRY_POINT", "DELAY_ENV"]
 
@@ -51,7 +50,7 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     taken every ``cfg.snapshot_every`` syncer steps; ``restore`` (a committed snapshot,
     :class:`~runs.diloco.snapshots.Restored`) starts every actor at its cut instead of at
     the beginning."""
-    torch.set_num_threads(1)
+    worker_threads()
     t0 = time.monotonic()
     if restore is not None:
         schedule = Schedule.from_json(restore.syncer["schedule"])
@@ -67,7 +66,6 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     rejoin: set[str] = set()
     if restore is not None:
         first_inc, rejoin = restore.incarnations(names)
-    errors: list[BaseException] = []
     outcomes: list[LearnerOutcome] = []
     done: dict[str, threading.Event] = {e: threading.Event() for e in endpoints}
     lock = threading.Lock()
@@ -88,9 +86,9 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
             o = run_learner(ctx)
             with lock:
                 outcomes.append(o)
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
+        except BaseException as e:  # re-raised in the main thread (Threads.join)
             net.kill(ep_name, f"crashed: {e!r}")
+            raise
         finally:
             done[ep_name].set()
 
@@ -101,10 +99,10 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     link = Inbox(Endpoint(net.transport("syncer")), hub.local("syncer"), timeout_s=cfg.io_timeout_s, markers=True)
     if restore is not None:
         restore.register_stamps(hub)
-    threads = [threading.Thread(target=learner_thread, args=(a, k), name=endpoint_name(a, k), daemon=True)
-               for a in names for k in range(first_inc[a], len(spares[a]) + 1)]
-    for t in threads:
-        t.start()
+    threads = Threads()
+    for a in names:
+        for k in range(first_inc[a], len(spares[a]) + 1):
+            threads.start(endpoint_name(a, k), learner_thread, a, k)
     try:
         sy = run_syncer(SyncerCtx(cfg, link, theta0, schedule, spares, val_corpus(cfg), on_step=on_step,
                                   after_step=after_step, snapshots=snapshots,
@@ -114,13 +112,7 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
         for e in endpoints:
             net.kill(e, "syncer failed")
         raise
-    for t in threads:
-        t.join(cfg.io_timeout_s)
-    if errors:
-        raise errors[0]
-    stuck = [t.name for t in threads if t.is_alive()]
-    if stuck:
-        raise TimeoutError(f"learner threads did not finish: {stuck}")
+    threads.join(cfg.io_timeout_s, what="learner threads")
     outcomes.sort(key=lambda o: (int(o.actor.rsplit("-", 1)[1]), o.incarnation))
     res = RunResult(cfg, schedule, sy, outcomes, time.monotonic() - t0)
     if snapshots is not None:

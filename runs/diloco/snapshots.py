@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from replay import CHANNELS_KEY, CkptSnapshotStore, Message, MemoryControl, SnapshotAgent, TapeSinkEvents, VectorClock
-from replay import actor_of, stamp_from_json, stamp_to_json
+from replay import VectorClock
+from replay.channel import Message, TapeSinkEvents
+from replay.snapshot import CHANNELS_KEY, CkptSnapshotStore, MemoryControl, SnapshotAgent
+from replay.channel import actor_of, stamp_from_json, stamp_to_json
 from replay.errors import SnapshotError
 
 __all__ = ["Snapshots", "PartViews", "Restored", "snapshot_agent", "snapshot_name", "snapshot_message",
@@ -355,7 +357,7 @@ class Restored:
 
 
 def _incarnation(endpoint: str) -> int:
-    """``learner-2~1`` -> 1 (the inverse of ``replay.endpoint_name``)."""
+    """``learner-2~1`` -> 1 (the inverse of ``replay.channel.endpoint_name``)."""
     _, _, k = endpoint.partition("~")
     return int(k) if k else 0
 

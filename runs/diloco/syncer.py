@@ -33,15 +33,15 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from replay import Message
+from replay.channel import Message
 from runs.diloco import quant
 from runs.diloco.chaos import Schedule
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.fragments import pack_fragments
-from replay import Inbox
+from replay.channel import Inbox
 from runs.diloco.merge import average
 from runs.diloco.model import build_model, eval_loss
-from replay import LocalTape, LogApplier, MsgRef, actor_of
+from replay.channel import LocalTape, LogApplier, MsgRef, actor_of
 from replay.errors import SnapshotError
 from runs.diloco.snapshots import (STAMP_KEY, PartViews, Restored, message_from_snapshot, snapshot_agent,
                                    snapshot_message, snapshot_name)

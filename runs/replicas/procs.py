@@ -11,25 +11,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
-import torch
-import torch.multiprocessing as mp
-
+from runs.common.procs import HOST, Workers, free_port
 from runs.replicas.config import ReplicaConfig
 from runs.replicas.tapeio import Applier, Hub, RemoteSink
 
 __all__ = ["run_processes"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: str, store_port: int, conn: Any,
@@ -38,7 +29,6 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
         fd = os.open(os.path.join(log_dir, f"{actor}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from runs.replicas.coord import FtCoordinator
@@ -46,7 +36,7 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
 
     cfg = ReplicaConfig.from_dict(cfg_d)
     grank = int(actor.split(".")[1])
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=grank == 0, wait_for_workers=False,
+    store = dist.TCPStore(HOST, store_port, is_master=grank == 0, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
     sink = RemoteSink(conn, actor)
     st = build_state(cfg)
@@ -70,9 +60,10 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
     t0 = time.monotonic()
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
                                   quorum_tick_ms=cfg.quorum_tick_ms, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
-    ctx = mp.get_context("spawn")
+    workers = Workers()
+    ctx = workers.ctx  # the pipes and gates the ranks share come from the same (spawn) context
+    procs = workers.procs
     lock = threading.Condition()
-    procs: dict[str, Any] = {}
     ready: set[str] = set()
     dying: set[str] = set()
     results: dict[str, Any] = {}
@@ -111,15 +102,13 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
         return {j.group for j in cfg.joins if j.group not in started_joins}
 
     def spawn(group: str, n: int, start: Any) -> None:
-        port = _free_port()
+        port = free_port()
         for r in range(n):
             actor = f"{group}.{r}"
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, args=(actor, n, cfg.to_dict(), lighthouse.address(), port, child, start, ckpt_dir, log_dir),
-                            name=actor, daemon=True)
-            p.start()
+            workers.start(actor, _rank_main, actor, n, cfg.to_dict(), lighthouse.address(), port, child, start,
+                          ckpt_dir, log_dir)
             child.close()
-            procs[actor] = p
             applier.attach(actor, parent)
 
     gates = {j.group: ctx.Event() for j in cfg.joins}
@@ -163,16 +152,13 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the replica run did not finish in {timeout_s} s (alive: {alive})")
-        for p in procs.values():
+        for p in workers:
             p.join(30)
         applier.join(30)
         if applier.errors:
             raise applier.errors[0]
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        workers.close()
         lighthouse.shutdown()
-    return {"results": results, "exitcodes": {a: p.exitcode for a, p in procs.items()}, "killed": killed,
+    return {"results": results, "exitcodes": workers.exitcodes(), "killed": killed,
             "wall_s": time.monotonic() - t0}

@@ -154,7 +154,7 @@ def state_digests(st: RankState) -> tuple[bytes, bytes]:
     """(parameters digest, whole replicated state digest): weights, optimizer, cursor, RNG
     (the committed generator state: the step in flight does not count)."""
     named = list(st.model.state_dict().items())
-    params = replay.message_digest(msgpack.packb([n for n, _ in named]), [t for _, t in named])
+    params = replay.channel.message_digest(msgpack.packb([n for n, _ in named]), [t for _, t in named])
     osd = st.optim.state_dict()
     tensors = [t for _, t in named]
     meta: list[Any] = [[n for n, _ in named], osd["param_groups"], st.cursor.state_dict()]
@@ -167,7 +167,7 @@ def state_digests(st: RankState) -> tuple[bytes, bytes]:
             else:
                 meta.append([idx, k, v])
     tensors.append(st.gen_ckpt.get_state())
-    return params, replay.message_digest(msgpack.packb(meta, use_bin_type=True, default=str), tensors)
+    return params, replay.channel.message_digest(msgpack.packb(meta, use_bin_type=True, default=str), tensors)
 
 
 class _Flat:

@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from replay import Actor, Endpoint
+from replay import Actor
+from replay.channel import Endpoint
 from runs.stages.chaos import Schedule, make_schedule, plans_at
 from runs.stages.config import StagesConfig
 from runs.stages.worker import ProtocolError
@@ -48,7 +49,7 @@ class CtlResult:
     loss: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> replica -> training loss
     val: dict[int, dict[int, float]] = field(default_factory=dict)  # eval step -> replica -> validation loss
     busy: dict[int, int] = field(default_factory=dict)  # step -> stage-steps computed
-    snapshots: list[Any] = field(default_factory=list)  # replay.Outcome of each snapshot taken
+    snapshots: list[Any] = field(default_factory=list)  # replay.snapshot.Outcome of each snapshot taken
     start_step: int = 0
 
     @classmethod

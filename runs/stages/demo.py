@@ -153,8 +153,10 @@ def run_demo(out_dir: str | os.PathLike[str], *, quick: bool = False, transport:
     echo(text)
     echo("")
     echo("wall: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()))
-    echo(f"next: ckpt tape check {tape} | ckpt replay {tape} --mode force --trust | ckpt tape show {tape} | "
-         f"ckpt inspect {snapshot_dirs(out / 'run', cfg)[0] if cfg.snapshot_at else tape}")
+    echo("next:")  # one command a line (" | " between them read as a pipe)
+    for cmd in (f"ckpt tape check {tape}", f"ckpt replay {tape} --mode force --trust", f"ckpt tape show {tape}",
+                *([f"ckpt inspect {snapshot_dirs(out / 'run', cfg)[0]}"] if cfg.snapshot_at else [])):
+        echo(f"  {cmd}")
     return rep
 
 

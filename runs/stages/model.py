@@ -13,7 +13,7 @@ up-projection ``Q_b`` (spec/stages.md §4).
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch import nn
 from runs.common.tiny_lm import make_corpus, warmup_cosine
 from runs.stages.config import StagesConfig
 
-__all__ = ["Stage", "build_stage", "forward_without", "projection", "NamedTensors", "Data", "lr_factor",
+__all__ = ["Stage", "build_stage", "forward_without", "projection", "Data", "lr_factor",
            "flat_params", "set_flat_params"]
 
 # Module construction draws from the global torch RNG; stages built by threads of one
@@ -122,19 +122,6 @@ def set_flat_params(module: nn.Module, flat: torch.Tensor) -> None:
             n = p.numel()
             p.copy_(flat[i:i + n].view_as(p))
             i += n
-
-
-class NamedTensors:
-    """Quacks like a module for ``Actor.params``: a fixed list of named tensors."""
-
-    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._named = list(named)
-
-    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        return dict(self._named)
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self._named)
 
 
 def lr_factor(cfg: StagesConfig, step: int) -> float:

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from replay import Endpoint, RecorderSink, TorchDistTransport, TorchStoreControl, merge_tapes
+from replay import merge_tapes
+from replay.channel import Endpoint, RecorderSink, TorchDistTransport
+from replay.snapshot import TorchStoreControl
+from runs.common.procs import Workers, free_port, join_gloo, leave_gloo, worker_threads
 from runs.stages.config import StagesConfig
 from runs.stages.ctl import Controller
 from runs.stages.wiring import RunOutcome, make_agent, open_recorder
@@ -33,35 +30,20 @@ from runs.stages.worker import Worker
 
 __all__ = ["run_processes"]
 
-HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _pg_timeout(cfg: StagesConfig) -> timedelta:
+def _join(cfg: StagesConfig, rank: int, port: int) -> Any:
     # A receiver thread waits on gloo with the group's timeout, and a bypass channel idles
     # for most of the run: the timeout must exceed the whole run (the endpoints' own
     # receive timeouts catch a silent peer).
-    return timedelta(seconds=max(3600.0, 10 * cfg.io_timeout_s))
-
-
-def _join(cfg: StagesConfig, rank: int, port: int, *, master: bool) -> Any:
-    store = dist.TCPStore(HOST, port, len(cfg.actors), is_master=master, timeout=timedelta(seconds=cfg.io_timeout_s),
-                          wait_for_workers=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=len(cfg.actors), timeout=_pg_timeout(cfg))
+    store = join_gloo(rank, len(cfg.actors), port, timeout_s=max(3600.0, 10 * cfg.io_timeout_s),
+                      store_timeout_s=cfg.io_timeout_s)
     inbound, outbound = cfg.neighbours(cfg.actors[rank])
     return store, TorchDistTransport(cfg.actors, inbound=inbound, outbound=outbound)
 
 
 def _worker_proc(rank: int, port: int, cfg_d: dict[str, Any], run_dir: str, run_id: bytes) -> None:  # pragma: no cover - child
-    torch.set_num_threads(1)
     cfg = StagesConfig.from_dict(cfg_d)
     name = cfg.actors[rank]
-    store, transport = _join(cfg, rank, port, master=False)
+    store, transport = _join(cfg, rank, port)
     rec = open_recorder(Path(run_dir) / "tapes" / f"{name}.tape", cfg, actor=name, run_id=run_id)
     sink = RecorderSink(rec)
     ep = Endpoint(transport, sink=sink)
@@ -71,27 +53,24 @@ def _worker_proc(rank: int, port: int, cfg_d: dict[str, Any], run_dir: str, run_
     agent.close()
     transport.close(timeout=cfg.io_timeout_s)
     rec.close()
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 def run_processes(cfg: StagesConfig, run_dir: str | os.PathLike[str], *,
                   on_step: Callable[[int], None] | None = None) -> Any:
-    torch.set_num_threads(1)
+    worker_threads()
     t0 = time.monotonic()
     run_dir = Path(run_dir)
     tapes = run_dir / "tapes"
     tapes.mkdir(parents=True, exist_ok=False)
     run_id = secrets.token_bytes(16)
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker_proc, args=(rank, port, cfg.to_dict(), str(run_dir), run_id), name=name,
-                         daemon=True)
-             for rank, name in enumerate(cfg.actors) if rank > 0]
-    for p in procs:
-        p.start()
-    transport = None
+    port = free_port()
+    workers = Workers()
+    for rank, name in enumerate(cfg.actors):
+        if rank > 0:
+            workers.start(name, _worker_proc, rank, port, cfg.to_dict(), str(run_dir), run_id)
     try:
-        store, transport = _join(cfg, 0, port, master=True)
+        store, transport = _join(cfg, 0, port)
         with open_recorder(tapes / "ctl.tape", cfg, actor="ctl", run_id=run_id) as rec:
             sink = RecorderSink(rec)
             ep = Endpoint(transport, sink=sink)
@@ -100,20 +79,13 @@ def run_processes(cfg: StagesConfig, run_dir: str | os.PathLike[str], *,
             res = ctl.run()
             ctl.agent.close()
             transport.close(timeout=cfg.io_timeout_s)  # a barrier over the channel graph: every worker is done
-        deadline = time.monotonic() + cfg.io_timeout_s
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        codes = {p.name: p.exitcode for p in procs}
+        codes = workers.join(cfg.io_timeout_s)
         bad = {n: c for n, c in codes.items() if c != 0}
         if bad:
             raise RuntimeError(f"worker processes failed: {bad}")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        workers.close()
+        leave_gloo()
     paths = [tapes / f"{a}.tape" for a in cfg.actors]
     merge_tapes(paths, run_dir / "run.tape")
     out = RunOutcome(res, None, str(run_dir), wall_s=time.monotonic() - t0)

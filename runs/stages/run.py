@@ -13,14 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from replay import Endpoint, InProcessNetwork, MemoryControl, Recorder, RecorderSink, ReplayResult, replay
+from replay import Recorder, ReplayResult, replay
+from replay.channel import Endpoint, InProcessNetwork, RecorderSink
+from replay.snapshot import MemoryControl
+from runs.common.procs import Threads, worker_threads
 from runs.stages.config import StagesConfig
 from runs.stages.ctl import Controller, snapshot_name
 from runs.stages.model import Data
@@ -33,7 +33,7 @@ __all__ = ["ENTRY_POINT", "RunOutcome", "RunStore", "record", "run_threads", "op
 def run_threads(cfg: StagesConfig, rec: Recorder, run_dir: str | os.PathLike[str], *, restore: str | None = None,
                 on_step: Callable[[int], None] | None = None) -> RunOutcome:
     """Every actor as a thread of this process, all recording on ``rec``."""
-    torch.set_num_threads(1)  # the processes' setting: the same kernels, the same bits
+    worker_threads()  # the processes' setting: the same kernels, the same bits
     t0 = time.monotonic()
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     net = InProcessNetwork(cfg.edges(), actors=cfg.actors)
@@ -48,36 +48,17 @@ def run_threads(cfg: StagesConfig, rec: Recorder, run_dir: str | os.PathLike[str
     if restore is not None:
         for a in cfg.actors:
             restore_actor(cfg, agents[a], restore)
-    errors: list[BaseException] = []
-
-    def work(w: str) -> None:
-        try:
-            torch.set_num_threads(1)
-            workers[w].run()
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
-            net.kill(w, f"crashed: {e!r}")
-
-    threads = [threading.Thread(target=work, args=(w,), name=w, daemon=True) for w in cfg.workers]
-    for t in threads:
-        t.start()
+    threads = Threads(on_error=lambda w, e: net.kill(w, f"crashed: {e!r}"))
+    for w in cfg.workers:
+        threads.start(w, workers[w].run)
     try:
         res = ctl.run(restored=restore is not None)
     except BaseException:
         for a in cfg.actors:
             net.kill(a, "ctl failed")
-        for t in threads:
-            t.join(5)
-        if errors:
-            raise errors[0]
+        threads.abandon(5)
         raise
-    for t in threads:
-        t.join(cfg.io_timeout_s)
-    if errors:
-        raise errors[0]
-    stuck = [t.name for t in threads if t.is_alive()]
-    if stuck:
-        raise TimeoutError(f"workers did not finish: {stuck}")
+    threads.join(cfg.io_timeout_s)
     for ag in agents.values():
         ag.close()
     return RunOutcome(res, {w: workers[w].named_state() for w in cfg.workers}, str(run_dir),

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from replay import CkptSnapshotStore, Endpoint, Pending, Recorder, SnapshotAgent
+from replay import Recorder
+from replay.channel import Endpoint
+from replay.snapshot import CkptSnapshotStore, Pending, SnapshotAgent
 from runs.stages.config import StagesConfig
 from runs.stages.ctl import CtlResult
 

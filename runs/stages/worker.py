@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import ckpt
-from replay import Actor, Endpoint, Message, state_digest
+from replay import Actor, state_digest
+from replay.channel import Endpoint, Message
 from runs.stages import sparseloco as sl
 from runs.stages.config import StagesConfig
-from runs.stages.model import Data, NamedTensors, build_stage, flat_params, lr_factor, set_flat_params
-from runs.stages.optim import AdamW
+from runs.stages.model import Data, build_stage, flat_params, lr_factor, set_flat_params
 
 __all__ = ["Worker", "LoopState", "RecoveryError", "ProtocolError", "CTL"]
 
@@ -67,7 +67,9 @@ class Worker:
         self.run_dir = Path(run_dir)
         self.data = data if data is not None else Data(cfg)
         self.module = build_stage(cfg, self.stage)
-        self.opt = AdamW(self.module.named_parameters(), lr=cfg.lr)
+        # the inner optimizer as users write it (spec/stages.md §3); its lr follows lr_factor
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=0.0)
         self.anchor = {n: p.detach().clone() for n, p in self.module.named_parameters()}
         self.ef = {"e": torch.zeros(sum(p.numel() for p in self.module.parameters()))}
         self.loop = LoopState()
@@ -87,7 +89,19 @@ class Worker:
         """The tensors a peer recovery moves, in digest order (spec/stages.md §7)."""
         out = [(f"model.{k}", v) for k, v in self.module.state_dict().items()]
         out += [(f"anchor.{k}", v) for k, v in self.anchor.items()]
-        out += [(f"optim.{k}", v) for k, v in self.opt.named_state()]
+        out += [(f"optim.{k}", v) for k, v in self.optim_named()]
+        return out
+
+    def optim_named(self) -> list[tuple[str, torch.Tensor]]:
+        """The optimizer's tensors in a fixed order (for digests): its step count, then
+        both moments by parameter name (zeros before the first step, as AdamW starts)."""
+        st = self.opt.state
+        params = list(self.module.named_parameters())
+        step = next((int(st[p]["step"]) for _, p in params if p in st), 0)
+        out = [("step", torch.tensor(step, dtype=torch.int64))]
+        for key, slot in (("m", "exp_avg"), ("v", "exp_avg_sq")):
+            out += [(f"{key}.{n}", st[p][slot] if p in st else torch.zeros_like(p, memory_format=torch.contiguous_format))
+                    for n, p in params]
         return out
 
     def named_state(self) -> list[tuple[str, torch.Tensor]]:
@@ -114,7 +128,7 @@ class Worker:
                 on_plan(plan)
             self.step(plan)
         self.actor.current_step = int(msg.meta["step"])
-        self.actor.params([("", NamedTensors(self.named_state()))])
+        self.actor.params(named=self.named_state())
 
     def step(self, plan: Mapping[str, Any]) -> None:
         t = int(plan["step"])
@@ -160,7 +174,8 @@ class Worker:
 
     def train(self, t: int, plan: Mapping[str, Any]) -> float | None:
         cfg, up, down = self.cfg, str(plan["up"]), str(plan["down"])
-        self.opt.lr = cfg.lr * lr_factor(cfg, t)
+        for group in self.opt.param_groups:
+            group["lr"] = cfg.lr * lr_factor(cfg, t)
         fwd_taped, bwd_taped = [False], [False]
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         losses: list[float] = []
@@ -190,7 +205,7 @@ class Worker:
                     self._send(up, {"kind": "grad", "step": t, "mb": mb}, x.grad, plan, "bwd", bwd_taped)
         torch.nn.utils.clip_grad_norm_(self.module.parameters(), cfg.clip)
         self.opt.step()
-        self.opt.zero_grad()
+        self.opt.zero_grad(set_to_none=True)
         return sum(losses) / len(losses) if losses else None
 
     @torch.no_grad()

@@ -1,4 +1,5 @@
-"""``ckpt demo stages --quick``: the one end-to-end process test of the pipeline run.
+"""``ckpt demo stages --quick``: the one end-to-end process test of the pipeline run (the
+README's own run of it, shared: tests/e2e/test_readme.py compares what it printed).
 
 Every worker is a process over gloo. The demo's claims are checked against what it left
 behind: the per-process tapes and the job tape (``ckpt tape check``), the job tape's forced
@@ -25,12 +26,17 @@ def _ckpt(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
                           env=env, timeout=timeout)
 
 
+# the first test to ask for the shared run pays for it (1-2.5 min on 2 busy cores)
+pytestmark = pytest.mark.timeout(1500)
+
+
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("stages") / "out"
-    r = _ckpt("demo", "stages", "--quick", "--out", str(out), timeout=1200)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return out, r.stdout
+def demo(shared_runs) -> tuple[Path, str]:
+    """``ckpt demo stages --quick``: the very run the README shows (``shared=stages-quick``),
+    run once per session (tests/conftest.py SHARED_RUNS); what it printed, stdout and stderr."""
+    run = shared_runs.get("stages-quick")
+    assert run.returncode == 0, run.output
+    return run.path("/tmp/stages-demo"), run.output
 
 
 def test_the_quick_demo_passes_and_its_claims_hold(demo: tuple[Path, str]) -> None:

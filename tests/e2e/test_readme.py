@@ -1,6 +1,7 @@
-"""Every example in README.md runs here, and what it prints is compared with the README.
+"""Every example in README.md and docs/*.md runs here, and what it prints is compared with the page.
 
-The convention, for every section of the README (a block that does not follow it fails):
+The convention, for every section of the README and of every page under docs/ (one
+convention for all of them; a block that does not follow it fails):
 
 - A ```python block runs in a fresh scratch directory (its working directory), in this
   process, with the repository importable. What it prints on stdout must equal the ```text
@@ -12,6 +13,8 @@ The convention, for every section of the README (a block that does not follow it
   It must exit 0, unless the line ends with a comment ``# exit N``.
 - Other languages: the README's first ```bash block holds the two setup commands
   (``test_readme_opens_with_two_commands``); any other block says why it does not run.
+- ``id=`` names are one namespace over all the pages: a block of docs/diloco.md may say
+  ``after=demo`` to read what the README's demo wrote.
 - Options go in a comment line right before a block, ``<!-- example: KEY=VALUE ... -->``:
 
   ==================  ===================================================================
@@ -28,6 +31,10 @@ The convention, for every section of the README (a block that does not follow it
                       the tests start (``s3_server`` in tests/conftest.py), its
                       ``AWS_*`` variables set for the block, bucket ``ckpt-readme`` made
   ``timeout=S``       seconds per command (default 900)
+  ``shared=NAME``     a console block whose first command is the long run ``NAME`` of
+                      ``SHARED_RUNS`` (tests/conftest.py), run once per session: the tests
+                      that check more of its claims read the same run's output directory
+                      (``shared_runs.get(NAME)``) instead of paying for it again
   ``no-run="REASON"`` the block does not run (a reviewer reads REASON: say where what it
                       shows is checked instead)
   ==================  ===================================================================
@@ -57,7 +64,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-BIN = Path(sys.executable).parent
+#: the pages whose examples run: the README first, then every page under docs/
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 #: ``vary=`` names: each turns a kind of token of the expected output into a pattern
 VARY: dict[str, tuple[str, str]] = {
@@ -92,9 +100,15 @@ class Block:
     line: int
     options: dict[str, str] = field(default_factory=dict)
     output: str | None = None  # the ```text block marked <!-- output --> after it
+    page: str = "README.md"  # where it is, relative to the repository
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def parse(text: str) -> list[Block]:
+def parse(text: str, page: str = "README.md", first: int = 0) -> list[Block]:
+    """The blocks of one page; their indexes start at ``first`` (one numbering over all pages)."""
     lines = text.splitlines()
     blocks: list[Block] = []
     i = 0
@@ -121,22 +135,29 @@ def parse(text: str) -> list[Block]:
                 j += 1
             body = "\n".join(lines[start:j]) + "\n"
             if pending_output:
-                assert blocks and lang == "text", f"README.md:{i + 1}: <!-- output --> must precede a ```text block"
-                assert blocks[-1].output is None, f"README.md:{i + 1}: a second output block for one example"
+                assert blocks and lang == "text", f"{page}:{i + 1}: <!-- output --> must precede a ```text block"
+                assert blocks[-1].output is None, f"{page}:{i + 1}: a second output block for one example"
                 blocks[-1].output = body
             else:
-                blocks.append(Block(len(blocks), lang, body, i + 1, pending_opts))
+                blocks.append(Block(first + len(blocks), lang, body, i + 1, pending_opts, page=page))
             pending_opts, pending_output = {}, False
             i = j + 1
             continue
         if line.strip():
-            assert not pending_output, f"README.md:{i + 1}: <!-- output --> must be right before its ```text block"
+            assert not pending_output, f"{page}:{i + 1}: <!-- output --> must be right before its ```text block"
             pending_opts = {} if not line.startswith("<!--") else pending_opts
         i += 1
     return blocks
 
 
-BLOCKS = parse(README.read_text(encoding="utf-8"))
+def parse_pages(pages: list[Path]) -> list[Block]:
+    blocks: list[Block] = []
+    for path in pages:
+        blocks += parse(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)), len(blocks))
+    return blocks
+
+
+BLOCKS = parse_pages(PAGES)
 
 
 def expected_pattern(expected: str, vary: set[str]) -> str:
@@ -185,7 +206,7 @@ def compare(expected: str, actual: str, vary: set[str], where: str) -> None:
         return
     diff = "\n".join(difflib.unified_diff(expected.rstrip("\n").split("\n"), actual.rstrip("\n").split("\n"),
                                           "README", "actual", lineterm="", n=2))
-    pytest.fail(f"{where}: the printed output differs from the README (vary={sorted(vary) or 'none'}):\n{diff}")
+    pytest.fail(f"{where}: the printed output differs from the page (vary={sorted(vary) or 'none'}):\n{diff}")
 
 
 # -- running --------------------------------------------------------------------------------------
@@ -201,16 +222,6 @@ def _scratch_for(block: Block, factory: pytest.TempPathFactory) -> Path:
     if name:
         _SCRATCH[name] = path
     return path
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["CKPT_PROGRESS"] = "0"
-    env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr interleave in time order, as on a terminal
-    env.setdefault("COLUMNS", "120")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
 
 
 def _commands(code: str) -> list[tuple[str, str]]:
@@ -236,25 +247,32 @@ def run_block(block: Block, factory: pytest.TempPathFactory, request: pytest.Fix
     after = block.options.get("after")
     if after:
         firsts = [b for b in BLOCKS if b.options.get("id") == after]
-        assert firsts, f"README.md:{block.line}: after={after} names no block"
+        assert firsts, f"{block.where}: after={after} names no block"
         run_block(firsts[0], factory, request)
     extra_env: dict[str, str] = {}
     for need in filter(None, block.options.get("needs", "").split(",")):
-        assert need in NEEDS, f"README.md:{block.line}: needs={need}: known are {sorted(NEEDS)}"
+        assert need in NEEDS, f"{block.where}: needs={need}: known are {sorted(NEEDS)}"
         extra_env.update(NEEDS[need](request))
-    scratch = _scratch_for(block, factory)
+    runs = request.getfixturevalue("shared_runs")
+    env = {**runs.env(), **extra_env}
+    shared = None
+    if "shared" in block.options:  # the long run other tests read too: once per session
+        assert block.lang == "console" and not after, f"{block.where}: shared= is for a console block's first command"
+        shared = runs.get(block.options["shared"])
+        _SCRATCH[block.options.get("id") or f"shared-{block.index}"] = shared.scratch
+    scratch = shared.scratch if shared else _scratch_for(block, factory)
     for rel in filter(None, block.options.get("copy", "").split(",")):
         dst = scratch / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, dst)
     vary = set(filter(None, block.options.get("vary", "").split(",")))
-    where = f"README.md:{block.line} ({block.lang} block {block.index})"
+    where = f"{block.where} ({block.lang} block {block.index})"
     timeout = float(block.options.get("timeout", 900))
     if block.lang == "python":
         if "file" in block.options:
             script = scratch / block.options["file"]
             script.write_text(block.code, encoding="utf-8")
-            p = subprocess.run([sys.executable, script.name], cwd=scratch, env={**_env(), **extra_env},
+            p = subprocess.run([sys.executable, script.name], cwd=scratch, env=env,
                                capture_output=True, text=True, timeout=timeout)
             assert p.returncode == 0, f"{where}: exited {p.returncode}\n{p.stdout}\n{p.stderr}"
             printed = p.stdout
@@ -262,19 +280,25 @@ def run_block(block: Block, factory: pytest.TempPathFactory, request: pytest.Fix
             printed = _exec(block.code, scratch, where, extra_env)
         printed = normalise(printed, scratch)
         if block.output is None:
-            assert not printed, f"{where} prints output the README does not show; add a ```text block after it " \
+            assert not printed, f"{where} prints output the page does not show; add a ```text block after it " \
                                 f"introduced by <!-- output -->:\n{printed}"
         else:
             compare(block.output, printed, vary, where)
     elif block.lang == "console":
         assert block.output is None, f"{where}: a console block holds its own output"
-        for cmd, expected in _commands(block.code):
-            real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
-            p = subprocess.run(["bash", "-c", real], cwd=scratch, env={**_env(), **extra_env}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        for n, (cmd, expected) in enumerate(_commands(block.code)):
+            if shared and n == 0:
+                assert cmd == shared.command, f"{where}: shared={block.options['shared']} runs `{shared.command}` " \
+                                              f"(tests/conftest.py SHARED_RUNS), the page shows `{cmd}`"
+                code, printed = shared.returncode, shared.output
+            else:
+                real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
+                p = subprocess.run(["bash", "-c", real], cwd=scratch, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                code, printed = p.returncode, p.stdout
             want = _expected_exit(cmd)
-            assert p.returncode == want, f"{where}: `{cmd}` exited {p.returncode}, the README says {want}:\n{p.stdout}"
-            compare(expected, normalise(p.stdout, scratch), vary, f"{where}: `{cmd}`")
+            assert code == want, f"{where}: `{cmd}` exited {code}, the page says {want}:\n{printed}"
+            compare(expected, normalise(printed, scratch), vary, f"{where}: `{cmd}`")
     _DONE.add(block.index)
 
 
@@ -320,16 +344,48 @@ def test_readme_opens_with_two_commands() -> None:
 
 def test_every_block_follows_the_convention() -> None:
     langs = [b.lang for b in BLOCKS]
-    assert langs[0] == "bash"
+    assert langs[0] == "bash" and BLOCKS[0].page == "README.md"
+    ids = [b.options["id"] for b in BLOCKS if "id" in b.options]
+    assert len(ids) == len(set(ids)), f"an id= is used twice (one namespace over all pages): {sorted(ids)}"
     for b in BLOCKS[1:]:
         if "no-run" in b.options:
-            assert b.options["no-run"], f"README.md:{b.line}: no-run= needs a reason"
+            assert b.options["no-run"], f"{b.where}: no-run= needs a reason"
             continue
         assert b.lang in ("python", "console"), (
-            f"README.md:{b.line}: a ```{b.lang} block that is neither an example nor an example's output: make it "
+            f"{b.where}: a ```{b.lang} block that is neither an example nor an example's output: make it "
             f"a ```console session or the output of one (<!-- output -->), or mark it <!-- example: no-run=REASON -->")
-        known = {"id", "after", "file", "copy", "vary", "needs", "timeout", "no-run"}
-        assert set(b.options) <= known, f"README.md:{b.line}: unknown options {sorted(set(b.options) - known)}"
+        known = {"id", "after", "file", "copy", "vary", "needs", "timeout", "no-run", "shared"}
+        assert set(b.options) <= known, f"{b.where}: unknown options {sorted(set(b.options) - known)}"
+
+
+def test_every_page_is_linked_from_the_readme() -> None:
+    """A page under docs/ whose examples run is one a reader can find."""
+    text = README.read_text(encoding="utf-8")
+    for page in PAGES[1:]:
+        rel = str(page.relative_to(ROOT))
+        assert f"]({rel})" in text or f"]({rel}#" in text, f"README.md links no {rel}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_resolves() -> None:
+    """Relative links of the README and the docs pages name files that exist, and their
+    ``#anchor`` a heading of that file (moving a section must not strand its readers)."""
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            rel, _, anchor = target.partition("#")
+            dest = (page.parent / rel).resolve() if rel else page
+            assert dest.exists(), f"{page.relative_to(ROOT)}: link ({target}) names no file"
+            if anchor:
+                headings = re.findall(r"^#+ (.*)$", dest.read_text(encoding="utf-8"), flags=re.M)
+                assert anchor in {_slug(h) for h in headings}, (
+                    f"{page.relative_to(ROOT)}: link ({target}): {dest.name} has no heading with that anchor")
 
 
 RUNNABLE = [b for b in BLOCKS[1:] if b.lang in ("python", "console") and "no-run" not in b.options]
@@ -339,7 +395,8 @@ def _param(b: Block) -> Any:
     # a block's own timeout= bounds the whole test too (pytest-timeout's default is 300 s),
     # with room for the blocks that run before its commands (after=)
     marks = [pytest.mark.timeout(int(float(b.options["timeout"])) + 300)] if "timeout" in b.options else []
-    return pytest.param(b, id=f"line{b.line}-{b.lang}", marks=marks)
+    page = "" if b.page == "README.md" else Path(b.page).stem + "-"
+    return pytest.param(b, id=f"{page}line{b.line}-{b.lang}", marks=marks)
 
 
 @pytest.mark.parametrize("block", [_param(b) for b in RUNNABLE])

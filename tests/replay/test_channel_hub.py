@@ -8,18 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay import (
+from replay import Recorder, TapeReader, check_tape
+from replay.channel import (
     Inbox,
     InProcessNetwork,
     Endpoint,
     LogApplier,
-    Recorder,
     RemoteTape,
     TapeHub,
-    TapeReader,
     TapeSinkEvents,
     actor_of,
-    check_tape,
     endpoint_name,
     meta_digest,
 )

@@ -67,6 +67,19 @@ def test_param_digest_cadence_and_per_tensor_names(tmp_path: Path) -> None:
     assert dict(ps[0].payload["tensors"])["net.0.weight"] == tensor_digest(m[0].weight)
 
 
+def test_params_of_named_tensors_equal_those_of_a_module_holding_them(tmp_path: Path) -> None:
+    m = torch.nn.Linear(3, 2)
+    extra = torch.arange(4.0)
+    named = [*(("m." + k, v) for k, v in m.state_dict().items()), ("anchor", extra)]
+    with Recorder.open(str(tmp_path / "n.tape"), param_digest_every=0, rng_every=0) as rec:
+        rec.params([("m.", m)])
+        rec.params(named=named)
+        with pytest.raises(TypeError, match="not both"):
+            rec.params([("m.", m)], named=named)
+    a, b = [e.payload for e in TapeReader(tmp_path / "n.tape").events() if e.kind.name == "params"]
+    assert b["tensors"][:2] == a["tensors"] and b["tensors"][2] == ("anchor", tensor_digest(extra))
+
+
 def test_tensor_digest_covers_dtype_and_shape() -> None:
     a = torch.arange(6, dtype=torch.float32)
     assert tensor_digest(a) != tensor_digest(a.view(2, 3))

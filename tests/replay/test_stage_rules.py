@@ -15,21 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay import (
-    Endpoint,
-    InProcessNetwork,
-    MemoryControl,
-    MemorySnapshotStore,
-    Recorder,
-    RecorderSink,
-    SnapshotAgent,
-    TapeReader,
-    check_events,
-    check_tape,
-    check_tapes,
-    merge_tapes,
-    state_digest,
-)
+from replay import Recorder, TapeReader, check_events, check_tape, check_tapes, merge_tapes, state_digest
+from replay.channel import Endpoint, InProcessNetwork, RecorderSink
+from replay.snapshot import MemoryControl, MemorySnapshotStore, SnapshotAgent
 from replay.clock import VectorClock
 from replay.errors import ReceiveTimeoutError
 from replay.events import KIND_BY_NAME, Event

@@ -18,11 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def quick_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("demo") / "out"
-    r = CliRunner().invoke(cli, ["demo", "rollback", "--out", str(out), "--quick"])
-    assert r.exit_code == 0, r.output
-    return out, r.output
+def quick_demo(shared_runs) -> tuple[Path, str]:
+    """``ckpt demo rollback --quick``, the run the README shows (``shared=rollback-quick``, run
+    once per session by tests/conftest.py): its output directory and what it printed."""
+    run = shared_runs.get("rollback-quick")
+    assert run.returncode == 0, run.output
+    return run.path("/tmp/rollback-demo"), run.output
 
 
 def test_the_report_matches_the_tapes(quick_demo: tuple[Path, str]) -> None:

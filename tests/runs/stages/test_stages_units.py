@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from replay import Endpoint, InProcessNetwork, Message, RecorderSink, TapeReader, check_tape
+from replay import TapeReader, check_tape
+from replay.channel import Endpoint, InProcessNetwork, Message, RecorderSink
 from runs.stages import sparseloco as sl
 from runs.stages.chaos import make_schedule, plans_at
 from runs.stages.config import StagesConfig
@@ -157,9 +158,14 @@ def _recovery_job(tmp_path: Path) -> tuple[Job, Worker, Worker]:
             p.add_(torch.randn_like(p) * 0.1)
         for p in src.anchor.values():
             p.sub_(0.05)
-    src.opt.steps = 7
-    for t in (*src.opt.m.values(), *src.opt.v.values()):
-        t.add_(0.25)
+    for p in src.module.parameters():  # an AdamW state of its own: a step taken, then moved on
+        p.grad = torch.randn_like(p)
+    src.opt.step()
+    src.opt.zero_grad()
+    for st in src.opt.state.values():
+        st["step"].fill_(7)
+        st["exp_avg"].add_(0.25)
+        st["exp_avg_sq"].add_(0.25)
     dst.ef["e"].fill_(3.0)
     return job, src, dst
 
@@ -175,7 +181,7 @@ def test_recovered_state_equals_the_source(tmp_path: Path) -> None:
     assert [n for n, _ in mine] == [n for n, _ in theirs]
     for (n, a), (_, b) in zip(mine, theirs):
         assert a.dtype == b.dtype and torch.equal(a, b), n
-    assert dst.opt.steps == 7 and torch.equal(dst.ef["e"], torch.zeros_like(dst.ef["e"]))  # its own residual restarts
+    assert int(dict(dst.optim_named())["step"]) == 7 and torch.equal(dst.ef["e"], torch.zeros_like(dst.ef["e"]))  # its own residual restarts
     evs = {e.kind.name: e for e in TapeReader(job.tape).events() if e.kind.name in ("stage_up", "recovery_source")}
     assert evs["stage_up"].payload["digest"] == evs["recovery_source"].payload["digest"]
     assert evs["stage_up"].payload["source"] == "r1s1" and evs["recovery_source"].payload["target"] == "r0s1"
