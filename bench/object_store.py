@@ -12,7 +12,9 @@ per-round ratios over interleaved rounds (``--rounds``, default 7).
 
 The server is moto's (Python, one request at a time: see tests/s3server.py), so the
 absolute figures are those of that server on this machine, not of AWS S3; the ratios
-compare the clients and protocols against one and the same server.
+compare the clients and protocols against one and the same server. ``--cap-mbps N`` puts a
+bandwidth-capped proxy (``bench/throttle.py``, N MB/s each way, shared by all connections) between
+every client and the server, for figures on a link slower than this machine's loopback.
 """
 
 from __future__ import annotations
@@ -188,17 +190,30 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--mib", type=int, default=256, help="checkpoint state size")
     ap.add_argument("--object-mib", type=int, default=64, help="object size for the library comparison")
+    ap.add_argument("--cap-mbps", type=float, default=0.0,
+                    help="put a bandwidth-capped proxy (bench/throttle.py, MB/s each way) between every client and the server")
     args = ap.parse_args()
     from s3server import start
 
     server = start()
     os.environ.update(server.env())  # keys and endpoint for every client (never the instance-metadata path)
+    proxy = None
+    if args.cap_mbps > 0:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+        import throttle
+
+        proxy = throttle.start(server.endpoint, args.cap_mbps)
+        server.endpoint = proxy.endpoint  # server.env() now names the proxy: every client goes through it
+        os.environ.update(server.env())
+        print(f"every request goes through a proxy capped at {args.cap_mbps:g} MB/s each way (bench/throttle.py)")
     try:
         if args.part in ("libraries", "all"):
             libraries(server, args.rounds, args.object_mib)
         if args.part in ("checkpoints", "all"):
             checkpoints(server, args.rounds, args.mib)
     finally:
+        if proxy is not None:
+            proxy.stop()
         server.stop()
 
 

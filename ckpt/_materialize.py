@@ -128,8 +128,10 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
         f = pe.files[index]
         entries = pe.tensors_in(index)
         if f.role == "packed":
-            for t in entries:
-                out[t.key] = read_tensor(reader, pe, t, map_location=None, verify=verify)
+            # One pass over the file (each byte read and hashed once, decoded on the
+            # hashing thread while the next piece is read; read ahead on an object
+            # store), not a ranged read and a decode per tensor one after the other.
+            out.update(_stream_fresh(reader, pe, verify, index))
             continue
         handle = reader.open_data_file(pe, index)  # checks the safetensors header against the manifest
         path = os.path.join(reader.path, f.name)

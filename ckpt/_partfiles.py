@@ -250,15 +250,19 @@ def write_packed(
     pos = 0
     try:
         starts: list[int] = []
-        with ThreadPoolExecutor(max(1, k.bpz_threads), thread_name_prefix="ckpt-bpz") as pool:
-            # One pipeline over every tensor's blocks: small tensors overlap too.
-            items = [(_values(t), t.element_size()) for _, t in layout.packed]
-            for i, pieces in bpz.encode_many(items, block=k.bpz_block, pool=pool):
-                if i == len(starts):
-                    starts.append(pos)
-                for b in pieces:
-                    sink.write(b)
-                    pos += len(b)
+        # A sink that consumes each piece before returning lets the encoder recycle its
+        # block buffers (FileSink.write_copy); one that keeps them gets fresh ones.
+        put = getattr(sink, "write_copy", None)
+        reuse = put is not None
+        put = put or sink.write
+        # One pipeline over every tensor's blocks: small tensors overlap too.
+        items = [(_values(t), t.element_size()) for _, t in layout.packed]
+        for i, pieces in bpz.encode_many(items, block=k.bpz_block, pool=bpz.shared_pool(k.bpz_threads), reuse=reuse):
+            if i == len(starts):
+                starts.append(pos)
+            for b in pieces:
+                put(b)
+                pos += len(b)
         starts.append(pos)
         for (key, t), lo, hi in zip(layout.packed, starts, starts[1:]):
             nbytes = t.numel() * t.element_size()

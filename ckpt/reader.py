@@ -735,10 +735,15 @@ class CheckpointReader:
         from .format import bpz, dtypes
 
         fp = self._fp(f)
+        # Blocks decode on the codec threads while this thread reads and the verify
+        # thread hashes: the plane merge and zstd are most of a packed load's time.
+        pool = bpz.shared_pool(knobs().bpz_threads)
         spans = deque(
-            (t, bpz.SpanDecoder(destinations(t), dtypes.itemsize(t.dtype), t.stored_nbytes, path=fp, offset=t.offset, key=t.key))
+            (t, bpz.SpanDecoder(destinations(t), dtypes.itemsize(t.dtype), t.stored_nbytes, path=fp, offset=t.offset, key=t.key,
+                                pool=pool))
             for t in ordered
         )
+        decoders = [dec for _, dec in spans]
         failed: list[FormatError] = []
 
         def observe(at: int, piece: memoryview) -> None:
@@ -761,16 +766,20 @@ class CheckpointReader:
                     return
                 spans.popleft()
 
-        if verify:
-            self.verify_file(f, handle=handle, observe=observe)
-        else:
-            buf = memoryview(bytearray(min(f.size, _VERIFY_PIECE)))
-            for pos in range(0, f.size, len(buf) or 1):
-                n = min(len(buf), f.size - pos)
-                got = handle.pread_into(pos, buf[:n])
-                if got != n:
-                    raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
-                observe(pos, buf[:n])
+        try:
+            if verify:
+                self.verify_file(f, handle=handle, observe=observe)
+            else:
+                buf = memoryview(bytearray(min(f.size, _VERIFY_PIECE)))
+                for pos in range(0, f.size, len(buf) or 1):
+                    n = min(len(buf), f.size - pos)
+                    got = handle.pread_into(pos, buf[:n])
+                    if got != n:
+                        raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
+                    observe(pos, buf[:n])
+        finally:
+            for dec in decoders:
+                dec.wait()  # no block job writes a destination after this returns or raises
         if failed:
             raise failed[0]
         if spans:

@@ -18,9 +18,11 @@ planes costs nothing (measured: float32 1.19x, bfloat16 1.47x overall).
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -44,6 +46,7 @@ __all__ = [
     "SpanDecoder",
     "decode",
     "min_stored",
+    "shared_pool",
 ]
 
 NAME = "bpz1"
@@ -96,6 +99,13 @@ def _thread_compressor() -> zstandard.ZstdCompressor:
     return c
 
 
+def _thread_decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
 def span_header(itemsize: int, block: int) -> bytes:
     return _HEADER.pack(MAGIC, itemsize, b"\0\0\0", block, b"\0\0\0\0")
 
@@ -109,31 +119,42 @@ _PROBE = 16 << 10  # bytes of a plane compressed to decide whether the whole pla
 #: element sizes split and merged with integer shifts (about 2x a byte-strided transpose)
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SHIFTS = sys.byteorder == "little"  # plane p is bits 8p.. of the element read as an integer
+_SUB = 1 << 18  # elements per sub-block of the split
 
 
-def _scratch(n: int, dtype: Any) -> np.ndarray:
-    """A per-thread scratch array (warm pages: fresh ones cost a page fault each 4 KiB)."""
-    buf = getattr(_local, "scratch", None)
+def _scratch(name: str, n: int, dtype: Any) -> np.ndarray:
+    """A per-thread scratch array (warm pages: fresh ones cost a page fault each 4 KiB).
+    Its bytes are overwritten by the next use of ``name`` on this thread."""
+    bufs = getattr(_local, "scratch", None)
+    if bufs is None:
+        bufs = _local.scratch = {}
+    buf = bufs.get(name)
     need = n * np.dtype(dtype).itemsize
     if buf is None or len(buf) < need:
-        buf = _local.scratch = np.empty(need, dtype=np.uint8)
+        buf = bufs[name] = np.empty(need, dtype=np.uint8)
     return buf[:need].view(dtype)
 
 
-def _split(raw: memoryview, e: int) -> np.ndarray:
-    """The ``e`` byte planes of ``raw`` as the rows of one (e, n) array."""
+def _split_into(raw: memoryview, e: int, rows: Sequence[np.ndarray]) -> None:
+    """Byte plane ``p`` of the values ``raw`` into ``rows[p]`` (uint8, one per element)."""
     n = len(raw) // e
-    planes = np.empty((e, n), dtype=np.uint8)
     if _SHIFTS and e in _UINT:
         x = np.frombuffer(raw, dtype=_UINT[e])
-        np.copyto(planes[0], x, casting="unsafe")  # the cast keeps the low byte
-        tmp = _scratch(n, _UINT[e])
-        for p in range(1, e):
-            np.right_shift(x, 8 * p, out=tmp)
-            np.copyto(planes[p], tmp, casting="unsafe")
+        step = min(n, _SUB)
+        tmp = _scratch("shift", step, _UINT[e])
+        # In sub-blocks, so the shifted copy stays in the cache for its cast (and the
+        # scratch stays small).
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            xs, ts = x[lo:hi], tmp[: hi - lo]
+            np.copyto(rows[0][lo:hi], xs, casting="unsafe")  # the cast keeps the low byte
+            for p in range(1, e):
+                np.right_shift(xs, 8 * p, out=ts)
+                np.copyto(rows[p][lo:hi], ts, casting="unsafe")
     else:
-        np.copyto(planes, np.frombuffer(raw, dtype=np.uint8).reshape(n, e).T)
-    return planes
+        grid = np.frombuffer(raw, dtype=np.uint8).reshape(n, e)
+        for p in range(e):
+            np.copyto(rows[p], grid[:, p])
 
 
 def _merge(planes: list[Any], e: int, out: memoryview) -> None:
@@ -142,7 +163,7 @@ def _merge(planes: list[Any], e: int, out: memoryview) -> None:
     if _SHIFTS and e in _UINT:
         ox = np.frombuffer(out, dtype=_UINT[e])
         np.copyto(ox, np.frombuffer(planes[0], dtype=np.uint8), casting="unsafe")
-        tmp = _scratch(n, _UINT[e])
+        tmp = _scratch("shift", n, _UINT[e])
         for p in range(1, e):
             np.copyto(tmp, np.frombuffer(planes[p], dtype=np.uint8), casting="unsafe")
             np.left_shift(tmp, 8 * p, out=tmp)
@@ -153,34 +174,100 @@ def _merge(planes: list[Any], e: int, out: memoryview) -> None:
             grid[:, p] = np.frombuffer(planes[p], dtype=np.uint8)
 
 
-def _encode_block(raw: memoryview, itemsize: int) -> list[Any]:
-    """One block as a list of buffers (its header, then each plane's bytes). The buffers
-    are fresh and never reused: a sink may hold them until it is closed (it hashes big
-    pieces on another thread).
+class _Buffers:
+    """A free list of block buffers for the stored planes (``encode_many(reuse=True)``).
 
-    Which planes pay is decided per block from a 16 KiB probe of each plane (deterministic:
-    the same values always give the same bytes), so a float32 block compresses its
-    exponent plane and stores its three mantissa planes without spending zstd time on them.
+    Fresh memory is expensive here: glibc hands freed block-sized chunks back to the
+    kernel (``madvise``) and every page then faults again on its next use, which cost
+    about a third of the encoder's time on two threads (profiled). A buffer is taken by
+    an encoder thread and put back by the consumer's generator once the consumer has
+    moved on from the block (it must have consumed the bytes by then)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None or len(buf) < nbytes:
+            buf = np.empty(max(nbytes, self.size), dtype=np.uint8)
+        return buf
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._free) < _KEEP:
+                self._free.append(buf)
+
+
+#: block buffers kept between saves, per block size: about one pipeline window's worth
+#: (2 threads: 5 in flight), so a process that saves compressed checkpoints again finds its
+#: pages warm (a few tens of MiB, held for the life of the process)
+_KEEP = 8
+_shared: dict[int, _Buffers] = {}
+_shared_lock = threading.Lock()
+
+
+def _buffers_for(block: int) -> _Buffers:
+    with _shared_lock:
+        b = _shared.get(block)
+        if b is None:
+            b = _shared[block] = _Buffers(block)
+        return b
+
+
+def _encode_block(raw: memoryview, itemsize: int, buffers: _Buffers | None = None) -> tuple[list[Any], np.ndarray | None]:
+    """One block as a list of buffers (its header, then each plane's bytes), and the block
+    buffer the stored planes are in when it came from ``buffers`` (else None). Without
+    ``buffers`` the pieces are fresh and never reused: a sink may hold them until it is
+    closed (an object-store sink queues them for upload).
+
+    Which planes pay is decided per block from a 16 KiB probe of each plane (the byte of
+    the block's first 16 Ki elements; deterministic: the same values always give the same
+    bytes), before the block is split: a float32 block then compresses its exponent plane
+    and stores its three mantissa planes without spending zstd time on them, and the
+    planes to compress are split into this thread's warm scratch (only their compressed
+    frames are handed on), not into fresh memory.
     """
     e = itemsize
     n = len(raw) // e
-    planes = _split(raw, e)  # every plane a contiguous row
     comp = _thread_compressor()
+    if n > _PROBE:
+        head = _scratch("probe", e * _PROBE, np.uint8).reshape(e, _PROBE)
+        _split_into(raw[: e * _PROBE], e, head)
+        squeeze = [len(comp.compress(head[p].data)) < _TRY_AGAIN * _PROBE for p in range(e)]
+    else:
+        squeeze = [True] * e
+    nkept = e - sum(squeeze)
+    owned = buffers.take(nkept * n) if buffers is not None and nkept else None
+    # stored planes: fresh (see above), or a recycled block buffer
+    kept = (owned[: nkept * n] if owned is not None else np.empty(nkept * n, dtype=np.uint8)).reshape(nkept, n)
+    warm = _scratch("planes", sum(squeeze) * n, np.uint8).reshape(-1, n)
+    rows: list[np.ndarray] = []
+    ki = wi = 0
+    for p in range(e):
+        if squeeze[p]:
+            rows.append(warm[wi])
+            wi += 1
+        else:
+            rows.append(kept[ki])
+            ki += 1
+    _split_into(raw, e, rows)
     codecs = bytearray(e)
     lengths = [n] * e
     payload: list[Any] = []
-    for p in range(e):
-        row = planes[p]
-        z = None
-        if n <= _PROBE or len(comp.compress(row[:_PROBE].data)) < _TRY_AGAIN * _PROBE:
-            z = comp.compress(row.data)
+    for p, row in enumerate(rows):
+        z = comp.compress(row.data) if squeeze[p] else None
         if z is not None and len(z) < n and n <= MAX_EXPANSION * len(z):
             codecs[p] = _ZSTD
             lengths[p] = len(z)
             payload.append(z)
+        elif squeeze[p]:
+            payload.append(bytes(row.data))  # did not pay after all: a fresh copy (scratch is reused)
         else:
             payload.append(row.data)
-    return [bytes(codecs) + struct.pack(f"<{e}I", *lengths), *payload]
+    return [bytes(codecs) + struct.pack(f"<{e}I", *lengths), *payload], owned
 
 
 def encode_blocks(
@@ -200,6 +287,7 @@ def encode_many(
     *,
     block: int = 4 << 20,
     pool: ThreadPoolExecutor | None = None,
+    reuse: bool = False,
 ) -> Iterator[tuple[int, list[Any]]]:
     """The spans of several tensors' values, one after the other, as ``(item index, buffers)``:
     each span's header, then its blocks in order.
@@ -208,6 +296,11 @@ def encode_many(
     across tensor boundaries (zstd and numpy's copies release the GIL), so writing overlaps
     encoding even for tensors of one block; memory stays a few blocks (plus what the
     consumer keeps).
+
+    ``reuse``: the buffers of an item are overwritten once the consumer asks for the next
+    item, so the consumer must be done with their bytes by then (a sink's ``write_copy``
+    copies and hashes before it returns); a consumer that keeps references (a sink that
+    uploads later) must not ask for it.
     """
     # (item, bytes, itemsize): a block's values to encode, or (itemsize -1) a span header as is
     jobs: list[tuple[int, memoryview, int]] = []
@@ -220,28 +313,41 @@ def encode_many(
         _check_block_size(itemsize, r)
         jobs.append((i, memoryview(span_header(itemsize, r)), -1))
         jobs.extend((i, mv[lo : lo + r], itemsize) for lo in range(0, n, r))
+    buffers = _buffers_for(block) if reuse else None
     if pool is None:
         for i, mv, e in jobs:
-            yield i, [mv] if e < 0 else _encode_block(mv, e)
+            if e < 0:
+                yield i, [mv]
+                continue
+            pieces, owned = _encode_block(mv, e, buffers)
+            yield i, pieces
+            if owned is not None and buffers is not None:
+                buffers.give(owned)
         return
     window = 2 * max(1, getattr(pool, "_max_workers", 2)) + 1
-    pending: list[tuple[int, Future[list[Any]] | list[Any]]] = []
+    pending: list[tuple[int, Future[tuple[list[Any], np.ndarray | None]] | list[Any]]] = []
     todo = iter(jobs)
 
     def submit() -> None:
         job = next(todo, None)
         if job is not None:
             i, mv, e = job
-            pending.append((i, [mv] if e < 0 else pool.submit(_encode_block, mv, e)))
+            pending.append((i, [mv] if e < 0 else pool.submit(_encode_block, mv, e, buffers)))
 
     try:
         for _ in range(window):
             submit()
         while pending:
             i, out = pending.pop(0)
-            pieces = out if isinstance(out, list) else out.result()
+            if isinstance(out, list):
+                pieces, owned = out, None
+            else:
+                pieces, owned = out.result()
             submit()
             yield i, pieces
+            del pieces
+            if owned is not None and buffers is not None:
+                buffers.give(owned)  # the consumer asked for the next item: done with it
     finally:
         for _, f in pending:
             if isinstance(f, Future):
@@ -249,6 +355,45 @@ def encode_many(
         for _, f in pending:
             if isinstance(f, Future) and not f.cancelled():
                 f.exception()  # wait: the memory they read must outlive them
+
+
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_pool_lock = threading.Lock()
+
+
+def _thread_nice() -> int:
+    """The calling thread's nice value (Linux applies nice per thread; 0 elsewhere)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return 0
+
+
+def shared_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's codec threads (encoding and decoding blocks), kept between calls:
+    their per-thread scratch (the split's shifted copy, the planes to compress, the zstd
+    contexts) stays warm, where a pool per save paid a page fault per 4 KiB of it again
+    every time (a 96 MiB save spent ~20 ms on that).
+
+    One pool per nice value of the calling thread: new threads inherit their creator's
+    nice, and an async save's worker runs at a lower priority than training
+    (``save_thread_nice``) which its encoding must keep, while a save or load on the
+    training thread must not be demoted by a pool an async save created."""
+    key = (max(1, threads), _thread_nice())
+    with _pool_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = ThreadPoolExecutor(key[0], thread_name_prefix="ckpt-bpz")
+        return pool
+
+
+def _forget_pool() -> None:
+    global _pools, _pool_lock
+    _pools, _pool_lock = {}, threading.Lock()  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def encode(values: memoryview | bytes, itemsize: int, *, block: int = 4 << 20) -> bytes:
@@ -277,6 +422,13 @@ class SpanDecoder:
     exactly the plane's length. Blocks that lie whole inside a fed piece are decoded from
     it in place; only a block split across pieces is gathered (at most one block's
     stored bytes). Memory: that block and one plane.
+
+    With ``pool`` (and ``dst``), blocks are decoded on its threads, a few in flight, each
+    from a copy of its stored bytes (the fed piece is the caller's, reused once ``feed``
+    returns): every block header is still checked in order on the feeding thread before
+    its job is queued; a block's decoding error surfaces at a later ``feed`` or at
+    ``finish``. ``wait`` drains the jobs without raising (call it on every path that
+    abandons the decoder, so no job writes ``dst`` after the caller moved on).
     """
 
     def __init__(
@@ -290,6 +442,7 @@ class SpanDecoder:
         key: str | None = None,
         nbytes: int | None = None,
         sink: Callable[[memoryview], None] | None = None,
+        pool: ThreadPoolExecutor | None = None,
     ) -> None:
         """``dst``: where the values go. Or ``sink`` (with ``nbytes``): each decoded block's
         values are handed to it in order, from one reused block buffer (verification
@@ -320,7 +473,9 @@ class SpanDecoder:
         self._pos = 0  # span bytes decoded (units consumed)
         self._block = 0  # R, once the header is read
         self._b = 0  # next block index
-        self._dec = zstandard.ZstdDecompressor()
+        self._pool = pool if sink is None else None
+        self._jobs: deque[Future[None]] = deque()
+        self._window = 2 * max(1, getattr(pool, "_max_workers", 2)) + 1
 
     @property
     def done(self) -> bool:
@@ -409,27 +564,38 @@ class SpanDecoder:
             return
         lo = self._b * self._block
         raw_len = min(self._block, self.nbytes - lo)
-        plane_len = raw_len // e
-        codecs = bytes(unit[:e])
-        lengths = struct.unpack_from(f"<{e}I", unit, e)
         at = 0 if self._sink is not None else lo
         target = self._dst[at : at + raw_len]
+        if self._pool is not None:
+            data = unit if isinstance(unit.obj, bytes) else memoryview(bytes(unit))  # the caller reuses its piece
+            self._jobs.append(self._pool.submit(self._decode_block, data, target, self._b, self._pos))
+            while len(self._jobs) > self._window:
+                self._jobs.popleft().result()
+        else:
+            self._decode_block(unit, target, self._b, self._pos)
+            if self._sink is not None:
+                self._sink(target)
+        self._pos += len(unit)
+        self._b += 1
+
+    def _decode_block(self, unit: memoryview, target: memoryview, b: int, at: int) -> None:
+        """Block ``b`` (its stored bytes ``unit``, at span byte ``at``; header already
+        checked by ``_want``) into ``target``. Runs on any thread."""
+        e = self.itemsize
+        plane_len = len(target) // e
+        codecs = bytes(unit[:e])
+        lengths = struct.unpack_from(f"<{e}I", unit, e)
         planes: list[Any] = []
         pos = 5 * e
         for p, (c, n) in enumerate(zip(codecs, lengths)):
             piece = unit[pos : pos + n]
-            planes.append(piece if c == _STORED else self._inflate(piece, plane_len, self._pos + pos, p))
+            planes.append(piece if c == _STORED else self._inflate(piece, plane_len, at + pos, b, p))
             pos += n
         _merge(planes, e, target)
-        del planes
-        if self._sink is not None:
-            self._sink(target)
-        self._pos += len(unit)
-        self._b += 1
 
-    def _inflate(self, frame: memoryview, plane_len: int, at: int, p: int) -> bytes:
+    def _inflate(self, frame: memoryview, plane_len: int, at: int, b: int, p: int) -> bytes:
         w = self._where
-        where = f"block {self._b} plane {p}"
+        where = f"block {b} plane {p}"
         if bytes(frame[:4]) != _ZSTD_MAGIC:
             raise w.error(f"{where}: not a zstd frame", at)
         try:
@@ -445,14 +611,25 @@ class SpanDecoder:
         if params.dict_id:
             raise w.error(f"{where}: zstd frame names dictionary {params.dict_id}", at)
         try:
-            out = self._dec.decompress(frame, max_output_size=plane_len, allow_extra_data=False)
+            out = _thread_decompressor().decompress(frame, max_output_size=plane_len, allow_extra_data=False)
         except zstandard.ZstdError as e:
             raise w.error(f"{where}: zstd data does not decode to its {plane_len}-byte plane: {e}", at) from None
         if len(out) != plane_len:
             raise w.error(f"{where}: zstd frame decodes to {len(out)} bytes, the plane has {plane_len}", at)
         return out
 
+    def wait(self) -> None:
+        """Let every queued block job end (errors dropped: ``finish`` reports them)."""
+        while self._jobs:
+            self._jobs.popleft().exception()
+
     def finish(self) -> None:
+        try:
+            while self._jobs:
+                self._jobs[0].result()
+                self._jobs.popleft()
+        finally:
+            self.wait()
         decoded = min(self._b * self._block, self.nbytes)
         if self._buf or self._pos != self.stored or decoded != self.nbytes:
             raise self._where.error(

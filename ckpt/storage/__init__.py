@@ -99,7 +99,13 @@ class Recovery:
 class FileSink(Protocol):
     """A file being written. ``write`` may keep a reference to ``data``: the caller
     keeps that memory alive and unchanged until ``close`` (zero-copy uploads and
-    hashing on a second thread rely on it)."""
+    hashing on a second thread rely on it).
+
+    A sink MAY also have ``write_copy(data)``: the same bytes in the same order as
+    ``write``, but consumed (copied out and hashed) before it returns, so the caller may
+    reuse the memory at once. Writers look it up with ``getattr`` and use fresh memory
+    where a sink has none (the local sink has it; the object-store sink queues buffers
+    for upload and has not)."""
 
     def write(self, data: memoryview | bytes) -> None: ...
     def close(self) -> tuple[int, bytes]: ...  # (size, concatenated chunk digests)

@@ -115,6 +115,20 @@ class _LocalSink:
             self._pos += got
             self._kick()
 
+    def write_copy(self, data: memoryview | bytes) -> None:
+        """``write``, but ``data`` is copied into the file and hashed before this returns,
+        so the caller may overwrite it at once (the packed-file encoder recycles its block
+        buffers: fresh memory costs a page fault per 4 KiB here). Pieces gathered earlier
+        go out in the same ``writev``."""
+        if self._feeder is not None:
+            self.write(bytes(data))  # keep the digest order of the hashing thread: the sink owns a copy
+            return
+        mv = data if type(data) is memoryview and data.format == "B" and data.ndim == 1 else memoryview(data).cast("B")
+        self._hasher.update(mv)
+        self._iov.append(mv)
+        self._iov_bytes += len(mv)
+        self._flush()
+
     def flush(self) -> None:
         """Hand every byte written so far to the kernel (not a durability point: see close)."""
         if self._iov:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,183 @@ def test_hostile_planes_are_refused_before_allocation() -> None:
     # in a fresh interpreter: the frame's claim of 1 GiB never turns into memory
     for row in probe(vector("invalid-zstd-plane-claims-1-gib"), "tensor", key="model/w32"):
         assert row["outcome"] == "FormatError" and row["growth"] < SLACK, row
+
+
+# --- the encoder's recycled block buffers (encode_many(reuse=True), FileSink.write_copy) ---------
+
+
+_FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_recycled_block_buffers_give_the_same_bytes_as_fresh_ones(threads: int) -> None:
+    """Many more blocks than buffers in flight, every float dtype, sizes that end mid-block
+    and mid-plane, noise next to values that compress: each item's pieces are copied out
+    before the next is asked for (what write_copy does), and the bytes equal the fresh-
+    buffer encoding, which decodes to the values exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(11)
+    tensors = []
+    for i, dt in enumerate(_FLOAT_DTYPES * 3):
+        n = 4096 * (3 + i) // dt.itemsize + (i * 7) % 5  # not a multiple of the block
+        t = (torch.randn(n, generator=g) * 0.02).to(dt)
+        if i % 3 == 2:
+            t = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int16).to(dt)  # large values: other exponents
+        tensors.append(t)
+    items = [(memoryview(t.view(torch.uint8).numpy()), t.element_size()) for t in tensors]
+
+    def spans(reuse: bool) -> list[bytes]:
+        out: list[bytearray] = [bytearray() for _ in items]
+        pool = ThreadPoolExecutor(threads) if threads else None
+        try:
+            for i, pieces in bpz.encode_many(items, block=8192, pool=pool, reuse=reuse):
+                for b in pieces:
+                    out[i] += memoryview(b).cast("B")  # consumed before the next item
+        finally:
+            if pool is not None:
+                pool.shutdown()
+        return [bytes(s) for s in out]
+
+    fresh, recycled = spans(False), spans(True)
+    assert recycled == fresh
+    for t, span in zip(tensors, recycled):
+        raw = t.view(torch.uint8).numpy().tobytes()
+        back = torch.frombuffer(bytearray(bpz.decode(span, len(raw), t.element_size())), dtype=t.dtype)
+        assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+class _KeepingSink:
+    """A sink without write_copy that keeps every buffer until close (as an upload does)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.held = inner, []
+
+    def write(self, data: Any) -> None:
+        self.held.append(data)
+
+    def close(self) -> tuple[int, bytes]:
+        for b in self.held:
+            self.inner.write(b)
+        return self.inner.close()
+
+    def discard(self) -> None:
+        self.inner.discard()
+
+
+class _KeepingStorage(LocalStorage):
+    def create(self, path: str, chunk_size: int, *, durable: bool = True) -> Any:
+        return _KeepingSink(super().create(path, chunk_size, durable=durable))
+
+
+@pytest.mark.parametrize("dtype", _FLOAT_DTYPES)
+def test_a_packed_file_is_the_same_through_a_recycling_and_a_keeping_sink(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Odd sizes across chunk and block boundaries (small knobs), through the local sink's
+    write_copy (recycled buffers) and through a sink that keeps every buffer until close
+    (fresh ones): identical packed files, and each loads exactly."""
+    g = torch.Generator().manual_seed(5)
+    state = {"m": {f"t{i}": (torch.randn(n, generator=g) * 0.02).to(dtype) for i, n in enumerate((70001, 123457, 9999, 50000))}}
+    with override(bpz_block=16384, chunk_size=8192, compress_min_bytes=1):
+        a = ckpt.save(tmp_path / "a", state, compress=True)
+        b = ckpt.save(tmp_path / "b", state, compress=True, storage=_KeepingStorage())
+    pa, pb = Path(a.path) / "rank-00000.bpz", Path(b.path) / "rank-00000.bpz"
+    assert pa.read_bytes() == pb.read_bytes()
+    for info in (a, b):
+        r = ckpt.open(info.path)
+        r.verify()
+        _same(r.state(), state)
+
+
+def test_write_copy_consumes_the_buffer_and_keeps_the_order(tmp_path: Path) -> None:
+    """Gathered small writes, a big write hashed on the second thread, then write_copy: the
+    file and its digests are those of the bytes in order, though each buffer handed to
+    write_copy is overwritten as soon as the call returns."""
+    from ckpt.format.digest import ChunkHasher
+
+    storage = LocalStorage()
+    pieces = [os.urandom(n) for n in (10, 300_000, 5, 9 << 20, 77, 1 << 20)]
+    sink = storage.create(str(tmp_path / "f"), 65536)
+    scratch = bytearray(max(map(len, pieces)))
+    for i, p in enumerate(pieces):
+        if i in (1, 4, 5):
+            mv = memoryview(scratch)[: len(p)]
+            mv[:] = p
+            sink.write_copy(mv)
+            mv[:] = bytes(len(p))  # reused at once
+        else:
+            sink.write(p)
+    size, digests = sink.close()
+    whole = b"".join(pieces)
+    assert (tmp_path / "f").read_bytes() == whole and size == len(whole)
+    h = ChunkHasher(65536)
+    h.update(whole)
+    assert digests == h.finish()
+
+
+def test_blocks_decode_on_the_codec_threads_exactly_and_errors_still_surface() -> None:
+    """SpanDecoder(pool=...): pieces of any size (blocks split across pieces, the caller's
+    piece buffer reused after each feed), every float dtype, the same values as inline
+    decoding; a damaged zstd frame in a middle block is a FormatError naming that block
+    (at a later feed or at finish), and wait() leaves no job running."""
+    pool = bpz.shared_pool(2)
+    g = torch.Generator().manual_seed(9)
+    for dt in _FLOAT_DTYPES:
+        t = (torch.randn(40000 // dt.itemsize * 7 + 3, generator=g) * 0.02).to(dt)
+        raw = t.view(torch.uint8).numpy().tobytes()
+        span = bpz.encode(raw, t.element_size(), block=8192)
+        for cut in (1000, 8192, 65536):
+            out = bytearray(len(raw))
+            dec = bpz.SpanDecoder(memoryview(out), t.element_size(), len(span), pool=pool)
+            piece = bytearray(cut)
+            for i in range(0, len(span), cut):
+                n = min(cut, len(span) - i)
+                piece[:n] = span[i : i + n]
+                dec.feed(memoryview(piece)[:n])
+                piece[:n] = bytes(n)  # the caller reuses its buffer at once
+            dec.finish()
+            assert bytes(out) == raw, (dt, cut)
+    # damage the zstd frame of block 3 (its header still checks out)
+    raw = (torch.randn(50000, generator=g) * 0.02).numpy().tobytes()
+    span = bytearray(bpz.encode(raw, 4, block=8192))
+    pos, b = bpz.HEADER_SIZE, 0
+    while True:
+        codecs, lengths = span[pos : pos + 4], struct.unpack_from("<4I", span, pos + 4)
+        if b == 3:
+            z = pos + 20 + sum(lengths[:3])
+            assert codecs[3] == 1
+            span[z + 8 : z + 24] = b"\xff" * 16  # inside the frame, past its header
+            break
+        pos += 20 + sum(lengths)
+        b += 1
+    dec = bpz.SpanDecoder(memoryview(bytearray(len(raw))), 4, len(span), pool=pool)
+    with pytest.raises(FormatError, match="block 3 plane 3"):
+        dec.feed(span)
+        dec.finish()
+    dec.wait()
+    assert not dec._jobs
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="per-thread nice is a POSIX/Linux notion")
+def test_codec_threads_keep_the_priority_of_the_thread_that_saves() -> None:
+    """An async save's worker runs at a higher nice value than training (save_thread_nice):
+    the codec threads its encoding uses must too, and a pool it created must not demote
+    a save on the training thread (one pool per nice value)."""
+    import threading
+
+    def nice_of(pool: Any) -> int:
+        return pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+
+    mine = bpz.shared_pool(2)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    got: dict[str, Any] = {}
+
+    def worker() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, base + 10))
+        got["pool"] = bpz.shared_pool(2)
+        got["nice"] = nice_of(got["pool"])
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got["pool"] is not mine and got["nice"] == min(19, base + 10)
+    assert bpz.shared_pool(2) is mine and nice_of(mine) == base
