@@ -12,8 +12,12 @@ with EMAs (alpha = ``ema_alpha``) of the learners' inner-step time (``xi_step``)
 time from a fragment's first arrival to its quorum (``xi_quorum``) and the merge time
 (``xi_sync``). All of that is wall-clock, so the outcome is one taped decision per
 step (``sync``: contributions, members, stragglers, weights, detected deaths,
-activations, receivers); quorum and merge events follow it. In force mode the plan is
-read from the tape and the syncer waits for exactly the contributions it names.
+activations, receivers); quorum and merge events follow it. A death detected while the
+step waits for its quorum is acted on at once: that decision is then an *interim* plan
+(deaths and the replacements activated, nothing merged; the activated replacement's peer
+is sent a ``notice``), and the step takes its next decision (key ``s<N>.<k>``). In
+force mode the plans are read from the tape and the syncer waits for exactly the
+contributions they name.
 
 The merge (float64, participants in learner order)::
 
@@ -390,7 +394,7 @@ class Syncer:
                     stale[a] = ref  # one round late: still merged if nothing fresher came
         return {**stale, **fresh}, set(fresh)
 
-    # -- the plan (one taped decision per step) ------------------------------------------
+    # -- the plan (one taped decision per step, after interim ones) ------------------------------------------
     def plan_now(self, s: int, p: int) -> dict[str, Any]:
         cfg, ctx, b = self.cfg, self.ctx, self.book
         t0 = time.monotonic()
