@@ -136,6 +136,7 @@ class _Base:
         self.qsink: Any = sink  # what the quorum and recovery code tapes through
         self.members: list[str] = []
         self.view: QuorumView | None = None
+        self.reduced = False  # the last all-reduce itself completed for this rank's ring
         self._src: str | None = None
         self._rx: dict[str, Any] = {}
         self.intra: Any = None
@@ -314,6 +315,9 @@ class FtCoordinator(_Base):
                 w.wait()
         except Exception as e:  # torchft normally swallows and reports; be sure
             m.report_error(e)
+        # the collective itself completed here (the rank may still fail after it: a late failure);
+        # such a rank joins the step's exchange with its veto, so the ring's collectives stay in step
+        self.reduced = m.errored() is None
         if fail_after and m.errored() is None:  # it completed here and everywhere; then this rank fails
             m.report_error(RuntimeError("injected: the all-reduce completed, then this rank failed"))
         ok = m.errored() is None
@@ -323,10 +327,12 @@ class FtCoordinator(_Base):
     def sum_collective(self, t: torch.Tensor, join: bool = True) -> bool:
         # on the replica group itself, not through Manager.allreduce: that zeroes what a
         # replica sitting the step out sends, and its digests are as real as anyone's.
-        # A rank whose step failed does not join (join=False): the outcome is taped anyway
+        # A rank whose all-reduce itself failed does not join (join=False): its ring is broken
+        # anyway; a rank that failed after its all-reduce completed joins and vetoes the step
+        # in the exchanged values. The outcome is taped either way.
         m = self.manager
         self._exchanges += 1
-        ok = join and m.errored() is None
+        ok = join
         if ok:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM
@@ -443,7 +449,8 @@ class ReplayCoordinator(_Base):
         self._xkey, self._exchanges = key, 0
         # the collective ran if any member of this rank's ring completed it (then every member
         # took part, a member that failed afterwards too): replay it exactly then
-        if self._completed(f"all-reduce of step attempt {key}", ok):
+        self.reduced = self._completed(f"all-reduce of step attempt {key}", ok)
+        if self.reduced:
             v = self.view
             n = v.pworld if v is not None else 1
             opts = dist.AllreduceOptions()

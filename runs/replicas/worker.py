@@ -290,10 +290,14 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         flat.gather(loss)
         if group_size > 1:
             coord.intra_sum(flat.buf)
-        # a fault strikes once (a rolled-back step that runs again is not hit again)
-        f = faults.pop((s, "local"), None) if attempt == 0 else None  # a wrong computation: what it sends is wrong
-        if f is not None and attempt == 0 and sink.inject("bitflip-local", actor, lambda: _fault_json(f)):
-            flip_bit(flat.buckets[f.bucket], f.index, f.bit)
+        # a fault strikes once, in the first attempt of its step that gets as far as being judged
+        # (a rolled-back step that runs again is not hit again; an attempt that failed for another
+        # reason, a quorum change say, hands it to the retry: how far an attempt gets is timing)
+        f_local = faults.pop((s, "local"), None)  # a wrong computation: what it sends is wrong
+        if f_local is not None and not sink.inject("bitflip-local", actor, lambda: _fault_json(f_local)):
+            f_local = None
+        if f_local is not None:
+            flip_bit(flat.buckets[f_local.bucket], f_local.index, f_local.bit)
         t_sdc = time.perf_counter()
         local = bucket_digests(flat.buckets) if cfg.sdc else []  # what this rank sends into the all-reduce
         res.sdc_s += time.perf_counter() - t_sdc
@@ -301,19 +305,22 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             sink.event("sdc_digests", "local", [(f"b{i}", d) for i, d in enumerate(local)])
         late = (actor, s) in late_set and attempt == 0 and bool(sink.inject("late-failure", actor, lambda: {"step": s}))
         ok = coord.allreduce([flat.buf], key, late)  # one all-reduce of the whole gradient: one round trip
+        joins = ok or coord.reduced  # failed after its all-reduce completed: joins the exchange to veto
         if group_size > 1:
             # each rank of a group reduces on its own ring; one ring can fail while another completes
             # (a rank that refused its recovery never joins its ring): the group fails together
             failed = torch.tensor([int(not ok)], dtype=torch.int64)
             coord.intra_max(failed)
             ok = not failed[0]
+        if f_local is not None and not ok:
+            faults[(s, "local")] = f_local  # not judged: the retry is hit (its injection is taped again)
         discard = odd_me = False
         gl = float(flat.buf[-1]) if ok else math.nan  # the global batch's mean loss, the same on every replica
         reduced: list[bytes] = []
         bad: list[str] = []
         if ok and cfg.sdc:
-            f = faults.pop((s, "reduced"), None) if attempt == 0 else None
-            if f is not None and attempt == 0 and sink.inject("bitflip-reduced", actor, lambda: _fault_json(f)):
+            f = faults.pop((s, "reduced"), None)
+            if f is not None and sink.inject("bitflip-reduced", actor, lambda: _fault_json(f)):
                 flip_bit(flat.buckets[f.bucket], f.index, f.bit)
             t_sdc = time.perf_counter()
             reduced = bucket_digests(flat.buckets)
@@ -331,18 +338,22 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             spike_vote = int(judge_loss(gl, guard.window, min_history=c.min_history, z_threshold=c.z_threshold,
                                         min_scale=c.min_scale).anomalous)
         # One small all-reduce per step on the replica group: the reduced gradient's digests
-        # (SDC) and every replica's votes. A replica whose step failed does not join it, so the
-        # others' fails too: a step is committed by every replica or by none (a group that
-        # committed alone could finish a run its peers have not).
+        # (SDC), every replica's votes and its veto (its step failed). A step is committed by
+        # every replica or by none (a group that committed alone could finish a run its peers
+        # have not): a replica whose step failed after its all-reduce completed joins and
+        # vetoes; one whose all-reduce failed does not join, so the others' exchange fails too.
+        # Never skipping a collective the ring ran keeps the ring's collectives in step (a
+        # skipped one would pair the others' pending exchange with this rank's next collective).
         slots = digest_slots(reduced, q.replica_rank, q.participants)
-        x = torch.cat([slots.reshape(-1), torch.tensor([spike_vote, int(bool(bad))], dtype=torch.int64)])
-        ok = coord.sum_collective(x, join=ok)  # always called: the replay's collectives line up by count
+        x = torch.cat([slots.reshape(-1), torch.tensor([spike_vote, int(bool(bad)), int(not ok)], dtype=torch.int64)])
+        xok = coord.sum_collective(x, join=joins)  # always called: the replay's collectives line up by count
+        ok = ok and xok and int(x[-1]) == 0
         spike = False
         if ok:
-            votes = x[-2:]
+            votes = x[-3:-1]
             if cfg.sdc:
                 t_sdc = time.perf_counter()
-                rows_d = unpack_slots(x[:-2].view_as(slots))
+                rows_d = unpack_slots(x[:-3].view_as(slots))
                 v = judge({q.members[i]: rows_d[i] for i in range(q.participants)})
                 res.sdc_s += time.perf_counter() - t_sdc
                 sink.event("sdc_verdict", "cross-replica", int(v.ok), list(v.odd), [f"b{b}" for b in v.buckets],
