@@ -269,20 +269,21 @@ class LearnerLoop:
     step_ema: float = 0.0
     stopped: bool = False
     n_end: int = 0  # end-of-run inbox decisions taken
+    notified: int = -1  # the latest syncer step whose activation notice this learner took
 
     def state_dict(self) -> dict[str, Any]:
         return {"outbox": [{"meta": dict(m), "tensors": [x.clone() for x in ts], "timing": dict(tm)}
                            for _, m, ts, tm in self.outbox],
                 "pending": [msg_to_json(m) for m in self.pending], "jitter_until": self.jitter_until,
                 "jitter_delay": self.jitter_delay, "step_ema": self.step_ema, "stopped": self.stopped,
-                "n_end": self.n_end}
+                "n_end": self.n_end, "notified": self.notified}
 
     @classmethod
     def from_state(cls, d: Mapping[str, Any]) -> "LearnerLoop":
         return cls(outbox=[(0.0, dict(o["meta"]), list(o["tensors"]), dict(o["timing"])) for o in d["outbox"]],
                    pending=[msg_from_json(m) for m in d["pending"]], jitter_until=int(d["jitter_until"]),
                    jitter_delay=float(d["jitter_delay"]), step_ema=float(d["step_ema"]), stopped=bool(d["stopped"]),
-                   n_end=int(d["n_end"]))
+                   n_end=int(d["n_end"]), notified=int(d.get("notified", -1)))
 
 
 class Learner:
@@ -428,6 +429,8 @@ class Learner:
                 # the step it was asked at: the recovery accounting's transfer wait
                 msg.meta["asked_at"] = core.t  # type: ignore[index]
                 self.loop.pending.append(msg)
+            elif kind == "notice":  # the syncer activated a replacement that recovers from this learner
+                self.loop.notified = max(self.loop.notified, int(msg.meta["target"]))
             elif kind == "stop":
                 self.loop.stopped = True
 
@@ -493,7 +496,7 @@ class Learner:
         core, loop = self.core, self.loop
         assert core is not None
         for req in list(loop.pending):
-            if max(core.applied) >= int(req.meta["target"]):
+            if max(*core.applied, loop.notified) >= int(req.meta["target"]):
                 meta, tensors = core.export()
                 self.link.send(req.src, {"kind": "state", "asked_at": int(req.meta.get("asked_at", core.t)), **meta},
                                tensors)

@@ -12,8 +12,12 @@ with EMAs (alpha = ``ema_alpha``) of the learners' inner-step time (``xi_step``)
 time from a fragment's first arrival to its quorum (``xi_quorum``) and the merge time
 (``xi_sync``). All of that is wall-clock, so the outcome is one taped decision per
 step (``sync``: contributions, members, stragglers, weights, detected deaths,
-activations, receivers); quorum and merge events follow it. In force mode the plan is
-read from the tape and the syncer waits for exactly the contributions it names.
+activations, receivers); quorum and merge events follow it. A death detected while the
+step waits for its quorum is acted on at once: that decision is then an *interim* plan
+(deaths and the replacements activated, nothing merged; the activated replacement's peer
+is sent a ``notice``), and the step takes its next decision (key ``s<N>.<k>``). In
+force mode the plans are read from the tape and the syncer waits for exactly the
+contributions they name.
 
 The merge (float64, participants in learner order)::
 
@@ -390,7 +394,7 @@ class Syncer:
                     stale[a] = ref  # one round late: still merged if nothing fresher came
         return {**stale, **fresh}, set(fresh)
 
-    # -- the plan (one taped decision per step) ------------------------------------------
+    # -- the plan (one taped decision per step, after interim ones) ------------------------------------------
     def plan_now(self, s: int, p: int) -> dict[str, Any]:
         cfg, ctx, b = self.cfg, self.ctx, self.book
         t0 = time.monotonic()
@@ -403,6 +407,17 @@ class Syncer:
             if ctx.dead_probe is not None:
                 for e in ctx.dead_probe():
                     self.on_dead(e)
+            if self.detected:
+                # A death is acted on when it is detected, not when this step's quorum is
+                # complete (up to H/P inner steps later, while the dead learner's slot runs
+                # no step): when a replacement can be activated now, this decision ends
+                # here as an interim plan (deaths and activations only); the step then
+                # takes its next decision (step()).
+                dead, activate, seen = self._deaths(s, final)
+                if activate:
+                    for e in seen:
+                        self.detected.remove(e)
+                    return {"p": p, "interim": True, "dead": dead, "activate": activate}
             cand, fresh = self.candidates(p, s // cfg.fragments)
             now = time.monotonic()
             dead_now = {actor_of(e) for e in self.detected if b.active.get(actor_of(e)) == e}
@@ -439,13 +454,23 @@ class Syncer:
             m = self.link.box[cand[a]]
             tok, st = float(m.meta["tokens"]), float(m.meta["steps"])
             weights.append(tok * (tok / st) if st > 0 else 0.0)
-        dead = []
-        for e in list(self.detected):
-            a = actor_of(e)
-            if b.active.get(a) == e:
-                dead.append(a)
+        dead, activate, seen = self._deaths(s, final)
+        for e in seen:
             self.detected.remove(e)
-        dead = sorted(set(dead), key=_order)
+        will_be_dead = {*b.dead_since, *dead}
+        send_to = sorted([e for a, e in b.active.items() if a not in will_be_dead] + [x[1] for x in activate])
+        return {"p": p, "minimum": need, "contribs": [list(cand[a]) for a in members], "members": members,
+                "stragglers": sorted(set(members) - quorum_set, key=_order), "weights": weights,
+                "dead": dead, "activate": activate, "send_to": send_to, "grace_s": grace,
+                "quorum_wait_s": (quorum_at or t0) - t0}
+
+    def _deaths(self, s: int, final: bool) -> tuple[list[str], list[list[str]], list[str]]:
+        """The deaths detected so far (actors), the replacements due now ([actor, spare,
+        peer endpoint]) and the detected endpoints this accounts for (consumed by the plan
+        that takes it)."""
+        ctx, b = self.ctx, self.book
+        seen = list(self.detected)
+        dead = sorted({actor_of(e) for e in seen if b.active.get(actor_of(e)) == e}, key=_order)
         activate = []
         will_be_dead = dict(b.dead_since)
         for a in dead:
@@ -463,11 +488,7 @@ class Syncer:
                     continue
                 peer = self._peer(healthy)
                 activate.append([a, ctx.spares[a][b.spare_used[a]], b.active[peer]])
-        send_to = sorted([e for a, e in b.active.items() if a not in will_be_dead] + [x[1] for x in activate])
-        return {"p": p, "minimum": need, "contribs": [list(cand[a]) for a in members], "members": members,
-                "stragglers": sorted(set(members) - quorum_set, key=_order), "weights": weights,
-                "dead": dead, "activate": activate, "send_to": send_to, "grace_s": grace,
-                "quorum_wait_s": (quorum_at or t0) - t0}
+        return dead, activate, seen
 
     # -- snapshots -------------------------------------------------------------------------
     def _dead(self) -> set[str]:
@@ -660,6 +681,12 @@ class Syncer:
         for a, spare, peer in plan["activate"]:
             kind = _death_kind(ctx.schedule, a, b.deaths_seen.get(a, 1))
             self.link.send(spare, {"kind": "activate", "target": s, "peer": peer, "fault": kind})
+            if plan.get("interim"):
+                # The peer serves the replacement once it has observed the activation (a
+                # message the syncer sent after it): in a full plan the merged fragment of
+                # this step, sent next; an interim plan merges nothing yet, so the peer is
+                # told now and serves at its next step boundary.
+                self.link.send(peer, {"kind": "notice", "target": s})
             b.spare_used[a] += 1
             b.active[a] = spare
             b.joined.pop(a, None)
@@ -715,6 +742,11 @@ class Syncer:
             self.snapshot_begin(s)
         tape.begin_step(s)
         plan = tape.decide("sync", key, lambda: self.plan_now(s, p))
+        n = 0
+        while plan.get("interim"):  # deaths acted on while the step waited (plan_now)
+            self.process_deaths(s, plan)
+            n += 1
+            plan = tape.decide("sync", f"{key}.{n}", lambda: self.plan_now(s, p))
         self.first_arrival.pop(p, None)
         t_merge = time.monotonic()
         self.process_deaths(s, plan)
