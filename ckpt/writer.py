@@ -49,6 +49,7 @@ from .format.manifest import (
     FileEntry,
     Manifest,
     PartEntry,
+    PartList,
     PartRef,
     TensorEntry,
     check_name,
@@ -257,7 +258,98 @@ def _type_name(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: bool) -> int | None:
+    """Lock the temporary directory of ``pending`` (``flock`` on the directory itself): part
+    writers hold it shared, the committer exclusively. Returns the descriptor (closing it
+    releases the lock; a dead process's lock goes with it), or None where there is no local
+    directory (an object store commits by MANIFEST and ignores unnamed objects).
+
+    Why: a part's files are written through open descriptors, which follow the directory
+    when the commit renames it. A writer still running when a commit went ahead without its
+    part (a snapshot that left a participant out) would add files that the committed MANIFEST
+    does not name, and the committed checkpoint would no longer open (UnexpectedFileError)."""
+    if commits_by_manifest(storage) or getattr(storage, "scheme", "file") != "file":
+        return None
+    import fcntl
+
+    gone = DistributedUsageError(
+        "the checkpoint's temporary directory is gone: it was committed or aborted before this "
+        "part was written (a part written after the commit is not part of it)", path=pending.final)
+    try:
+        fd = os.open(pending.tmp_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except FileNotFoundError:
+        if exclusive:
+            return None  # commit reports the missing directory itself, as before
+        raise gone from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            st = os.stat(pending.tmp_dir)
+        except FileNotFoundError:
+            st = None
+        held = os.fstat(fd)
+        if st is None or (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
+            raise gone
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _drop_unnamed(pending: PendingCheckpoint, storage: Storage, parts: Sequence[PartEntry | PartRef]) -> None:
+    """Before a local commit: remove what the parts being committed do not name (a part left
+    out of this commit: its writer died mid-write, or was left out while writing). The
+    directory must hold exactly the files the MANIFEST names (spec §10.3)."""
+    named = {n for n, _, _ in PartList(parts).file_sizes()} | {MANIFEST_NAME}
+    for entry in storage.listdir(pending.tmp_dir):
+        if entry not in named:
+            path = os.path.join(pending.tmp_dir, entry)
+            if os.path.isdir(path) and not os.path.islink(path):
+                storage.remove_tree(path)
+            else:
+                os.unlink(path)
+
+
 def write_part(
+    pending: PendingCheckpoint,
+    name: str,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    config: Any = None,
+    data: Any = None,
+    generators: Mapping[str, Any] | None = None,
+    rng: bool | Mapping[str, Any] = True,
+    extra: Any = None,
+    lineage: Mapping[str, Any] | None = None,
+    code_dir: str | None = None,
+    storage: Storage | None = None,
+    compress: Compress = None,
+    reuse: Reuse | None = None,
+    dedup: bool = False,
+) -> PartEntry:
+    """Write one part (a process's share) into ``pending.tmp_dir``; durable on return.
+
+    ``compress``: encode tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
+    float tensor of at least 64 KiB, a list of top-level entry names, or a callable
+    ``(key, dtype name, nbytes) -> bool``. ``reuse``: the same part of the previous
+    checkpoint of the run, whose unchanged files are shared by hard link instead of written
+    (format 2.0 dedup; implies ``dedup``). ``dedup``: record a digest of every tensor so a
+    later save can share this one's files. Raises ``DistributedUsageError`` when the
+    checkpoint was committed or aborted before the part could be written.
+    """
+    resolved, _ = resolve(pending.final, storage)
+    fd = _local_dir_lock(pending, resolved, exclusive=False)
+    try:
+        return _write_part(pending, name, state, step=step, config=config, data=data, generators=generators,
+                           rng=rng, extra=extra, lineage=lineage, code_dir=code_dir, storage=storage,
+                           compress=compress, reuse=reuse, dedup=dedup)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _write_part(
     pending: PendingCheckpoint,
     name: str,
     state: Mapping[str, Any],
@@ -492,6 +584,19 @@ def commit(
     if commits_by_manifest(storage):
         storage.publish(pending, blob)  # type: ignore[attr-defined]
         return manifest
+    # exclusive: waits for part writers still in flight, so none adds a file after the rename
+    fd = _local_dir_lock(pending, storage, exclusive=True)
+    try:
+        if fd is not None:
+            _drop_unnamed(pending, storage, ordered)
+        _write_manifest_and_publish(pending, storage, blob)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return manifest
+
+
+def _write_manifest_and_publish(pending: PendingCheckpoint, storage: Storage, blob: bytes) -> None:
     sink = storage.create(os.path.join(pending.tmp_dir, MANIFEST_NAME), max(knobs().chunk_size, 4096))
     try:
         sink.write(blob)
@@ -513,7 +618,6 @@ def commit(
         sink.discard()
         raise
     _publish(pending, storage)
-    return manifest
 
 
 class _Background:
