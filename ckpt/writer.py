@@ -19,6 +19,7 @@ every instant at least one complete copy of the checkpoint exists.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import secrets
@@ -310,6 +311,23 @@ def _drop_unnamed(pending: PendingCheckpoint, storage: Storage, parts: Sequence[
                 os.unlink(path)
 
 
+def _holding_part_lock(fn: Callable[..., PartEntry]) -> Callable[..., PartEntry]:
+    """``write_part`` runs holding the temporary directory's shared lock (``_local_dir_lock``)."""
+
+    @functools.wraps(fn)
+    def locked(pending: PendingCheckpoint, *args: Any, storage: Storage | None = None, **kw: Any) -> PartEntry:
+        resolved, _ = resolve(pending.final, storage)
+        fd = _local_dir_lock(pending, resolved, exclusive=False)
+        try:
+            return fn(pending, *args, storage=storage, **kw)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    return locked
+
+
+@_holding_part_lock
 def write_part(
     pending: PendingCheckpoint,
     name: str,
@@ -337,44 +355,6 @@ def write_part(
     (format 2.0 dedup; implies ``dedup``). ``dedup``: record a digest of every tensor so a
     later save can share this one's files. Raises ``DistributedUsageError`` when the
     checkpoint was committed or aborted before the part could be written.
-    """
-    resolved, _ = resolve(pending.final, storage)
-    fd = _local_dir_lock(pending, resolved, exclusive=False)
-    try:
-        return _write_part(pending, name, state, step=step, config=config, data=data, generators=generators,
-                           rng=rng, extra=extra, lineage=lineage, code_dir=code_dir, storage=storage,
-                           compress=compress, reuse=reuse, dedup=dedup)
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _write_part(
-    pending: PendingCheckpoint,
-    name: str,
-    state: Mapping[str, Any],
-    *,
-    step: int | None = None,
-    config: Any = None,
-    data: Any = None,
-    generators: Mapping[str, Any] | None = None,
-    rng: bool | Mapping[str, Any] = True,
-    extra: Any = None,
-    lineage: Mapping[str, Any] | None = None,
-    code_dir: str | None = None,
-    storage: Storage | None = None,
-    compress: Compress = None,
-    reuse: Reuse | None = None,
-    dedup: bool = False,
-) -> PartEntry:
-    """Write one part (a process's share) into ``pending.tmp_dir``; durable on return.
-
-    ``compress``: encode tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
-    float tensor of at least 64 KiB, a list of top-level entry names, or a callable
-    ``(key, dtype name, nbytes) -> bool``. ``reuse``: the same part of the previous
-    checkpoint of the run, whose unchanged files are shared by hard link instead of written
-    (format 2.0 dedup; implies ``dedup``). ``dedup``: record a digest of every tensor so a
-    later save can share this one's files.
     """
     storage, _ = resolve(pending.final, storage)
     check_name(name, what="part")

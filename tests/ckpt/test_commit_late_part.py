@@ -50,14 +50,14 @@ def test_the_commit_waits_for_a_part_writer_in_flight(tmp_path, monkeypatch):
     p = ckpt.begin(str(tmp_path / "step-1"))
     a = ckpt.write_part(p, "a", _state(1.0), step=1)
     inside, release = threading.Event(), threading.Event()
-    real = w._write_part
+    real = w.check_name  # the first thing a part writer does once it holds the lock
 
     def slow(*args, **kw):  # a part writer that is mid-write when the commit starts
         inside.set()
         assert release.wait(60)
         return real(*args, **kw)
 
-    monkeypatch.setattr(w, "_write_part", slow)
+    monkeypatch.setattr(w, "check_name", slow)
     late: list[BaseException | None] = []
 
     def writer() -> None:
