@@ -316,3 +316,72 @@ def test_a_changed_config_is_one_warning_naming_the_keys(tmp_path: Path) -> None
         warnings.simplefilter("error", ConfigChangedWarning)
         mgr.resume()
     mgr.close()
+
+
+def _grow_worker(rank: int, port: int, run_dir: str, out: str) -> None:
+    import datetime
+    import json
+    import traceback
+
+    import torch.distributed as dist
+
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        torch.set_num_threads(1)
+        mgr = CheckpointManager(run_dir, {"model": torch.nn.Linear(4, 3)}, replicated=["model"], signals=(),
+                                every_steps=1, ledger=False)
+        try:
+            mgr.resume()
+            result["resumed"] = True
+        except ResumeMismatchError as e:
+            result["error"], result["key"], result["path"] = str(e), e.key, e.path
+        try:
+            mgr.after_step(6)
+            result["saved"] = True
+        except ResumeMismatchError:
+            result["saved"] = False
+        mgr.close()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["crash"] = traceback.format_exc()
+    with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_ranks_resuming_a_one_rank_run_are_refused_together(tmp_path: Path) -> None:
+    """The HF DDP case of issue 25 (``no part 'rank-00001'`` was skipped as corrupt):
+    on 2 real gloo ranks, both raise, neither saves, the run is untouched."""
+    import json
+    import socket
+
+    from ckpt.resume_check import _forkserver, _main_not_reimported
+
+    if not torch.distributed.is_gloo_available():
+        pytest.skip("gloo is not available")
+    run = tmp_path / "run"
+    _save_run(run, width=4)
+    before = _tree(run)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = _forkserver()
+    procs = [ctx.Process(target=_grow_worker, args=(r, port, str(run), str(tmp_path))) for r in range(2)]
+    with _main_not_reimported():
+        for p in procs:
+            p.start()
+    for p in procs:
+        p.join(150)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    assert not any("crash" in r for r in results), results
+    assert [r.get("saved") for r in results] == [False, False]
+    assert "no part 'rank-00001'" in results[1]["error"] and results[1]["key"] == "rank-00001"
+    assert "another rank" in results[0]["error"]  # rank 0's part fits; it stops with rank 1
+    assert results[0]["path"] == results[1]["path"] == str(run / "step-00000004")
+    assert _tree(run) == before
