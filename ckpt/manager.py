@@ -34,11 +34,19 @@ raised as ``BackgroundSaveError`` by the next call into the manager (``after_ste
 
 **Latest valid.** ``resume()`` lists committed ``step-*`` directories (``.tmp-*`` are
 never candidates), newest first, and loads the first that loads: every chunk verified
-and every check passed before any target is written (``ckpt.load`` is all or nothing),
-so it falls back past a checkpoint that fails *for any reason* (corrupt, content load
-cannot take, state that does not fit); only the strict exactness gate propagates. Each
-one skipped is named in a ``ResumeFallbackWarning`` with the error that disqualified it
-(file, chunk, offset).
+and every check passed before any target is written (``ckpt.load`` is all or nothing).
+It falls back past a checkpoint that is *damaged* (corrupt, truncated, content load
+cannot take, removed meanwhile), each named in a ``ResumeFallbackWarning`` with the error
+that disqualified it (file, chunk, offset), and past nothing else. An intact checkpoint
+that does not fit the state (other keys, shapes or dtypes: a changed model) or the world
+(no part for this rank) raises ``ResumeMismatchError`` naming the checkpoint, the key and
+both shapes: no older checkpoint of the run would fit either, and a fresh start would
+overwrite the run. Nothing in the run directory is changed, and the manager refuses to
+save until a later resume succeeds. The strict exactness gate and a checkpoint of a newer
+format version stop the resume too. :func:`latest` returns the checkpoint ``resume()``
+will choose, and its config, without loading it; a config other than the checkpoint's is
+named in one ``ConfigChangedWarning``. ``save(step)`` never replaces a committed checkpoint
+unless asked (``overwrite=True``), except one the resume skipped as damaged.
 
 **Retention.** ``RetentionPolicy``: keep the last K, keep every step divisible by N, keep
 the best M by a metric passed to ``after_step(metrics=...)`` (stored in the manifest's
