@@ -331,14 +331,13 @@ def latest(run_dir: str | os.PathLike[str], *, verify: bool = True, storage: Sto
         found = ckpt.latest("runs/gpt")
         cfg = found.config["model"] if found else default_model_config
     """
-    from .reader import CheckpointReader as _Reader
-
+    storage, _ = resolve(run_dir, storage)  # one backend for the listing and the readers
     skipped: list[tuple[str, str]] = []
     for rec in reversed(list_checkpoints(run_dir, storage=storage)):
         if not rec.committed:
             continue
         try:
-            reader = _Reader(rec.path, storage=storage)
+            reader = CheckpointReader(rec.path, storage=storage)
             pe = reader.parts[0]
             if verify:
                 reader.verify()
@@ -1055,8 +1054,8 @@ class CheckpointManager:
         if self.config is None:
             return ""
         try:
-            context = CheckpointReader(path, storage=self._storage).context()
-            saved = context.get("config")
+            reader = CheckpointReader(path, storage=self._storage)
+            saved = reader.tree(reader.parts[0].name)["context"].get("config")  # the structure file only
             if not saved:
                 return ""
             from .context.config import config_hash
