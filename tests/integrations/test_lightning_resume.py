@@ -103,3 +103,27 @@ def test_a_changed_hparam_is_one_warning_naming_it(tmp_path: Path) -> None:
     msgs = [str(w.message) for w in rec if issubclass(w.category, ConfigChangedWarning)]
     assert len(msgs) == 1 and msgs[0].endswith("lr: 0.01 -> 0.05"), msgs
     assert "step-00000003.ckpt" in msgs[0]
+
+
+def test_a_plain_model_checkpoint_with_save_last_resumes_from_its_last(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(steps: int) -> Tiny:
+        torch.manual_seed(0)
+        model = Tiny()
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(40, 3, generator=g), torch.randn(40, 1, generator=g))
+        io = CkptCheckpointIO()
+        every = ModelCheckpoint(dirpath=tmp_path, filename="step-{step:08d}", auto_insert_metric_name=False,
+                                every_n_train_steps=3, save_top_k=-1, save_last=True)
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, plugins=[io],
+                             callbacks=[io.rng_callback, every], logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0)
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path="last")
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(6)
+        assert (tmp_path / "last.ckpt" / "MANIFEST").is_file()
+        assert fit(8).seen == [6, 7]
