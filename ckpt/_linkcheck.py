@@ -40,7 +40,7 @@ from .format.manifest import FileEntry
 from .knobs import knobs
 
 __all__ = ["SharedFileDamagedWarning", "Identity", "identity", "record_written", "check_linked", "is_damaged",
-           "any_damaged", "forget"]
+           "damaged_count", "forget"]
 
 #: records kept per process (a few per part and save: far above what a run links at once)
 _MAX_RECORDS = 4096
@@ -73,6 +73,7 @@ class _Record:
 
 _LOCK = threading.Lock()
 _RECORDS: "OrderedDict[Hashable, _Record]" = OrderedDict()
+_DAMAGED = [0]  # files found damaged so far (never decreases: see damaged_count)
 
 
 def identity(storage: Any, path: str) -> Identity | None:
@@ -131,10 +132,11 @@ def forget() -> None:
         _RECORDS.clear()
 
 
-def any_damaged() -> bool:
-    """Whether this process found any file damaged (the cheap test before a scan)."""
+def damaged_count() -> int:
+    """How many files this process found damaged (0: no scan for them is needed; a
+    change of it: the results of an earlier scan are stale)."""
     with _LOCK:
-        return any(r.damaged for r in _RECORDS.values())
+        return _DAMAGED[0]
 
 
 def check_linked(storage: Any, path: str, entry: FileEntry) -> str | None:
@@ -174,6 +176,8 @@ def check_linked(storage: Any, path: str, entry: FileEntry) -> str | None:
         return "changed while it was being checked"
     if why is not None:
         _put(before, _Record(before.sig, 0, True))
+        with _LOCK:
+            _DAMAGED[0] += 1
         return why
     _put(before, _Record(before.sig, cursor))
     return None

@@ -73,7 +73,9 @@ copies cost their bytes once per run. Each checkpoint stays complete on its own 
 directory entry for every byte), so retention deletes checkpoints as before and the
 filesystem frees a file's bytes when no kept checkpoint links it. Shared bytes share their
 fate (a damaged file fails every checkpoint that links it): ``dedup_full_every=K`` writes
-everything at every K-th save.
+everything at every K-th save. A save checks what it links (spec/format-2.md §V.4.6): a file
+whose bytes changed is written again from memory (``SharedFileDamagedWarning``), and
+retention does not count the checkpoints holding it toward ``keep_last``.
 
 **Signals.** The SIGTERM/SIGUSR1 handlers chain: the handler installed before the
 manager's is still called (after the flag is set), and ``close()`` puts it back unless
@@ -439,6 +441,8 @@ class CheckpointManager:
         self._guard: Any = None
         self._floor: int | None = None
         self._verified: set[tuple[str, str]] = set()
+        # checkpoint name -> holds a file found damaged, as of that many findings (_damaged)
+        self._damage_scan: tuple[int, dict[str, bool]] = (0, {})
 
         from .staging import Staging
 
@@ -1109,18 +1113,24 @@ class CheckpointManager:
     def _damaged(self) -> set[str]:
         """The committed checkpoints holding a file that a dedup save of this process found
         damaged (spec/format-2.md §V.4.6): retention does not count them as kept."""
-        if not _linkcheck.any_damaged():
+        seen = _linkcheck.damaged_count()
+        if not seen:
             return set()
+        if self._damage_scan[0] != seen:  # a new finding: what was scanned before is stale
+            self._damage_scan = (seen, {})
+        scanned = self._damage_scan[1]
         out = set()
-        for r in list_checkpoints(self.run_dir, storage=self._storage):
-            if not r.committed:
-                continue
-            storage, root = resolve(r.path, self._storage)
-            try:
-                names = storage.listdir(root)
-            except OSError:
-                continue
-            if any(_linkcheck.is_damaged(storage, os.path.join(root, n)) for n in names):
+        committed = [r for r in list_checkpoints(self.run_dir, storage=self._storage) if r.committed]
+        for r in committed:
+            # the newest is scanned every time: a save may have replaced it under its name
+            if r.name not in scanned or r is committed[-1]:
+                storage, root = resolve(r.path, self._storage)
+                try:
+                    names = storage.listdir(root)
+                except OSError:
+                    continue
+                scanned[r.name] = any(_linkcheck.is_damaged(storage, os.path.join(root, n)) for n in names)
+            if scanned[r.name]:
                 out.add(r.name)
         # The guard's cache of verified checkpoints assumed committed files never change.
         self._verified = {key for key in self._verified if key[0] not in out}
