@@ -240,7 +240,10 @@ def link_shared(
             _warn_damaged(s.source, why)
             drop = getattr(storage, "delete", None)
             if callable(drop):  # an object store's copy: it holds the damaged bytes under a name
-                drop([dst])     # that would make this checkpoint look damaged to retention
+                try:            # that would make this checkpoint look damaged to retention
+                    drop([dst])
+                except OSError:
+                    pass  # left unnamed: readers ignore it, and retention keeps more, never less
         for e in s.tensors:
             (layout.packed if layout.encode[e.key] else layout.plain).append((e.key, layout.tensors[e.key]))
     if len(keep) != len(layout.shared):
