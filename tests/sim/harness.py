@@ -157,43 +157,23 @@ def _flip_object(store: Any, rec: Recorder, rng: random.Random) -> None:
     rec.flip = {"file": target, "offset": off, "bit": bit, "ino": target, "dev": "s3", "existing": ckpts}
 
 
-def wp_save(fs: FaultyStorage, data: str, rec: Recorder, trial: "Trial", rng: random.Random) -> None:
-    import ckpt
+def _plain_path(**opts: Any) -> Callable[..., None]:
+    """``ckpt.save`` STEPS times: to a new name per step, or (``overwrite``) to one name."""
+    one_name = bool(opts.get("overwrite"))
 
-    state = _make_state(trial.seed)
-    for step in range(1, STEPS + 1):
-        _train_step(state, step)
-        name = os.path.join(data, f"step-{step:08d}")
-        i = rec.attempt(name, step, state)
-        ckpt.save(name, state, step=step, storage=fs)
-        rec.returned(i)
-        _between(fs, rec, trial, step, rng)
+    def run(fs: FaultyStorage, data: str, rec: Recorder, trial: "Trial", rng: random.Random) -> None:
+        import ckpt
 
+        state = _make_state(trial.seed)
+        for step in range(1, STEPS + 1):
+            _train_step(state, step)
+            name = os.path.join(data, "latest" if one_name else f"step-{step:08d}")
+            i = rec.attempt(name, step, state)
+            ckpt.save(name, state, step=step, storage=fs, **opts)
+            rec.returned(i)
+            _between(fs, rec, trial, step, rng)
 
-def wp_overwrite(fs: FaultyStorage, data: str, rec: Recorder, trial: "Trial", rng: random.Random) -> None:
-    import ckpt
-
-    state = _make_state(trial.seed)
-    name = os.path.join(data, "latest")
-    for step in range(1, STEPS + 1):
-        _train_step(state, step)
-        i = rec.attempt(name, step, state)
-        ckpt.save(name, state, step=step, storage=fs, overwrite=True)
-        rec.returned(i)
-        _between(fs, rec, trial, step, rng)
-
-
-def wp_compress(fs: FaultyStorage, data: str, rec: Recorder, trial: "Trial", rng: random.Random) -> None:
-    import ckpt
-
-    state = _make_state(trial.seed)
-    for step in range(1, STEPS + 1):
-        _train_step(state, step)
-        name = os.path.join(data, f"step-{step:08d}")
-        i = rec.attempt(name, step, state)
-        ckpt.save(name, state, step=step, storage=fs, compress=True)
-        rec.returned(i)
-        _between(fs, rec, trial, step, rng)
+    return run
 
 
 def wp_parts(fs: FaultyStorage, data: str, rec: Recorder, trial: "Trial", rng: random.Random) -> None:
@@ -243,9 +223,9 @@ def _manager_path(**opts: Any) -> Callable[..., None]:
 
 
 WRITE_PATHS: dict[str, Callable[..., None]] = {
-    "save": wp_save,
-    "overwrite": wp_overwrite,
-    "compress": wp_compress,
+    "save": _plain_path(),
+    "overwrite": _plain_path(overwrite=True),
+    "compress": _plain_path(compress=True),
     "parts": wp_parts,
     "manager": _manager_path(),
     "manager-async": _manager_path(async_save=True),
@@ -254,8 +234,8 @@ WRITE_PATHS: dict[str, Callable[..., None]] = {
 MANAGED = {"manager", "manager-async", "manager-dedup", "s3-manager"}
 #: the same write paths against the object store (the test server): commit by MANIFEST-last
 S3_PATHS: dict[str, Callable[..., None]] = {
-    "s3-save": wp_save,
-    "s3-overwrite": wp_overwrite,
+    "s3-save": _plain_path(),
+    "s3-overwrite": _plain_path(overwrite=True),
     "s3-manager": _manager_path(),
 }
 
