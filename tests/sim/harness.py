@@ -222,6 +222,59 @@ def _manager_path(**opts: Any) -> Callable[..., None]:
     return run
 
 
+def wp_rewind(fs: FaultyStorage, data: str, rec: Recorder, trial: "Trial", rng: random.Random) -> None:
+    """Save, roll back (``CheckpointManager.rewind``: load an older step and delete the newer
+    timeline), then save the new timeline over the same step numbers."""
+    from ckpt import CheckpointManager, RetentionPolicy
+
+    state = _make_state(trial.seed)
+    mgr = CheckpointManager(data, state, storage=fs, retention=RetentionPolicy(keep_last=3), ledger=False)
+    try:
+        steps = list(range(1, STEPS + 1))
+        for step in steps[:3]:
+            _train_step(state, step)
+            i = rec.attempt(os.path.join(data, f"step-{step:08d}"), step, state)
+            mgr.save(step)
+            rec.returned(i)
+            _between(fs, rec, trial, step, rng)
+        mgr.rewind(before=3)  # back to step 2; step 3 is discarded
+        rec.attempts = [a for a in rec.attempts if a["step"] < 3 or not a["returned"]] + \
+            [dict(a, returned=False) for a in rec.attempts if a["step"] >= 3 and a["returned"]]
+        for step in steps[2:]:
+            _train_step(state, step + 100)  # another timeline: other values under the same names
+            i = rec.attempt(os.path.join(data, f"step-{step:08d}"), step, state)
+            mgr.save(step)
+            rec.returned(i)
+            _between(fs, rec, trial, step, rng)
+    finally:
+        if not fs.crashed:
+            mgr.close()
+
+
+def wp_distributed(fs: FaultyStorage, data: str, rec: Recorder, trial: "Trial", rng: random.Random) -> None:
+    """``ckpt.distributed.DistributedCheckpointer.save`` (the collective save) in a
+    one-rank gloo group."""
+    import torch.distributed as dist
+
+    from ckpt.distributed import DistributedCheckpointer
+
+    store = dist.FileStore(os.path.join(rec.root, "pg-store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        dc = DistributedCheckpointer()
+        state = _make_state(trial.seed)
+        for step in range(1, STEPS + 1):
+            _train_step(state, step)
+            name = os.path.join(data, f"step-{step:08d}")
+            i = rec.attempt(name, step, state)
+            dc.save(name, state, step=step, storage=fs)
+            rec.returned(i)
+            _between(fs, rec, trial, step, rng)
+    finally:
+        if not fs.crashed:
+            dist.destroy_process_group()
+
+
 WRITE_PATHS: dict[str, Callable[..., None]] = {
     "save": _plain_path(),
     "overwrite": _plain_path(overwrite=True),
@@ -230,8 +283,10 @@ WRITE_PATHS: dict[str, Callable[..., None]] = {
     "manager": _manager_path(),
     "manager-async": _manager_path(async_save=True),
     "manager-dedup": _manager_path(dedup=True),
+    "rewind": wp_rewind,
+    "distributed": wp_distributed,
 }
-MANAGED = {"manager", "manager-async", "manager-dedup", "s3-manager"}
+MANAGED = {"manager", "manager-async", "manager-dedup", "s3-manager", "rewind"}
 #: the same write paths against the object store (the test server): commit by MANIFEST-last
 S3_PATHS: dict[str, Callable[..., None]] = {
     "s3-save": _plain_path(),
@@ -589,7 +644,7 @@ def check(trial: Trial, root: str, got: dict[str, Any]) -> list[str]:
         damaged = trial.fault == "flip" and _holds_inode(newest["name"], flip)
         if not ok and not replaced_ok and not damaged:
             v.append(f"V4 the newest returned save {newest['name']} (step {newest['step']}) is gone or does not load")
-        if trial.path in ("save", "compress", "parts", "s3-save"):
+        if trial.path in ("save", "compress", "parts", "s3-save", "distributed"):
             for a in returned:
                 if not status.get(a["name"], (False, False, None))[1] and not (trial.fault == "flip" and _holds_inode(a["name"], flip)):
                     v.append(f"V4 returned save {a['name']} is gone or does not load")
