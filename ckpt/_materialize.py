@@ -28,8 +28,12 @@ class TensorSource(PartSource, Protocol):
     """The reading half of ``CheckpointReader`` that materialisation uses."""
 
     def read_tensor_bytes_into(
-        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, fd: int | None = None
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, handle: Any = None
     ) -> None: ...
+
+    def check_file(
+        self, pe: PartEntry, index: int, keys: set[str] | None = None, *, verify: bool = True, handle: Any = None
+    ) -> int: ...
 
     def read_tensors_into(self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True) -> None: ...
 

@@ -446,10 +446,13 @@ class SpanDecoder:
     ) -> None:
         """``dst``: where the values go. Or ``sink`` (with ``nbytes``): each decoded block's
         values are handed to it in order, from one reused block buffer (verification
-        hashes values without holding them)."""
+        hashes values without holding them). Or neither (with ``nbytes``): every rule of
+        §V.3.3 is checked and every zstd frame decompressed, but the planes are not
+        merged into values (the merge cannot fail once the lengths are checked), so a
+        span that passes decodes into any destination (verify, pass 1 of a load)."""
         if dst is None:
-            if sink is None or nbytes is None:
-                raise ValueError("a SpanDecoder needs dst, or sink and nbytes")
+            if nbytes is None:
+                raise ValueError("a SpanDecoder needs dst, or nbytes (with a sink, or to check only)")
             self._dst = memoryview(b"")
             self.nbytes = nbytes
         else:
@@ -565,7 +568,7 @@ class SpanDecoder:
         lo = self._b * self._block
         raw_len = min(self._block, self.nbytes - lo)
         at = 0 if self._sink is not None else lo
-        target = self._dst[at : at + raw_len]
+        target: memoryview | int = self._dst[at : at + raw_len] if len(self._dst) else raw_len  # int: check only
         if self._pool is not None:
             data = unit if isinstance(unit.obj, bytes) else memoryview(bytes(unit))  # the caller reuses its piece
             self._jobs.append(self._pool.submit(self._decode_block, data, target, self._b, self._pos))
@@ -574,15 +577,16 @@ class SpanDecoder:
         else:
             self._decode_block(unit, target, self._b, self._pos)
             if self._sink is not None:
-                self._sink(target)
+                self._sink(target)  # type: ignore[arg-type]  # a sink always has its block buffer
         self._pos += len(unit)
         self._b += 1
 
-    def _decode_block(self, unit: memoryview, target: memoryview, b: int, at: int) -> None:
+    def _decode_block(self, unit: memoryview, target: memoryview | int, b: int, at: int) -> None:
         """Block ``b`` (its stored bytes ``unit``, at span byte ``at``; header already
-        checked by ``_want``) into ``target``. Runs on any thread."""
+        checked by ``_want``) into ``target``, or (an int: its raw length) only checked.
+        Runs on any thread."""
         e = self.itemsize
-        plane_len = len(target) // e
+        plane_len = (target if isinstance(target, int) else len(target)) // e
         codecs = bytes(unit[:e])
         lengths = struct.unpack_from(f"<{e}I", unit, e)
         planes: list[Any] = []
@@ -591,7 +595,8 @@ class SpanDecoder:
             piece = unit[pos : pos + n]
             planes.append(piece if c == _STORED else self._inflate(piece, plane_len, at + pos, b, p))
             pos += n
-        _merge(planes, e, target)
+        if not isinstance(target, int):
+            _merge(planes, e, target)
 
     def _inflate(self, frame: memoryview, plane_len: int, at: int, b: int, p: int) -> bytes:
         w = self._where

@@ -278,22 +278,22 @@ def build(out: Path) -> list[str]:
             return _span(values, 4, pl)
         return make
 
-    bad("invalid-zstd-plane-claims-1-gib", with_span(top_plane(lambda p: _zstd_with_size(p, 1 << 30))), "FormatError", "state",
+    bad("invalid-zstd-plane-claims-1-gib", with_span(top_plane(lambda p: _zstd_with_size(p, 1 << 30))), "FormatError", "verify",
         "The exponent plane's zstd frame declares 1 GiB for a 1024-byte plane: refused before decompressing.")
-    bad("invalid-zstd-plane-inflates", with_span(top_plane(lambda p: _zstd_with_size(p + p, len(p)))), "FormatError", "state",
+    bad("invalid-zstd-plane-inflates", with_span(top_plane(lambda p: _zstd_with_size(p + p, len(p)))), "FormatError", "verify",
         "A frame that declares its plane's 1024 bytes but holds 2048: refused, never written past the plane.")
     bad("invalid-zstd-plane-no-content-size", with_span(top_plane(lambda p: _zstd_with_size(p, None))), "FormatError",
-        "state", "A zstd plane whose frame has no Frame_Content_Size.")
+        "verify", "A zstd plane whose frame has no Frame_Content_Size.")
     bad("invalid-plane-reserved-codec", with_span(lambda v: _span(v, 4, [(0, bytes(v[0::4])), (0, bytes(v[1::4])),
                                                                           (2, bytes(v[2::4])), (0, bytes(v[3::4]))])),
-        "FormatError", "state", "Plane codec 2 (reserved).")
+        "FormatError", "verify", "Plane codec 2 (reserved).")
 
     def not_zstd(values: bytes) -> bytes:
         pl = planes_of(values)
         pl[3] = (1, b"\x28\xb5\x2f\xfe")
         return _span(values, 4, pl)
 
-    bad("invalid-plane-not-zstd", with_span(not_zstd), "FormatError", "state",
+    bad("invalid-plane-not-zstd", with_span(not_zstd), "FormatError", "verify",
         "A plane marked zstd whose 4 stored bytes are not a zstd frame.")
 
     def zeros_base(ck: Path) -> None:
@@ -308,10 +308,10 @@ def build(out: Path) -> list[str]:
 
         replace_file(ck, pf, span, edit_tensors=edit)
 
-    bad("invalid-plane-expansion-bound", expansion, "FormatError", "state",
+    bad("invalid-plane-expansion-bound", expansion, "FormatError", "verify",
         "A 40000-byte plane (uint8 zeros) stored in 1 byte: above the 32768x expansion bound, refused before any "
         "decompression.", base=zeros_base)
-    bad("invalid-span-bad-magic", with_span(lambda v: _span(v, 4, magic=b"BPZ2")), "FormatError", "state",
+    bad("invalid-span-bad-magic", with_span(lambda v: _span(v, 4, magic=b"BPZ2")), "FormatError", "verify",
         "A span whose magic is BPZ2.")
 
     def short(ck: Path) -> None:
@@ -331,7 +331,7 @@ def build(out: Path) -> list[str]:
 
         replace_file(ck, pf, new, edit_tensors=edit)
 
-    bad("invalid-span-one-byte-short", short, "FormatError", "state",
+    bad("invalid-span-one-byte-short", short, "FormatError", "verify",
         "The span's last byte removed (stored length and later offsets re-signed): the last block ends past the span.")
 
     def flip_packed(ck: Path) -> None:

@@ -815,9 +815,9 @@ def test_mmap_fresh_load_is_exact_private_and_verified(tmp_path):
 
 def test_parallel_unverified_reads_are_exact(tmp_path, monkeypatch):
     """Large parts read without verification split reads over two threads; bits unchanged."""
-    import ckpt.reader as reader_mod
+    import ckpt._ranges as reader_mod
 
-    monkeypatch.setattr(reader_mod, "_PIPELINE_MIN_BYTES", 0)
+    monkeypatch.setattr(reader_mod, "PIPELINE_MIN_BYTES", 0)
     with ckpt.knobs.override(read_request=4096):
         ts = {"a": torch.randn(10_001, dtype=torch.float64), "b": torch.arange(7777, dtype=torch.int16), "c": torch.randn(3, 5)}
         ckpt.save(tmp_path / "c", {"w": ts}, step=0)
