@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from .storage import ReadHandle
 
-__all__ = ["Target", "RangeWalker", "ChunkVerifier", "read_tiled", "PIECE", "PIPELINE_MIN_BYTES"]
+__all__ = ["Target", "RangeWalker", "ChunkVerifier", "read_tiled", "check_digests", "PIECE", "PIPELINE_MIN_BYTES"]
 
 #: ranges at least this long are hashed on a second thread while the next piece is read
 PIPELINE_MIN_BYTES = 32 << 20
@@ -116,6 +116,17 @@ def _values_digest_error(path: str, t: TensorEntry) -> ChecksumMismatchError:
     return ChecksumMismatchError(
         "tensor values do not match the digest the manifest records", path=path, offset=t.offset, key=t.key
     )
+
+
+def check_digests(path: str, entries: Sequence[TensorEntry], mapped: memoryview) -> None:
+    """Compare the recorded digests (format 2.0) of plain tensors with their bytes in a
+    whole-file buffer (a verified mapping): the check every walk makes as it reads."""
+    import xxhash
+
+    for t in entries:
+        if t.digest is not None and t.encoding is None:
+            if xxhash.xxh3_128_digest(mapped[t.offset : t.offset + t.nbytes]) != t.digest:
+                raise _values_digest_error(path, t)
 
 
 class _Delivery:

@@ -538,6 +538,7 @@ class CheckpointReader:
         map_location: Any = None,
         verify: bool = True,
         mmap: bool | None = None,
+        unsafe_mmap: bool = False,
     ) -> Any:
         """The saved state of a part as plain trees of fresh tensors: every entry, or one.
 
@@ -554,13 +555,19 @@ class CheckpointReader:
         lease can be taken (another user's file, NFS, the first load off the main
         thread), the bytes are read into fresh tensors instead.
 
-        ``mmap=False`` always reads into fresh tensors (resizable storages, nothing
-        shared with the page cache). ``mmap=True`` maps even where no lease can be
-        taken; then the one caveat is yours: do not truncate the file while the tensors
-        live (the process would get SIGBUS).
-        """
-        from ._materialize import materialize_entry, materialize_state
+        The lease also covers an in-place overwrite: opening the file for writing breaks
+        it the same way, so the tensors keep the verified bytes.
 
+        ``mmap=False`` always reads into fresh tensors (resizable storages, nothing
+        shared with the page cache). ``mmap=True`` insists on the protected mapping: where
+        no lease can be taken it raises ``UnprotectedMappingError`` instead of reading.
+        ``unsafe_mmap=True`` maps even where no lease can be taken; then the caveats are
+        yours: a write into the file in place changes the returned tensors silently, and
+        a truncation kills the process (SIGBUS) at its next access to them.
+        """
+        from ._materialize import check_mmap_options, materialize_entry, materialize_state
+
+        check_mmap_options(mmap, unsafe_mmap)
         if entry is not None and part is None:
             entry, part = self._entry_or_part(entry)
         if part is None and "sharded" in self.meta:  # sharded hook: global tensors (ckpt.dcp)
@@ -574,8 +581,8 @@ class CheckpointReader:
             return full[entry]
         pe = self.part(part)
         if entry is None:
-            return materialize_state(self, pe, map_location=map_location, verify=verify, mmap=mmap)
-        return materialize_entry(self, pe, entry, map_location=map_location, verify=verify, mmap=mmap)
+            return materialize_state(self, pe, map_location=map_location, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
+        return materialize_entry(self, pe, entry, map_location=map_location, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
 
     def _entry_or_part(self, name: str) -> tuple[str | None, str | None]:
         """``state(NAME)`` selects an entry. A part name there is the old signature

@@ -800,7 +800,7 @@ def test_mmap_fresh_load_is_exact_private_and_verified(tmp_path):
     tensors["empty"] = torch.empty(0, 4)
     ckpt.save(tmp_path / "c", {"s": tensors}, step=0)
     before = (tmp_path / "c" / "rank-00000.safetensors").read_bytes()
-    got = ckpt.open(tmp_path / "c").state(mmap=True)["s"]
+    got = ckpt.open(tmp_path / "c").state(unsafe_mmap=True)["s"]
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
     got["float32"].add_(1)  # copy-on-write: the file must not change
@@ -810,7 +810,7 @@ def test_mmap_fresh_load_is_exact_private_and_verified(tmp_path):
     raw[-2] ^= 1
     (tmp_path / "c" / "rank-00000.safetensors").write_bytes(bytes(raw))
     with pytest.raises(ChecksumMismatchError):
-        ckpt.open(tmp_path / "c").state(mmap=True)
+        ckpt.open(tmp_path / "c").state(unsafe_mmap=True)
 
 
 def test_parallel_unverified_reads_are_exact(tmp_path, monkeypatch):
