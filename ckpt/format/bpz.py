@@ -570,8 +570,14 @@ class SpanDecoder:
         at = 0 if self._sink is not None else lo
         target: memoryview | int = self._dst[at : at + raw_len] if len(self._dst) else raw_len  # int: check only
         if self._pool is not None:
-            data = unit if isinstance(unit.obj, bytes) else memoryview(bytes(unit))  # the caller reuses its piece
-            self._jobs.append(self._pool.submit(self._decode_block, data, target, self._b, self._pos))
+            if isinstance(target, int):
+                # Checking reads only the zstd frames (the block header was checked in
+                # _want): copy those, not the stored planes (most of a float block).
+                job = self._pool.submit(self._check_frames, self._frames_only(unit), target, self._b, self._pos)
+            else:
+                data = unit if isinstance(unit.obj, bytes) else memoryview(bytes(unit))  # the caller reuses its piece
+                job = self._pool.submit(self._decode_block, data, target, self._b, self._pos)
+            self._jobs.append(job)
             while len(self._jobs) > self._window:
                 self._jobs.popleft().result()
         else:
@@ -580,6 +586,25 @@ class SpanDecoder:
                 self._sink(target)  # type: ignore[arg-type]  # a sink always has its block buffer
         self._pos += len(unit)
         self._b += 1
+
+    def _frames_only(self, unit: memoryview) -> list[tuple[int, int, bytes]]:
+        """The zstd frames of block ``unit`` as ``(plane, offset in the block, bytes)``,
+        copied out of the caller's piece (checking reads nothing else)."""
+        e = self.itemsize
+        codecs = bytes(unit[:e])
+        lengths = struct.unpack_from(f"<{e}I", unit, e)
+        out = []
+        pos = 5 * e
+        for p, (c, n) in enumerate(zip(codecs, lengths)):
+            if c == _ZSTD:
+                out.append((p, pos, bytes(unit[pos : pos + n])))
+            pos += n
+        return out
+
+    def _check_frames(self, frames: list[tuple[int, int, bytes]], raw_len: int, b: int, at: int) -> None:
+        """Decompress (and drop) each zstd frame of block ``b`` (a check-only job)."""
+        for p, pos, frame in frames:
+            self._inflate(memoryview(frame), raw_len // self.itemsize, at + pos, b, p)
 
     def _decode_block(self, unit: memoryview, target: memoryview | int, b: int, at: int) -> None:
         """Block ``b`` (its stored bytes ``unit``, at span byte ``at``; header already

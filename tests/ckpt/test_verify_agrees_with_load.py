@@ -26,7 +26,7 @@ import pytest
 import torch
 import zstandard
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import ckpt
@@ -280,7 +280,7 @@ def check_agreement(ck: Path, key: str) -> tuple[bool, BaseException | None]:
 
 
 @pytest.mark.timeout(600)
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(data=st.data(), base=st.sampled_from(["plain", "dedup"]), key=st.sampled_from(["model/w", "model/h", "model/d"]),
        name=st.sampled_from(sorted(MUTATORS)))
 def test_verify_passes_exactly_what_load_loads(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
@@ -290,7 +290,8 @@ def test_verify_passes_exactly_what_load_loads(bases: dict[str, Path], tmp_path_
     span, e, n = _span_of(ck, key)
     new = MUTATORS[name](span, e, n, data.draw)
     replace_span(ck, key, new)
-    check_agreement(ck, key)
+    ok, err = check_agreement(ck, key)
+    event(f"{name}: {'loads' if ok else type(err).__name__}")
 
 
 # --- fixed cases: the four defects, each must fail verify (and the CLI) -------------------------------
