@@ -92,6 +92,25 @@ def replace_file(ck: Path, name: str, data: bytes, *, edit_tensors: Callable[[li
     sign_v2(ck, body)
 
 
+def replace_span(ck: Path, key: str, span: bytes) -> None:
+    """Put ``span`` in place of packed tensor ``key``'s (first part) and re-sign: its stored
+    length, the offsets of the spans after it, the packed file's size and chunk digests,
+    the content id."""
+    pf = _packed_file(ck)
+    e = _first_packed(raw_body_v2(ck), key)
+    data = (ck / pf).read_bytes()
+    delta = len(span) - e[7][1]
+
+    def edit(ts: list[Any]) -> None:
+        for t in ts:
+            if t[0] == key:
+                t[7][1] = len(span)
+            elif t[7] is not None and t[4] > e[4]:
+                t[4] += delta
+
+    replace_file(ck, pf, data[: e[4]] + span + data[e[4] + e[7][1] :], edit_tensors=edit)
+
+
 def _part_body(ck: Path, mname: str) -> dict[str, Any]:
     data = (ck / mname).read_bytes()
     (n,) = struct.unpack_from("<Q", data, 16)
@@ -249,23 +268,7 @@ def build(out: Path) -> list[str]:
     def with_span(make: Callable[[bytes], bytes]) -> Callable[[Path], None]:
         """Replace w32's span by ``make(values)``; the span is first in the packed file."""
         def f(ck: Path) -> None:
-            pf = _packed_file(ck)
-            body = raw_body_v2(ck)
-            e = _first_packed(body, W32)
-            data = (ck / pf).read_bytes()
-            values = _pattern(torch.float32, 1024, 1).numpy().tobytes()
-            span = make(values)
-            new = data[: e[4]] + span + data[e[4] + e[7][1] :]
-            delta = len(span) - e[7][1]
-
-            def edit(ts: list[Any]) -> None:
-                for t in ts:
-                    if t[0] == W32:
-                        t[7][1] = len(span)
-                    elif t[7] is not None and t[4] > e[4]:
-                        t[4] += delta
-
-            replace_file(ck, pf, new, edit_tensors=edit)
+            replace_span(ck, W32, make(_pattern(torch.float32, 1024, 1).numpy().tobytes()))
         return f
 
     def planes_of(values: bytes) -> list[tuple[int, bytes]]:

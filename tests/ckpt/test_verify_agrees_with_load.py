@@ -90,22 +90,7 @@ def _span_of(ck: Path, key: str) -> tuple[bytes, int, int]:
     return data[e[4] : e[4] + e[7][1]], {"float32": 4, "bfloat16": 2, "float64": 8}[t.dtype], t.nbytes
 
 
-def replace_span(ck: Path, key: str, span: bytes) -> None:
-    """Put ``span`` in place of ``key``'s and re-sign: its stored length, the offsets of
-    the spans after it, the packed file's size and chunk digests, the content id."""
-    pf = v2._packed_file(ck)
-    e = _entry(ck, key)
-    data = (ck / pf).read_bytes()
-    delta = len(span) - e[7][1]
-
-    def edit(ts: list[Any]) -> None:
-        for t in ts:
-            if t[0] == key:
-                t[7][1] = len(span)
-            elif t[7] is not None and t[4] > e[4]:
-                t[4] += delta
-
-    v2.replace_file(ck, pf, data[: e[4]] + span + data[e[4] + e[7][1] :], edit_tensors=edit)
+replace_span = v2.replace_span
 
 
 def blocks(span: bytes, e: int, nbytes: int) -> list[tuple[int, list[int], list[int]]]:
