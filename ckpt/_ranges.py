@@ -192,6 +192,12 @@ class _Run:
     def consume(self, at: int, piece: memoryview, *, last: bool = False) -> None:
         """Hash ``piece`` (at file byte ``at``), then deliver it. ``last``: the run's one
         piece: its chunks are all checked before any destination is written."""
+        if at + len(piece) > self.stop:
+            # Read ahead (on the pipelined path) past the chunk a span failed in: only the
+            # chunks up to there are hashed, so the error reported is that chunk's or the span's.
+            if at >= self.stop:
+                return
+            piece = piece[: self.stop - at]
         if self.verifier is not None:
             self.verifier.update(piece)  # a corrupt chunk is named before its bytes are decoded
             if last:

@@ -346,3 +346,30 @@ def test_a_valid_resigned_span_still_loads(bases: dict[str, Path], tmp_path: Pat
     ok, err = check_agreement(ck, "model/w")
     assert ok, err
     assert torch.equal(ckpt.open(ck).tensor("model/w"), _state(1)["model"]["w"])
+
+
+@pytest.mark.parametrize("what", ["bad-magic", "lying-zstd-frame"])
+def test_the_pipelined_walk_reports_the_span_error_with_chunks_larger_than_its_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    """Large files are hashed on a second thread while the next piece is read; after a span
+    fails to decode, the walk hashes on to the end of that chunk only, so a chunk larger
+    than a piece is never hashed half and reported as corrupt."""
+    import ckpt._ranges as ranges
+
+    monkeypatch.setattr(ranges, "PIPELINE_MIN_BYTES", 0)
+    monkeypatch.setattr(ranges, "PIECE", 8192)
+    ck = tmp_path / "step-00000001"
+    with override(chunk_size=16384, bpz_block=4096):
+        ckpt.save(ck, {"model": {f"w{i}": torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(6)}},
+                  step=1, compress=lambda key, dtype, nbytes: True)
+    span, e, n = _span_of(ck, "model/w1")
+    replace_span(ck, "model/w1", FIXED[what](span, e, n))
+    for _ in range(5):
+        with pytest.raises(FormatError, match="BPZ1 span") as ei:
+            ckpt.open(ck).verify()
+        assert type(ei.value) is FormatError and ei.value.key == "model/w1"
+        targets = {"model": {f"w{i}": torch.zeros(4096) for i in range(6)}}
+        with pytest.raises(FormatError, match="BPZ1 span"):
+            ckpt.load(ck, targets, restore_rng=False, exactness="off")
+        assert all(not v.any() for v in targets["model"].values())
