@@ -3,24 +3,24 @@
 Opening reads only MANIFEST and a directory listing, and checks structure: names,
 sizes, file types, nothing missing and nothing extra. Tensor bytes are read on
 demand and every chunk they touch is verified against the digests written at save
-time, unless the caller opts out. Nothing in this module imports torch at import
-time: ``ckpt inspect`` and ``ckpt verify`` use it without torch.
+time, unless the caller opts out. Every read of a data file (verify, lazy tensors, the
+streaming fresh load, both passes of the in-place load) goes through the one range
+walker of ``ckpt._ranges``, so verify checks exactly what a load decodes. Nothing in
+this module imports torch at import time: ``ckpt inspect`` and ``ckpt verify`` use it
+without torch.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import stat
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ._gc import paused as gc_paused
 from ._ranges import ChunkVerifier, RangeWalker, Target, read_tiled
 from ._statecheck import check_part
 from .errors import (
-    ChecksumMismatchError,
     CheckpointNotFoundError,
     CheckpointVanishedError,
     CkptError,
@@ -34,7 +34,7 @@ from .errors import (
     UnsafePathError,
 )
 from .format.codec import unpackb, zstd_decompress
-from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
+from .format.digest import chunk_count
 from .format.context import check_context, check_entry_names
 from .format.manifest import (
     MANIFEST_NAME,
