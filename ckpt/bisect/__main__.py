@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ckpt.bisect")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("capsule", help="restore a checkpoint, run up to STEP-1, write STEP's capsule")
-    c.add_argument("checkpoint")
+    c.add_argument("checkpoint", help="a checkpoint, or 'start': the target as built (step 0)")
     c.add_argument("--entry", required=True)
     c.add_argument("--step", type=int)
     c.add_argument("--out", required=True)
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target(a.entry)
     if a.cmd == "capsule":
-        got = make_capsule(a.checkpoint, target, a.out, step=a.step)
+        got = make_capsule(None if a.checkpoint == "start" else a.checkpoint, target, a.out, step=a.step)
         print(f"capsule of step {got.step}: {a.out}")
     else:
         trace = trace_capsule(a.capsule, target, keep_tensors=not a.digests_only)

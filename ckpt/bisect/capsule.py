@@ -131,25 +131,29 @@ def open_capsule(path: str | os.PathLike[str], state: Mapping[str, Any], *, data
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def make_capsule(checkpoint: str, target: Target, out: str, *, step: int | None = None) -> OpenedCapsule:
+def make_capsule(checkpoint: str | None, target: Target, out: str, *, step: int | None = None) -> OpenedCapsule:
     """Restore ``checkpoint`` into the target, re-execute the steps up to ``step`` - 1, draw
     step ``step``'s batch and write its capsule (``step`` defaults to the one right after
-    the checkpoint)."""
+    the checkpoint). ``checkpoint=None`` starts from the target as built: step 0 of a run
+    whose script seeds everything it draws."""
     from .. import load
 
     if target.next_batch is None:
         raise CkptError("making a capsule needs Target(next_batch=...): the batch of the step comes from the script")
-    res = load(checkpoint, target.state, data=target.data, generators=target.generators, exactness="off")
-    at = int(res.step or 0)
+    if checkpoint is None:
+        at, rid = 0, "start"
+    else:
+        res = load(checkpoint, target.state, data=target.data, generators=target.generators, exactness="off")
+        at, rid = int(res.step or 0), res.id
     step = at + 1 if step is None else step
     if step <= at:
-        raise CkptError(f"step {step} is not after the checkpoint's step {at}", path=checkpoint)
+        raise CkptError(f"step {step} is not after the checkpoint's step {at}", path=checkpoint or "")
     for _ in range(at + 1, step):
         target.step(target.next_batch())
     batch = target.next_batch()
     write_capsule(out, target.state, batch, step=step, data=target.data, generators=target.generators,
-                  source=os.path.abspath(checkpoint))
-    return OpenedCapsule(step, batch, res.id, checkpoint)
+                  source=os.path.abspath(checkpoint) if checkpoint else "the target as built")
+    return OpenedCapsule(step, batch, rid, checkpoint or "")
 
 
 def trace_capsule(capsule: str, target: Target, *, keep_tensors: bool = True) -> Trace:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, NotACheckpointError
 from ..ledger import LedgerStep, LedgerTape, read_ledger_dir
-from ..ledger.compare import StepDiff, compare_step
+from ..ledger.compare import StepDiff, compare_step, used_streams
 
 __all__ = ["RunDiff", "diff_runs", "ledger_dir_of"]
 
@@ -106,11 +106,15 @@ def diff_runs(a: str, b: str) -> RunDiff:
     tb, pb = read_ledger_dir(db)
     ha, hb = _history(ta), _history(tb)
     common = sorted(set(ha) & set(hb))
+    # A stream neither run drew from (an unseeded Python or NumPy generator the script never
+    # uses) differs between processes without meaning anything: compare only streams used.
+    used = used_streams([o for t in ta for o in t.opens], ha.values()) | used_streams(
+        [o for t in tb for o in t.opens], hb.values())
     first = None
     last_equal = None
     notes: set[str] = set()
     for s in common:
-        d = compare_step(ha[s], hb[s], None)
+        d = compare_step(ha[s], hb[s], used)
         notes.update(d.not_compared)
         if d.differs:
             first = d

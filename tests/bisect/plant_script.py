@@ -6,7 +6,8 @@ module and phase (``PLANT`` environment variable), for ``ckpt bisect`` tests.
 
 PLANT (read when the model is built): ``noise`` (blocks.1.mix's forward adds noise from
 the OS: a nondeterministic op), ``stream`` (the dropout ``drop`` draws from another
-generator), ``layer`` (blocks.0.act is another activation), ``backward`` (blocks.1.gate's
+generator), ``threads`` (the same noise, only with more than one intra-op thread: what a
+parallel reduction does), ``layer`` (blocks.0.act is another activation), ``backward`` (blocks.1.gate's
 backward scales its gradient), ``optimizer`` (an extra decay after each step). PLANT_STEP: the
 first step where the plant acts (default 1).
 """
@@ -50,10 +51,11 @@ class Mix(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(DIM, DIM)
         self.noisy = False
+        self.threaded = False  # nondeterministic only with more than one intra-op thread
 
     def forward(self, x):
         y = self.lin(x)
-        if self.noisy:
+        if self.noisy or (self.threaded and torch.get_num_threads() > 1):
             noise = int.from_bytes(os.urandom(2), "little") / 65536.0 * 1e-6
             y = y + noise
         return y
@@ -106,6 +108,7 @@ class Tiny(torch.nn.Module):
 def _plant(model: Tiny, opt: torch.optim.Optimizer, on: bool) -> None:
     what = os.environ.get("PLANT", "")
     model.blocks[1].mix.noisy = on and what == "noise"
+    model.blocks[1].mix.threaded = on and what == "threads"
     model.drop.stream = on and what == "stream"
     model.blocks[1].gate.planted = on and what == "backward"
     if on and what == "layer":
