@@ -73,7 +73,7 @@ class Env:
     def describe(self) -> str:
         bits = [self.python]
         if self.threads:
-            bits.append(f"{self.threads} threads")
+            bits.append(f"{self.threads} thread{'s' if self.threads != 1 else ''}")
         if self.deterministic:
             bits.append("deterministic algorithms")
         bits += [f"{k}={v}" for k, v in sorted(self.env.items())]

@@ -71,7 +71,7 @@ class RunDiff:
             else:
                 lines.append(f"  equal through step {self.equal_through} ({self.first_step}..{self.equal_through})")
             if self.first.loss is None and not self.first.batch and not self.first.rng and self.first.params:
-                lines.append("  (only parameters differ: the step before it computed another update)")
+                lines.append("  (only the parameters differ: this step's update differs while its loss agreed to the bit)")
         if self.env_differences:
             lines.append("  environments differ: " + "; ".join(self.env_differences))
         else:
