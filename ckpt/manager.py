@@ -639,13 +639,13 @@ class CheckpointManager:
             self._closed = True
             if self.ledger is not None:
                 self.ledger.close()
-            for sig, old in self._old_handlers.items():
+            for sig in self._old_handlers:
                 try:
                     # Only if ours is still installed: a handler installed after ours
                     # (which may chain to ours) is not overwritten. Ours stays in its
                     # chain, closed: it only forwards to the previous handler.
                     if signal.getsignal(sig) == self._on_signal:
-                        signal.signal(sig, old)
+                        signal.signal(sig, _first_open_handler(self, sig))
                 except (ValueError, TypeError):  # pragma: no cover - not main thread
                     pass
             hung = self._inflight is not None and not self._inflight.done.is_set()
@@ -1145,6 +1145,22 @@ class CheckpointManager:
                 continue
             break
         return out
+
+
+def _first_open_handler(closed: CheckpointManager, sig: int) -> Any:
+    """The handler to restore when ``closed`` leaves the top of ``sig``'s chain: the one it
+    replaced, skipping every manager closed meanwhile. Managers closed in creation order
+    leave the older ones in the chain (each was under a newer one then); restoring the
+    newest one's predecessor as such would install a closed manager's handler, which
+    never calls SIG_DFL, and SIGTERM would be ignored for the rest of the process."""
+    handler = closed._old_handlers[sig]
+    for _ in range(1024):  # one hop per manager ever created; bounded against a cycle
+        owner = getattr(handler, "__self__", None)
+        if not (isinstance(owner, CheckpointManager) and getattr(handler, "__func__", None) is CheckpointManager._on_signal
+                and owner._closed and sig in owner._old_handlers):
+            break
+        handler = owner._old_handlers[sig]
+    return handler
 
 
 class _SaveWorker:
