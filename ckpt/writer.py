@@ -627,6 +627,8 @@ class _Background:
             self.error = e
 
     def join(self) -> Any:
+        # Unbounded on purpose: the thread runs one local fsync/close, which the calling
+        # thread would otherwise run itself; it takes no lock and waits on no process.
         self._thread.join()
         if self.error is not None:
             raise self.error

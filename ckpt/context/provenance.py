@@ -36,6 +36,14 @@ _cache: dict[str, dict[str, Any]] = {}
 _cache_lock = threading.Lock()  # held only around dict access, never across a git run
 
 
+def _after_fork_in_child() -> None:
+    global _cache_lock
+    _cache_lock = threading.Lock()  # a thread holding it at the fork does not exist in the child
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def default_code_dir() -> str:
     main = sys.modules.get("__main__")
     f = getattr(main, "__file__", None)

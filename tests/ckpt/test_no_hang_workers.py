@@ -315,3 +315,56 @@ def test_a_closed_manager_in_the_chain_forwards_to_the_handler_before_it(tmp_pat
         assert signal.getsignal(signal.SIGUSR1) is user  # the closed one is not restored
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+# --- locks a save thread holds when a worker forks ----------------------------------------
+
+
+def _in_fork(child_body) -> int:  # type: ignore[no-untyped-def]
+    """Run ``child_body`` in a forked child bounded by SIGALRM (a hang detector: a child
+    stuck on a lock dies of it); returns the child's wait status."""
+    import signal
+
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(120)
+        try:
+            child_body()
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    return os.waitpid(pid, 0)[1]
+
+
+@pytest.mark.parametrize("lock", ["gc", "bpz", "provenance"])
+def test_a_child_forked_while_a_save_thread_holds_a_ckpt_lock_can_use_it(lock: str, tmp_path: Path) -> None:
+    """A DataLoader worker forked while the save thread was inside one of ckpt's module
+    locks (the collector pause, the codec buffers, the commit cache) has no thread to
+    release it: the child must start with a free lock (SIGALRM status on the old code)."""
+    import gc
+
+    from ckpt import _gc
+    from ckpt.format import bpz
+
+    held = {"gc": lambda: _gc._lock, "bpz": lambda: bpz._shared_lock, "provenance": lambda: provenance._cache_lock}[lock]
+    use = {
+        "gc": lambda: _gc.paused().__enter__(),
+        "bpz": lambda: bpz._buffers_for(4096),
+        "provenance": lambda: provenance.capture_commit(str(tmp_path)),
+    }[lock]
+    gc_was = gc.isenabled()
+    with held():  # the save thread's critical section, at the moment of the fork
+        status = _in_fork(use)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child ended with status {status:#x} (SIGALRM: hung)"
+    assert gc.isenabled() == gc_was
+
+
+def test_a_child_forked_during_a_collector_pause_collects_again() -> None:
+    import gc
+
+    from ckpt import _gc
+
+    with _gc.paused():  # the save thread is walking a state when the worker forks
+        status = _in_fork(lambda: None if gc.isenabled() else os._exit(4))
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child's collector stayed off ({status:#x})"
