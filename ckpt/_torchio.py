@@ -92,6 +92,20 @@ def _describe(t: torch.Tensor | TensorEntry) -> str:
     return f"{name}{list(t.shape)}"
 
 
+def _key_shapes(missing: list[str], cur: Mapping[str, Any], unexpected: list[str], saved: Mapping[str, Any],
+                pe: PartEntry) -> str:
+    """The shapes of the first missing and first unexpected key, so that a changed model
+    (another layer count, another width) is told apart from a renamed one at a glance."""
+    out = []
+    if missing and isinstance(cur.get(missing[0]), torch.Tensor):
+        out.append(f"the target's {missing[0]!r} is {_describe(cur[missing[0]])}")
+    if unexpected and isinstance(saved.get(unexpected[0]), TensorRef):
+        entry = {t.key: t for t in pe.tensors}.get(saved[unexpected[0]].key)
+        if entry is not None:
+            out.append(f"the checkpoint's {unexpected[0]!r} is {_describe(entry)}")
+    return f" ({'; '.join(out)})" if out else ""
+
+
 class _Plan:
     """Decides, per saved tensor, where its bytes go: an existing tensor or a fresh one."""
 
@@ -451,9 +465,10 @@ def prepare_load(
             if isinstance(cur, Mapping) and isinstance(saved, dict) and set(cur) != set(saved):
                 missing, unexpected = sorted(set(cur) - set(saved)), sorted(set(saved) - set(cur))
                 raise StateMismatchError(
-                    f"module {name!r} does not match the checkpoint: missing {missing[:10]}, unexpected {unexpected[:10]}",
+                    f"module {name!r} does not match the checkpoint: missing {missing[:10]}, unexpected {unexpected[:10]}"
+                    + _key_shapes(missing, cur, unexpected, saved, src_pe),
                     path=reader.path,
-                    key=name,
+                    key=f"{name}/{(missing or unexpected)[0]}",
                 )
         elif not stateful:
             _check_assign(obj, saved, name, reader.path)

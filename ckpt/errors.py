@@ -23,6 +23,8 @@ keeps working for callers who do not know this package::
     │   └── UnexpectedFileError                           a file the manifest does not name
     ├── CheckpointExistsError        (FileExistsError)    refusing to replace a checkpoint
     ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
+    │   └── ResumeMismatchError                           a resume refused: the model or world does not
+    │                                                     fit the run's checkpoint (nothing changed)
     ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
@@ -66,6 +68,7 @@ __all__ = [
     "UnexpectedFileError",
     "CheckpointExistsError",
     "StateMismatchError",
+    "ResumeMismatchError",
     "EnvironmentMismatchError",
     "UnsupportedValueError",
     "BackgroundSaveError",
@@ -212,6 +215,20 @@ class CheckpointExistsError(CkptError, FileExistsError):
 
 class StateMismatchError(CkptError, ValueError):
     """The checkpoint does not fit the objects it is being loaded into."""
+
+
+class ResumeMismatchError(StateMismatchError):
+    """A resume refused: the live state or world does not fit the run's checkpoint.
+
+    Raised by ``CheckpointManager.resume()`` (and the trainer integrations) when a
+    checkpoint that is intact does not fit what is being resumed: other keys, shapes or
+    dtypes (a changed model), or another world size (no part for this rank). That is not
+    damage, so the resume does not fall back past it: every older checkpoint of the run
+    would be as wrong, and starting afresh would overwrite the run. ``path`` is the
+    checkpoint, ``key`` the first entry that does not fit; ``context`` carries
+    ``saved_shape``/``target_shape`` (and dtypes) where a tensor differs. Nothing in the
+    run directory was changed, and the manager that raised it refuses to save.
+    """
 
 
 class EnvironmentMismatchError(CkptError, RuntimeError):

@@ -22,6 +22,7 @@ from ckpt.errors import (
     ChecksumMismatchError,
     FormatError,
     MissingFileError,
+    ResumeMismatchError,
     StateMismatchError,
 )
 from ckpt.format.codec import zstd_compress, zstd_decompress
@@ -384,8 +385,9 @@ def test_resume_falls_back_past_a_resigned_checkpoint_and_names_it(tmp_path: Pat
     mgr.close()
 
 
-def test_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path: Path) -> None:
-    """Any reason: here the newest holds a float64 tensor the live float32 module cannot take."""
+def test_resume_stops_at_a_checkpoint_whose_state_does_not_fit(tmp_path: Path) -> None:
+    """The newest holds a float64 tensor the live float32 module cannot take: not damage,
+    so no fallback (issue 22: falling back past a misfit restarts and overwrites the run)."""
     with override(chunk_size=CS):
         torch.manual_seed(0)
         m = torch.nn.Linear(3, 2)
@@ -395,9 +397,10 @@ def test_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path: 
         ckpt.save(tmp_path / "step-00000002", {"model": torch.nn.Linear(3, 2).double()}, step=2, code_dir=str(tmp_path))
     live = torch.nn.Linear(3, 2)
     mgr = CheckpointManager(tmp_path, {"model": live}, signals=())
-    with pytest.warns(ResumeFallbackWarning, match=r"step-00000002: StateMismatchError.*float64"):
-        res = mgr.resume(exactness="off")
-    assert res.step == 1 and torch.equal(live.weight, m.weight)
+    before = live.weight.detach().clone()
+    with pytest.raises(ResumeMismatchError, match=r"step-00000002.*float64"):
+        mgr.resume(exactness="off")
+    assert torch.equal(live.weight, before) and mgr.start_step == 0
     mgr.close()
 
 
