@@ -136,22 +136,46 @@ def restore_rng(result: Any) -> list[str]:
     return _restore(result.context["rng"], None, path=result.path)
 
 
+def _restored_stateful(loader: Any) -> Any:
+    """The ``StatefulDataLoader`` under ``loader`` (prepared or not) holding a restored state
+    its next iterator will start from, else None."""
+    base = getattr(loader, "base_dataloader", loader)
+    if isinstance(getattr(base, "next_iter_state", None), dict) and callable(getattr(base, "state_dict", None)):
+        return base
+    return None
+
+
 def resumed_iter(loader: Any, result: Any) -> Iterator[Any]:
     """Iterate ``loader`` from its restored position with the RNG of ``load_state(...,
-    defer_rng=True)`` restored at the right moment.
+    defer_rng=True)`` restored at the point the saved run stood.
 
-    A prepared dataloader sets itself up (and draws its base seed from the global RNG)
-    only when its first batch is requested, so restoring the RNG before that would be
-    undone by one draw. This fetches the first batch, then restores the streams. Exact
-    when fetching a batch draws nothing from the global RNG (``num_workers=0`` and no
-    random augmentation in the main process; workers get their seeds from the new base
-    seed, so random augmentation inside workers is not exact: use
-    ``ckpt.data.ResumableLoader``).
+    A ``StatefulDataLoader`` (prepared or not) builds the iterator of a restored state with
+    one base-seed draw from the global RNG, which the restored base seed then replaces;
+    the saved run made no such draw. Mid-epoch the next batches are then read (in the main
+    process with ``num_workers=0``, drawing from the global RNG). Saved right after the
+    last batch of an epoch, the restored iterator is finished and ``iter()`` builds a
+    fresh one for the next epoch at once, drawing its base seed as the saved run's next
+    ``iter()`` did. So this builds the restored iterator first (``state_dict()`` builds
+    it), then restores the streams, then iterates: every later draw is the saved run's.
 
-    Not exact yet for a prepared ``StatefulDataLoader`` checkpointed right after the last
-    batch of an epoch: its resumed iterator starts the next epoch drawing fewer seeds from
-    the global RNG than the saved run's fresh iterator did (measured; mid-epoch is exact).
+    Other loaders (``ckpt.data.ResumableLoader``, whose position and order draw nothing
+    from the global RNG): the first batch is fetched, then the streams are restored (a
+    prepared dataloader sets itself up, drawing from the RNG, at its first batch).
+
+    Random augmentation: in the main process it draws from the restored streams (exact);
+    in ``StatefulDataLoader`` workers it is exact when the dataset is wrapped in
+    ``ckpt.integrations.stateful_data.WorkerRNG`` (the workers' streams are then part of
+    the loader state); ``ckpt.data.ResumableLoader`` reseeds per sample (exact).
     """
+    restored = _restored_stateful(loader)
+    if restored is not None:
+        # Builds the restored iterator now (its base-seed draw is replaced by the restored
+        # one; the saved run made no such draw), so that the streams restored next are
+        # the ones the next batches, or the next epoch's fresh iterator, draw from.
+        restored.state_dict()
+        restore_rng(result)
+        yield from iter(loader)
+        return
     it = iter(loader)
     try:
         first = next(it)

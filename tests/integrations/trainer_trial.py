@@ -190,9 +190,10 @@ def make_loader(a: argparse.Namespace) -> Any:
 
     from ckpt.integrations.stateful_data import WorkerRNG
 
-    # "stateful": as documented (the workers' RNG in the loader state); "stateful-plain": without
+    # "stateful": as documented (the workers' RNG in the loader state); "stateful-plain": without;
+    # "stateful-main": no workers, the augmentation draws from the main process's RNG
     ds = WorkerRNG(Augmented()) if a.loader == "stateful" else Augmented()
-    return StatefulDataLoader(ds, batch_size=MICRO, shuffle=True, num_workers=2)
+    return StatefulDataLoader(ds, batch_size=MICRO, shuffle=True, num_workers=0 if a.loader == "stateful-main" else 2)
 
 
 # -- Accelerate ----------------------------------------------------------------------------
@@ -299,7 +300,7 @@ def differences(straight: str, resumed: str) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--trainer", choices=("hf", "lightning", "accelerate"), required=True)
-    p.add_argument("--loader", choices=("resumable", "stateful", "stateful-plain"), default="resumable")
+    p.add_argument("--loader", choices=("resumable", "stateful", "stateful-plain", "stateful-main"), default="resumable")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=14)
