@@ -80,6 +80,34 @@ class _RestoreRNG(Callback):
         # Lightning calls setup before it restores a checkpoint: the IO can then check
         # the checkpoint against the module before anything is loaded.
         self._io._module = weakref.ref(pl_module)
+        fit_loop = getattr(trainer, "fit_loop", None)
+        load = getattr(fit_loop, "_load_combined_loader_states", None)
+        if callable(load) and not getattr(load, "_ckpt_wrapped", False):
+            fit_loop._load_combined_loader_states = self._wrap_loader_restore(fit_loop, load)
+
+    def _wrap_loader_restore(self, fit_loop: Any, load: Callable[[], None]) -> Callable[[], None]:
+        """Lightning loads the data loaders' states and at once creates their iterator (no
+        hook in between). A ``StatefulDataLoader`` builds the iterator of a restored state
+        with one base-seed draw from the global RNG that the saved run never made, and, for
+        a state saved after an epoch's last batch, a fresh iterator for the next epoch right
+        after it, whose draw the saved run did make. So once the states are loaded, the
+        restored iterators are built (``state_dict()`` builds one) and the saved streams are
+        restored: the next-epoch iterator, the main-process reads and the step all draw
+        from the streams as the saved run did."""
+
+        def load_then_restore() -> None:
+            loaders = [] if fit_loop._combined_loader is None else list(fit_loop._combined_loader.flattened)
+            loading = bool(fit_loop.restarting and fit_loop._combined_loader_states_to_load)
+            load()
+            if not loading or self._io._pending_rng is None:
+                return
+            for dl in loaders:
+                if isinstance(getattr(dl, "next_iter_state", None), dict) and callable(getattr(dl, "state_dict", None)):
+                    dl.state_dict()
+            self._restore()
+
+        load_then_restore._ckpt_wrapped = True  # type: ignore[attr-defined]
+        return load_then_restore
 
     def _restore(self) -> None:
         from ..context.rng import restore_rng

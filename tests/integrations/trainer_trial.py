@@ -272,7 +272,7 @@ def draw(rng: random.Random, steps: int) -> tuple[int, str]:
     where = rng.choice(("save", "step", "micro"))
     if where == "save":
         return rng.choice(range(SAVE_EVERY, steps, SAVE_EVERY)), where
-    return rng.randrange(1, steps), where
+    return rng.randrange(SAVE_EVERY, steps), where  # after the first save: the resume has something to resume
 
 
 def differences(straight: str, resumed: str) -> list[str]:
