@@ -73,13 +73,24 @@ __all__ = ["CkptCheckpointIO", "CkptModelCheckpoint"]
 
 
 class _RestoreRNG(Callback):
+    """Restores the saved RNG at the point the saved run stood, and keeps the step ledger:
+    one record per optimizer step (the step's micro-batches, the sum of their losses, the
+    RNG streams, a periodic parameter digest); after a resume the re-executed steps are
+    compared with what the ledger recorded before (``ResumeVerificationWarning`` naming the
+    likely cause when they differ)."""
+
     def __init__(self, io: CkptCheckpointIO) -> None:
         self._io = io
+        self._trainer: Callable[[], Any] = lambda: None
+        self._batches: list[Any] = []
+        self._losses: list[float] = []
+        self._recorded = -1
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # Lightning calls setup before it restores a checkpoint: the IO can then check
         # the checkpoint against the module before anything is loaded.
         self._io._module = weakref.ref(pl_module)
+        self._trainer = weakref.ref(trainer)
         fit_loop = getattr(trainer, "fit_loop", None)
         load = getattr(fit_loop, "_load_combined_loader_states", None)
         if callable(load) and not getattr(load, "_ckpt_wrapped", False):
@@ -109,19 +120,67 @@ class _RestoreRNG(Callback):
         load_then_restore._ckpt_wrapped = True  # type: ignore[attr-defined]
         return load_then_restore
 
+    def _ledger(self) -> Any:
+        """The ledger of the run directory (the ``ModelCheckpoint``'s), made at first need."""
+        io, trainer = self._io, self._trainer()
+        if io.ledger is None and io.ledger_enabled and trainer is not None:
+            directory = getattr(getattr(trainer, "checkpoint_callback", None), "dirpath", None)
+            if directory is None:
+                return None  # no ModelCheckpoint: no run directory to keep a ledger in
+            from ..ledger import Ledger
+
+            io.ledger = Ledger(os.path.join(os.fspath(directory), "ledger"), params=trainer.lightning_module,
+                               params_every=io.ledger_params_every, verify=io.verify_resume)  # type: ignore[arg-type]
+        return io.ledger
+
     def _restore(self) -> None:
         from ..context.rng import restore_rng
 
         pending, self._io._pending_rng = self._io._pending_rng, None
         if pending is not None:
-            rng, path = pending
+            rng, path, step = pending
             restore_rng(rng, None, path=path)
+            ledger = self._ledger()
+            if ledger is not None:
+                ledger.resumed(step, source=os.path.basename(path))
+            self._recorded = step
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # the loops are restored by now: the last step a record exists for (or 0)
+        self._recorded = int(trainer.global_step)
+        self._batches, self._losses = [], []
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._restore()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._restore()
+        ledger = self._io.ledger
+        if ledger is not None and self._recorded >= 0:
+            ledger.maybe_kill(self._recorded)  # CKPT_LEDGER_KILL_AT: after the step and its save
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._batches.append(batch)
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(float(loss.detach().double().item()))
+        step = int(trainer.global_step)
+        if step == self._recorded:
+            return  # mid-accumulation: the optimizer step is not done
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.step(step, batch=self._batches, loss=sum(self._losses) if self._losses else None, kill=False)
+        self._batches, self._losses, self._recorded = [], [], step
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        ledger, self._io.ledger = self._io.ledger, None
+        if ledger is not None:
+            ledger.close()
+
+
+def checkpoint_step(target: Mapping[str, Any]) -> int | None:
+    step = (target.get("checkpoint") or {}).get("global_step")
+    return step if isinstance(step, int) else None
 
 
 def _mark_exhausted_loader_state(checkpoint: dict[str, Any]) -> bool:
@@ -152,14 +211,23 @@ class CkptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` writing and reading ckpt checkpoints.
 
     Options (keyword-only): ``config`` (recorded with its hash in every checkpoint),
-    ``exactness`` (``"warn"``, ``"strict"``, ``"off"``: environment check on load).
+    ``exactness`` (``"warn"``, ``"strict"``, ``"off"``: environment check on load),
+    ``ledger`` (keep the step ledger in ``<checkpoint directory>/ledger``, default True),
+    ``ledger_params_every`` (a parameter digest every N steps), ``verify_resume``
+    (``"warn"``, ``"strict"``, ``"off"``: what an inexact resume does).
     """
 
-    def __init__(self, *, config: Any = None, exactness: str = "warn") -> None:
+    def __init__(self, *, config: Any = None, exactness: str = "warn", ledger: bool = True,
+                 ledger_params_every: int = 10, verify_resume: str = "warn") -> None:
         super().__init__()
         self.config = config
         self.exactness = exactness
-        self._pending_rng: tuple[Any, str] | None = None
+        self.ledger_enabled = ledger
+        self.ledger_params_every = ledger_params_every
+        self.verify_resume = verify_resume
+        #: the step ledger of this fit (``ckpt.ledger.Ledger``), once training started
+        self.ledger: Any = None
+        self._pending_rng: tuple[Any, str, int] | None = None
         self._module: Callable[[], Any] = lambda: None  # the LightningModule, once set up
         #: add to ``Trainer(callbacks=[...])``: restores the saved RNG at the right moment
         self.rng_callback = _RestoreRNG(self)
@@ -217,7 +285,8 @@ class CkptCheckpointIO(CheckpointIO):
                            restore_rng_state=False, exactness=self.exactness)
         warn_config_changed(result.path, result.context, self._config(), stacklevel=2)
         rng = result.context.get("rng")
-        self._pending_rng = (rng, result.path) if rng is not None else None
+        step = result.step if isinstance(result.step, int) else int(checkpoint_step(target) or 0)
+        self._pending_rng = (rng, result.path, step) if rng is not None else None
         checkpoint = target["checkpoint"]
         _mark_exhausted_loader_state(checkpoint)
         return checkpoint

@@ -255,16 +255,17 @@ def command(trainer: str, loader: str, run_dir: str, out: str, steps: int, kill:
     return cmd + (["--kill", str(kill), "--where", where] if kill else [])
 
 
-def launch(cmd: list[str], *, expect_kill: bool, hang_after: float = 900.0) -> None:
-    """Run one process; a generous bound only detects a hang (never a timing assertion)."""
+def launch(cmd: list[str], *, expect_kill: bool, hang_after: float = 900.0) -> str:
+    """Run one process; returns its stderr. A generous bound only detects a hang (never a
+    timing assertion)."""
     import subprocess
 
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_after, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_after)
     if expect_kill and p.returncode == -signal.SIGKILL:
-        return
+        return p.stderr
     if p.returncode != 0 or expect_kill:
         raise RuntimeError(f"{' '.join(cmd[2:])}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return p.stderr
 
 
 def draw(rng: random.Random, steps: int) -> tuple[int, str]:
