@@ -40,7 +40,7 @@ plugins, XLA/NPU/MPS RNG.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from accelerate import Accelerator
 
@@ -167,28 +167,74 @@ def resumed_iter(loader: Any, result: Any) -> Iterator[Any]:
     ``ckpt.integrations.stateful_data.WorkerRNG`` (the workers' streams are then part of
     the loader state); ``ckpt.data.ResumableLoader`` reseeds per sample (exact).
     """
+    return _resumed_iter(loader, lambda: restore_rng(result))
+
+
+def _resumed_iter(loader: Any, restore: Callable[[], Any]) -> Iterator[Any]:
     restored = _restored_stateful(loader)
     if restored is not None:
         # Builds the restored iterator now (its base-seed draw is replaced by the restored
         # one; the saved run made no such draw), so that the streams restored next are
         # the ones the next batches, or the next epoch's fresh iterator, draw from.
         restored.state_dict()
-        restore_rng(result)
+        restore()
         yield from iter(loader)
         return
     it = iter(loader)
     try:
         first = next(it)
     except StopIteration:
-        restore_rng(result)
+        restore()
         return
-    restore_rng(result)
+    restore()
     yield first
     yield from it
 
 
 class CkptAccelerator(Accelerator):
-    """``accelerate.Accelerator`` whose ``save_state``/``load_state`` use the ckpt format."""
+    """``accelerate.Accelerator`` whose ``save_state``/``load_state`` use the ckpt format and
+    whose run directory keeps the step ledger.
+
+    Options (keyword-only, besides Accelerator's own): ``ledger`` (default True): the step
+    ledger lives in ``<run directory>/ledger``, the run directory being the parent of the
+    first checkpoint saved or loaded; ``ledger_params_every`` (a parameter digest every N
+    recorded steps); ``verify_resume`` (``"warn"``, ``"strict"``, ``"off"``: what an inexact
+    resume does). Each ``save_state(step=...)`` records its step (RNG streams, and the
+    parameters when due); ``ledger_step(step, batch=, loss=)`` after every optimizer step
+    records the batches and the loss too. After ``load_state`` (with ``defer_rng``: once
+    ``restore_rng``/``resumed_iter`` restored the streams) the re-executed steps are compared
+    with the ledger's earlier records: ``ResumeVerificationWarning`` names the first step
+    that differs, what differs and the likely cause.
+    """
+
+    def __init__(self, *args: Any, ledger: bool = True, ledger_params_every: int = 10, verify_resume: str = "warn",
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ckpt_ledger_on = ledger
+        self._ckpt_params_every = ledger_params_every
+        self._ckpt_verify = verify_resume
+        self._ckpt_recorded: int | None = None
+        self._ckpt_pending: tuple[int, str] | None = None  # (step, source) of a deferred resume
+        #: the step ledger (``ckpt.ledger.Ledger``) once a checkpoint was saved or loaded
+        self.ledger: Any = None
+
+    def _ledger_at(self, checkpoint: str | os.PathLike[str]) -> Any:
+        if self.ledger is None and self._ckpt_ledger_on:
+            from ..ledger import Ledger
+
+            run_dir = os.path.dirname(os.path.abspath(os.fspath(checkpoint)))
+            models = {f"model_{i}": self.unwrap_model(m) for i, m in enumerate(self._models)}
+            self.ledger = Ledger(os.path.join(run_dir, "ledger"), params=models or None,
+                                 params_every=self._ckpt_params_every, verify=self._ckpt_verify)  # type: ignore[arg-type]
+        return self.ledger
+
+    def ledger_step(self, step: int, *, batch: Any = None, loss: Any = None) -> None:
+        """Record optimizer step ``step`` (after it) in the step ledger: ``batch`` (every
+        tensor the step consumed, e.g. the list of its micro-batches) and ``loss``. Before
+        the first save or load the run directory is unknown and nothing is recorded."""
+        if self.ledger is not None:
+            self.ledger.step(step, batch=batch, loss=loss, kill=False)
+            self._ckpt_recorded = step
 
     def save_state(self, output_dir: str | None = None, *, step: int | None = None, config: Any = None,  # type: ignore[override]
                    overwrite: bool = False, **kwargs: Any) -> str:
@@ -196,7 +242,14 @@ class CkptAccelerator(Accelerator):
             raise ValueError("CkptAccelerator.save_state needs output_dir (automatic checkpoint naming is not supported)")
         if kwargs:
             raise TypeError(f"unsupported save_state options for the ckpt format: {sorted(kwargs)}")
-        return str(save_state(self, output_dir, step=step, config=config, overwrite=overwrite).path)
+        path = str(save_state(self, output_dir, step=step, config=config, overwrite=overwrite).path)
+        ledger = self._ledger_at(output_dir)
+        if ledger is not None and step is not None:
+            if self._ckpt_recorded != step:  # a run that only saves: one record per save
+                ledger.step(step, kill=False)
+                self._ckpt_recorded = step
+            ledger.maybe_kill(step)  # CKPT_LEDGER_KILL_AT: after the step and its save
+        return path
 
     def load_state(self, input_dir: str | None = None, *, defer_rng: bool = False, exactness: str = "warn",  # type: ignore[override]
                    config: Any = None, **kwargs: Any) -> Any:
@@ -204,12 +257,30 @@ class CkptAccelerator(Accelerator):
             raise ValueError("CkptAccelerator.load_state needs input_dir")
         if kwargs:
             raise TypeError(f"unsupported load_state options for the ckpt format: {sorted(kwargs)}")
-        return load_state(self, input_dir, defer_rng=defer_rng, exactness=exactness, config=config)
+        result = load_state(self, input_dir, defer_rng=defer_rng, exactness=exactness, config=config)
+        ledger = self._ledger_at(input_dir)
+        step = result.step if isinstance(result.step, int) else None
+        self._ckpt_recorded = step
+        if ledger is not None and step is not None:
+            if defer_rng:
+                self._ckpt_pending = (step, os.path.basename(os.fspath(result.path)))
+            else:
+                ledger.resumed(step, source=os.path.basename(os.fspath(result.path)))
+        return result
 
-    @staticmethod
-    def restore_rng(result: Any) -> list[str]:
-        return restore_rng(result)
+    def restore_rng(self, result: Any) -> list[str]:
+        restored = restore_rng(result)
+        pending, self._ckpt_pending = self._ckpt_pending, None
+        if pending is not None and self.ledger is not None:
+            self.ledger.resumed(pending[0], source=pending[1])
+        return restored
 
-    @staticmethod
-    def resumed_iter(loader: Any, result: Any) -> Iterator[Any]:
-        return resumed_iter(loader, result)
+    def resumed_iter(self, loader: Any, result: Any) -> Iterator[Any]:
+        """:func:`resumed_iter`, and the ledger's resume starts where the streams are restored."""
+        return _resumed_iter(loader, lambda: self.restore_rng(result))
+
+    def end_training(self) -> None:
+        ledger, self.ledger = self.ledger, None
+        if ledger is not None:
+            ledger.close()  # a resume whose re-executed range was cut short reports what it saw
+        super().end_training()

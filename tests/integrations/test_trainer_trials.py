@@ -20,6 +20,8 @@ pytest.importorskip("torchdata.stateful_dataloader")
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_trial as T  # noqa: E402
 
+from ckpt.ledger import read_ledger_dir  # noqa: E402
+
 STEPS = 14
 
 
@@ -42,8 +44,13 @@ def _trial(cache: dict[str, Path], tmp: pytest.TempPathFactory, tmp_path: Path, 
     ref = _straight(cache, tmp, trainer, loader)
     run, out = str(tmp_path / "run"), str(tmp_path / "out")
     T.launch(T.command(trainer, loader, run, out, STEPS, kill, where), expect_kill=True)
-    T.launch(T.command(trainer, loader, run, out, STEPS), expect_kill=False)
+    err = T.launch(T.command(trainer, loader, run, out, STEPS), expect_kill=False)
     assert T.differences(str(ref), out) == [], f"{trainer}/{loader} killed {where}@{kill}"
+    # the run directory's step ledger verified the resume: exact wherever steps were re-executed
+    checks = [c for t in read_ledger_dir(str(tmp_path / "run" / "ledger"))[0] for c in t.checks]
+    assert "ResumeVerificationWarning" not in err and all(c.verdict == "exact" for c in checks), checks
+    if where != "save":  # the killed run recorded steps after the checkpoint it resumed from
+        assert [c.verdict for c in checks] == ["exact"]
 
 
 MODES = [("hf", "resumable"), ("lightning", "stateful"), ("lightning", "resumable"),
@@ -87,3 +94,20 @@ def test_worker_rng_makes_stateful_dataloader_workers_continue_their_streams(tmp
     torch.manual_seed(123)  # another main-process RNG: the workers' streams come from the state
     again = [x["input_ids"] for x in b]
     assert len(again) == len(rest) == 7 and all(torch.equal(x, y) for x, y in zip(rest, again))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["lightning", "accelerate"])
+def test_ledger_names_an_inexact_resume(tmp_path: Path, trainer: str) -> None:
+    """Lightning and Accelerate run directories keep the step ledger (issue 25): a resume
+    that is not exact (a ``StatefulDataLoader`` whose workers augment at random, without
+    ``WorkerRNG``: the workers restart their streams) is reported, naming the first step
+    that differs and what differs."""
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    T.launch(T.command(trainer, "stateful-plain", run, out, 12, 10, "step"), expect_kill=True)
+    err = T.launch(T.command(trainer, "stateful-plain", run, out, 12), expect_kill=False)
+    assert "ResumeVerificationWarning" in err and "resume diverged at step 9" in err
+    tapes, problems = read_ledger_dir(str(tmp_path / "run" / "ledger"))
+    assert problems == [] and [s.step for s in tapes[0].steps][-2:] == [9, 10]
+    (check,) = [c for t in tapes for c in t.checks]
+    assert check.verdict == "diverged" and check.first == 9 and "batch differs" in check.report

@@ -223,8 +223,10 @@ def run_accelerate(a: argparse.Namespace, killer: Killer) -> None:
         step = resumed_from = res.step
     else:
         it = iter(loader)
+    micro: list[Any] = []
     while step < a.steps:
         for batch in it:
+            micro.append(batch)
             with acc.accumulate(model):
                 loss = model(**batch)["loss"]
                 killer.micro(loss, step)
@@ -237,6 +239,8 @@ def run_accelerate(a: argparse.Namespace, killer: Killer) -> None:
             if not acc.sync_gradients:
                 continue
             step += 1
+            acc.ledger_step(step, batch=micro, loss=sum(float(x) for x in killer.losses[-ACCUM:]))
+            micro = []
             killer.step_end(step)
             if step % SAVE_EVERY == 0:
                 acc.save_state(os.path.join(a.run_dir, checkpoint_name(step)), step=step)
@@ -244,6 +248,7 @@ def run_accelerate(a: argparse.Namespace, killer: Killer) -> None:
             if step == a.steps:
                 break
         it = iter(loader)
+    acc.end_training()
     write_out(a, killer, {"model": acc.unwrap_model(model), "optim": opt.optimizer, "sched": sched.scheduler},
               step, resumed_from)
 
