@@ -8,10 +8,11 @@ Usage::
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     acc.register_for_checkpointing(counters)
     ...
+    acc.ledger_step(step, batch=micro_batches, loss=loss)      # after each optimizer step (the ledger)
     acc.save_state("runs/a/step-00000100", step=100)          # at an optimizer-step boundary
     ...
     res = acc.load_state("runs/a/step-00000100", defer_rng=True)
-    it = acc.resumed_iter(loader, res)   # the iterator's setup draws a seed; then the RNG is restored
+    it = acc.resumed_iter(loader, res)   # the RNG is restored where the saved run stood
 
 Or call the functions ``save_state(accelerator, path)`` / ``load_state(accelerator, path)``
 on a plain ``Accelerator``. Accelerate's own ``save_state`` writes optimizer, scheduler,
@@ -26,6 +27,13 @@ checkpoint holding:
 * every object given to ``register_for_checkpointing`` (``custom_0``...);
 * ``accelerator.step`` (the gradient-accumulation counter), RNG (Python, numpy, torch
   CPU, CUDA), config hash, environment, as every ckpt checkpoint.
+
+Exact (random-kill trials in fresh processes, ``tests/integrations/test_trainer_trials.py``)
+with a prepared ``StatefulDataLoader`` (mid-epoch and after an epoch's last batch; random
+augmentation in the main process, and in workers with the dataset wrapped in
+``ckpt.integrations.stateful_data.WorkerRNG``) or a registered ``ckpt.data.ResumableLoader``,
+with ``accumulate``, clipping, bf16 autocast. Resume through ``resumed_iter``. The run
+directory keeps the step ledger (``CkptAccelerator``: ``ledger_step`` per optimizer step).
 
 A checkpoint that does not fit the prepared objects (a model of another shape, a missing
 entry) is refused by ``load_state`` with ``ResumeMismatchError`` (key, both shapes,

@@ -33,23 +33,35 @@ Lightning itself does not save. Loading reads it back verified.
 
 Why a callback too: Lightning loads the checkpoint before it creates the data iterator,
 and creating it draws from the global RNG. ``io.rng_callback`` restores the saved streams
-at the first ``on_train_epoch_start`` or ``on_train_batch_start`` after a load, whichever
-comes first: resumed mid-epoch, Lightning skips the epoch-start hook and the iterator
-exists by the first batch, which is where the saved run stood; resumed at an epoch
-boundary, the next epoch's iterator is created after its epoch-start hook, as in the
-saved run.
+right after Lightning loaded the data loaders' states and before it creates their
+iterator (Lightning has no hook in between; the callback wraps the fit loop's
+``_load_combined_loader_states``): a restored ``StatefulDataLoader`` first builds the
+iterator of its state (a base-seed draw the saved run never made, replaced by the saved
+base seed), then the streams are restored, so that the next batches, read in the main
+process, and, for a checkpoint taken after an epoch's last batch, the next epoch's fresh
+iterator (whose base-seed draw the saved run did make) draw as in the saved run. A loader
+without a state (none to load) gets the streams at the first ``on_train_epoch_start`` or
+``on_train_batch_start``, whichever comes first.
 
-Checkpoint names may hold only ``A-Z a-z 0-9 . _ -`` (Lightning's default
-``epoch=0-step=5.ckpt`` has ``=``): give ``ModelCheckpoint`` a filename as above.
+Random augmentation: exact in the main process (``num_workers=0``), and in
+``StatefulDataLoader`` workers when the dataset is wrapped in
+``ckpt.integrations.stateful_data.WorkerRNG`` (a restored worker otherwise reseeds its
+streams from the base seed: not exact mid-epoch); ``ckpt.data.ResumableLoader`` reseeds
+per sample (exact).
 
-Exact (tested in fresh processes): model, optimizer, scheduler, loop state, data position
-(``torchdata.stateful_dataloader.StatefulDataLoader``), RNG, for a checkpoint taken
-mid-epoch. Not exact yet: a checkpoint taken at the last batch of an epoch. The epoch
-count and the data order are right (the exhausted loader state is marked finished on
-load), but the global torch RNG ends one draw short: Lightning creates the next epoch's
-iterator (one base-seed draw) before any hook a callback can restore in. Not supported yet: ``ckpt_path="hpc"``,
-``storage_options``, async checkpointing, sharded strategies (FSDP/DeepSpeed), more than
-one process.
+The step ledger: ``io.rng_callback`` keeps one in ``<ModelCheckpoint dirpath>/ledger``
+(``ckpt.ledger.Ledger``): per optimizer step the step's micro-batches, the sum of their
+losses, the RNG streams and, every ``ledger_params_every`` steps, a parameter digest.
+After a resume the re-executed steps are compared with the earlier records; an inexact
+resume is reported in a ``ResumeVerificationWarning`` naming the first step that differs,
+what differs and the likely cause (``verify_resume="strict"`` raises instead).
+
+Exact (random-kill trials in fresh processes, ``tests/integrations/test_trainer_trials.py``):
+model, optimizer, scheduler, loop state, data position (``StatefulDataLoader``,
+``ResumableLoader``), RNG, with gradient accumulation, clipping, bf16 autocast, worker
+processes, for checkpoints mid-epoch and after an epoch's last batch. Not supported yet:
+``ckpt_path="hpc"``, ``storage_options``, async checkpointing, sharded strategies
+(FSDP/DeepSpeed), more than one process.
 """
 
 from __future__ import annotations
