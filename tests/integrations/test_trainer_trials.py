@@ -58,7 +58,7 @@ MODES = [("hf", "resumable"), ("lightning", "stateful"), ("lightning", "resumabl
 # one seeded random kill point per mode, plus the epoch end (step 12 is the last of epoch 2)
 # for the StatefulDataLoader modes, which were not exact before (issue 25)
 CASES = [(t, lo, *T.draw(random.Random(f"{t}/{lo}"), STEPS)) for t, lo in MODES]
-CASES += [("lightning", "stateful", 12, "save"), ("accelerate", "stateful", 12, "save"),
+CASES += [("lightning", "stateful", 12, "save"), ("accelerate", "stateful", 12, "save"), ("hf", "resumable", 9, "micro"),
           ("lightning", "stateful-main", 12, "save"), ("accelerate", "stateful-main", 9, "micro")]
 
 
