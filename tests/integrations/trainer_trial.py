@@ -269,7 +269,9 @@ def launch(cmd: list[str], *, expect_kill: bool, hang_after: float = 900.0) -> s
     if expect_kill and p.returncode == -signal.SIGKILL:
         return p.stderr
     if p.returncode != 0 or expect_kill:
-        raise RuntimeError(f"{' '.join(cmd[2:])}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+        warned = "\n".join(line for line in p.stderr.splitlines() if "Warning" in line)
+        raise RuntimeError(f"{' '.join(cmd[2:])}: exit {p.returncode}\nwarnings:\n{warned[:3000]}\n"
+                           f"{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     return p.stderr
 
 
