@@ -23,6 +23,11 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw else default
+
+
 @dataclass(frozen=True, slots=True)
 class Knobs:
     #: bytes per digest chunk; 4 MiB keeps Python per-call overhead invisible and
@@ -47,6 +52,16 @@ class Knobs:
     compress_min_bytes: int = _env_int("CKPT_COMPRESS_MIN_BYTES", 64 * 1024)
     #: a distributed save of more ranks than this lists parts by reference (part manifests).
     inline_parts_max: int = _env_int("CKPT_INLINE_PARTS_MAX", 16)
+    # --- the run lock on an object store (spec/object-storage.md §O.6) ---
+    #: seconds between two renewals of a run's lease (one conditional PUT each: 17,280 a day).
+    lock_heartbeat_s: float = _env_float("CKPT_LOCK_HEARTBEAT_S", 5.0)
+    #: seconds a lease stays in force after its last renewal: a writer whose heartbeat
+    #: cannot get through for this long loses the run (six missed renewals by default);
+    #: a crashed writer's lock is taken over this long after its last renewal.
+    lock_expiry_s: float = _env_float("CKPT_LOCK_EXPIRY_S", 30.0)
+    #: cleanup at a manager's start leaves an uncommitted save's files alone until they
+    #: are this old (a save without the run's lock may still commit them; §O.6).
+    orphan_grace_s: float = _env_float("CKPT_ORPHAN_GRACE_S", 60.0)
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB
@@ -67,7 +82,7 @@ def knobs() -> Knobs:
 
 
 @contextlib.contextmanager
-def override(**changes: int) -> Iterator[Knobs]:
+def override(**changes: float) -> Iterator[Knobs]:
     """Temporarily change knobs (tests use small chunk sizes to exercise boundaries)."""
     global _current
     old = _current

@@ -654,6 +654,10 @@ class CheckpointManager:
                 raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
                                 "object cannot be waited for)", path=self.run_dir)
             self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
+            # A lease, not a kernel lock: every commit and deletion goes through the
+            # lock's fenced storage, which proves the lease first (LeaseLostError once
+            # another writer took the run over after it expired).
+            self._storage = self._lock.fenced
         else:
             self._lock = RunLock.acquire(self.run_dir, owner=owner, wait=wait)
         rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
@@ -685,6 +689,7 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
+            self._storage = getattr(self._lock, "unfenced", self._storage)
             self._lock.release()
             self._lock = None
 
