@@ -52,6 +52,9 @@ class Knobs:
     compress_min_bytes: int = _env_int("CKPT_COMPRESS_MIN_BYTES", 64 * 1024)
     #: a distributed save of more ranks than this lists parts by reference (part manifests).
     inline_parts_max: int = _env_int("CKPT_INLINE_PARTS_MAX", 16)
+    #: a dedup save re-hashes every chunk of a file it shares at least once in this many
+    #: consecutive saves that share it (spec/format-2.md §V.4.6; bench/dedup.py measures it).
+    dedup_rehash_every: int = _env_int("CKPT_DEDUP_REHASH_EVERY", 1)
     # --- the run lock on an object store (spec/object-storage.md §O.6) ---
     #: seconds between two renewals of a run's lease (one conditional PUT each: 17,280 a day).
     lock_heartbeat_s: float = _env_float("CKPT_LOCK_HEARTBEAT_S", 5.0)
