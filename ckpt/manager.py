@@ -163,7 +163,7 @@ from .format.manifest import MANIFEST_NAME, decode_manifest
 from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
-from .storage import Storage, commits_by_manifest, is_space_error, resolve
+from .storage import FencedStorage, Storage, commits_by_manifest, is_space_error, resolve
 from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
@@ -671,10 +671,9 @@ class CheckpointManager:
                 raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
                                 "object cannot be waited for)", path=self.run_dir)
             self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
-            # A lease, not a kernel lock: every commit and deletion goes through the
-            # lock's fenced storage, which proves the lease first (LeaseLostError once
-            # another writer took the run over after it expired).
-            self._storage = self._lock.fenced
+            # A lease, not a kernel lock: every commit and deletion proves it first
+            # (LeaseLostError once another writer took the run over after it expired).
+            self._storage = FencedStorage(self._storage, self._lock)
         else:
             self._lock = RunLock.acquire(self.run_dir, owner=owner, wait=wait)
         rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
@@ -706,7 +705,8 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
-            self._storage = getattr(self._lock, "unfenced", self._storage)
+            if isinstance(self._storage, FencedStorage):
+                self._storage = self._storage.inner
             self._lock.release()
             self._lock = None
 

@@ -152,7 +152,7 @@ class _Lease:
 class ObjectLock:
     """The run lock of an object store (``<run>/.ckpt-writer.lock``): a lease renewed by
     a daemon thread, taken over only after it expired. ``fence()`` before any commit or
-    deletion under it; ``release()`` is idempotent."""
+    deletion under it (``ckpt.storage.FencedStorage`` does); ``release()`` is idempotent."""
 
     NAME = LOCK_NAME
 
@@ -161,10 +161,6 @@ class ObjectLock:
         self.run_dir = run_dir
         self._lease = lease
         self._s = storage
-        #: the storage to commit and delete through: a twin of ``storage`` that fences
-        #: every commit and deletion with this lease (S3Storage.under_lease)
-        self.fenced = storage.under_lease(self)
-        self.unfenced = storage
         t = threading.Thread(target=lease.beat, name="ckpt-lease", daemon=True)
         # A lock dropped without release() stops renewing (and expires, like a dead holder's).
         self._finalizer = weakref.finalize(self, lease.stop.set)

@@ -133,9 +133,6 @@ class S3Storage:
         self.stats = Stats()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        #: the run lease every commit and deletion through this storage proves first
-        #: (None: an unfenced storage; see under_lease)
-        self._lease: ObjectLock | None = None
 
     @classmethod
     def from_url(cls, url: str) -> S3Storage:
@@ -143,23 +140,6 @@ class S3Storage:
 
     def __repr__(self) -> str:
         return f"S3Storage(bucket={self.bucket!r})"
-
-    def under_lease(self, lease: ObjectLock) -> S3Storage:
-        """A twin of this storage (same client, pool and stats) whose commits
-        (``publish``), checkpoint deletions (``remove_checkpoint``) and cleanup
-        (``recover``) first prove ``lease`` (its fencing token: a conditional renewal of
-        the lock object). The run's writer commits through it, so a writer whose lease
-        was taken over commits and deletes nothing (spec/object-storage.md §O.6)."""
-        import copy
-
-        self.pool()  # created now, so that the twin shares it
-        twin = copy.copy(self)
-        twin._lease = lease
-        return twin
-
-    def _fence(self) -> None:
-        if self._lease is not None:
-            self._lease.fence()
 
     def pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -386,14 +366,16 @@ class S3Storage:
         tag = "." + secrets.token_hex(6)
         return PendingCheckpoint(final=final, tmp_dir=final, overwrite=overwrite, tag=tag)
 
-    def publish(self, pending: Any, manifest: bytes) -> None:
+    def publish(self, pending: Any, manifest: bytes, *, fence: Callable[[], None] | None = None) -> None:
         """Make MANIFEST appear atomically: If-None-Match without overwrite, a
         compare-and-swap on the replaced MANIFEST's ETag with it. Then remove the files
-        only the replaced MANIFEST named."""
+        only the replaced MANIFEST named. ``fence``: proves the run's lease (§O.6), called
+        after the named files were checked, right before the put."""
         mpath = f"{pending.final}/{MANIFEST_NAME}"
         self._check_named(pending.final, manifest)
-        # Last, right before the put: the run lease, if this storage commits under one.
-        self._fence()
+        # Last, right before the put: the run's lease, for a writer that holds one.
+        if fence is not None:
+            fence()
         if not pending.overwrite:
             try:
                 self.put(mpath, manifest, mode="create")
@@ -456,7 +438,8 @@ class S3Storage:
         self.delete(mine)
 
     def lock(self, run_dir: str, *, owner: dict[str, object] | None = None) -> ObjectLock:
-        """The run's lease (``ObjectLock``); commit and delete through its ``fenced`` storage."""
+        """The run's lease (``ObjectLock``): commit and delete through
+        ``ckpt.storage.FencedStorage(storage, lock)``, which passes its ``fence``."""
         return ObjectLock.acquire(self, run_dir, owner=owner)
 
     def ledger_dir(self, run_dir: str) -> str:
@@ -466,17 +449,20 @@ class S3Storage:
 
         return os.path.join(tempfile.gettempdir(), "ckpt-ledger", "s3", self.bucket, *self.key(run_dir).split("/"))
 
-    def remove_checkpoint(self, path: str) -> bool:
-        """MANIFEST first (the checkpoint is uncommitted from that instant), then the rest."""
+    def remove_checkpoint(self, path: str, *, fence: Callable[[], None] | None = None) -> bool:
+        """MANIFEST first (the checkpoint is uncommitted from that instant), then the rest.
+        ``fence``: proves the run's lease first (§O.6)."""
         mpath = f"{path}/{MANIFEST_NAME}"
-        self._fence()
+        if fence is not None:
+            fence()
         had = self.isfile(mpath)
         if had:
             self.delete([mpath])
         self.remove_tree(path)
         return had
 
-    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Any:
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None,
+                fence: Callable[[], None] | None = None) -> Any:
         """Orphan cleanup of a run prefix: objects of an uncommitted prefix, and objects a
         committed MANIFEST does not name (losers of a race, crashed or replaced saves),
         are deleted, unless they may belong to a save still running (§O.6).
@@ -485,11 +471,12 @@ class S3Storage:
         ``orphan_grace_s`` is left whole, since a writer without the run's lock (a plain
         ``ckpt.save``) may still commit them. Ages are read against the store's clock: the
         ``LastModified`` of the run's lock object, which the caller (the lock holder) has
-        just renewed; without a lock object, this machine's clock."""
+        just renewed (``fence``); without a lock object, this machine's clock."""
         from . import Recovery
         from ..knobs import knobs
 
-        self._fence()
+        if fence is not None:
+            fence()
         removed: list[str] = []
         try:
             children = self.listdir(parent)
