@@ -57,7 +57,11 @@ holds it for a distributed job). A second manager, in this process or another, g
 ``RunDirLockedError`` naming the holder's pid and host; the kernel drops the lock when
 the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
 cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
-by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed,
+except those a writer holds or changed within ``orphan_grace_s`` (a save that takes no
+lock may still commit them). On an object store the lock is a lease renewed by a daemon
+thread, taken over only after it expired; every commit and deletion proves it first
+(``LeaseLostError``; spec/object-storage.md §O.6).
 **Followers.** ``writer=False`` makes a manager that reads a run directory another one
 writes (replicas of one data-parallel state: one writes, every one can ``resume()`` or
 ``rewind()`` from it): it takes no lock, never saves (``save()`` refuses) and never

@@ -14,6 +14,7 @@ the only real waits are generous hang detectors on events.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -207,6 +208,20 @@ def test_a_lock_without_renewals_is_taken_over_only_after_its_lease(s3, clock, m
         b.fence()  # the new holder's token is good
         b.release()
         a.release()
+
+
+def test_a_lock_object_without_a_lease_is_never_taken_over(s3) -> None:
+    """A lock of the earlier version (a pid and no lease: its holder never renews) that
+    names this host, this boot and a pid not alive here was taken over at once; its holder
+    may be alive in another namespace, so it is refused, naming the object to remove."""
+    st = s3.storage()
+    run = s3.url("v1")
+    me = _objlock._identity()
+    legacy = {"pid": 4_000_000, "host": me["host"], "boot": me["boot"], "since": time.time()}
+    st.put(f"{run}/.ckpt-writer.lock", json.dumps(legacy).encode())
+    with pytest.raises(RunDirLockedError, match=r"without a lease.*delete s3://.*/v1/\.ckpt-writer\.lock"):
+        CheckpointManager(run, {"m": _model()}, signals=())
+    assert json.loads(st.read_all(f"{run}/.ckpt-writer.lock")) == legacy  # not touched
 
 
 def test_the_heartbeat_never_blocks_process_exit(s3) -> None:
