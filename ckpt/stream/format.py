@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 import msgpack
 import xxhash
 
-from ..errors import (ChecksumMismatchError, FormatError, LimitExceededError, SizeMismatchError,
+from ..errors import (CheckpointExistsError, ChecksumMismatchError, FormatError, LimitExceededError, SizeMismatchError,
                       UnsafePathError, UnsupportedVersionError)
 from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, check_name
 
@@ -211,7 +211,7 @@ def read_stream(read: Read, dest: str | os.PathLike[str], *, max_bytes: int = DE
 
     final = _local_only(dest)
     if os.path.lexists(final):
-        raise FileExistsError(f"{final} exists: a stream is received into a new directory")
+        raise CheckpointExistsError("the destination exists: a stream is received into a new directory", path=final)
     r = _Reader(read)
     h, files, chunk = _header(r, max_bytes)
     parent = os.path.dirname(os.path.abspath(final))

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from ..errors import TapeFormatError
+from ..errors import TapeFormatError, TapeLimitError
 from ..format.codec import foreign_value
 from .format import strict_pairs
 
@@ -118,7 +118,8 @@ class PayloadWriter:
 
 
 class PayloadReader:
-    """Reads typed fields off a payload; every failure is ``TapeFormatError`` + ``where``."""
+    """Reads typed fields off a payload; every failure is ``TapeFormatError`` + ``where``
+    (``TapeLimitError`` for a count or length above spec/tape-format.md §12)."""
 
     def __init__(self, body: bytes | memoryview, where: str = "", what: str = "event") -> None:
         self.mv = memoryview(body)
@@ -160,7 +161,9 @@ class PayloadReader:
 
     def _count(self, s: struct.Struct, each_min: int) -> int:
         (n,) = self.unpack(s)
-        if n > MAX_LIST or n * each_min > len(self.mv) - self.pos:
+        if n > MAX_LIST:  # spec/tape-format.md §12, §15a
+            raise TapeLimitError(f"{self.what} count {n} above the {MAX_LIST} limit{self.where}")
+        if n * each_min > len(self.mv) - self.pos:
             raise TapeFormatError(f"{self.what} count {n} does not fit the body{self.where}")
         return int(n)
 
@@ -173,7 +176,7 @@ class PayloadReader:
     def msgpack(self) -> Any:
         (n,) = self.unpack(_U32)
         if n > MAX_MSGPACK:
-            raise TapeFormatError(f"{self.what} msgpack length {n} above the {MAX_MSGPACK} limit{self.where}")
+            raise TapeLimitError(f"{self.what} msgpack length {n} above the {MAX_MSGPACK} limit{self.where}")
         try:
             return unpack_msgpack(bytes(self.take(n)))
         except ValueError as e:

@@ -140,6 +140,16 @@ def test_header_refusals(saved, tmp_path):
     _refused(_resign_header(raw, dict(h, chunk=17)), dest, FormatError)
 
 
+def test_an_existing_destination_is_refused_with_the_documented_error(saved, tmp_path):
+    p, *_ = saved
+    raw = _stream(p, chunk_bytes=4096)
+    dest = tmp_path / "there"
+    dest.mkdir()
+    with pytest.raises(ckpt.errors.CheckpointExistsError, match="the destination exists") as ei:
+        cs.read_stream(io.BytesIO(raw).read, dest)
+    assert ei.value.path == str(dest) and os.listdir(dest) == []
+
+
 def test_a_file_longer_than_announced_is_refused(saved, tmp_path):
     p, *_ = saved
     raw = _stream(p, chunk_bytes=4096)
