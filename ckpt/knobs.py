@@ -55,6 +55,9 @@ class Knobs:
     max_tensor_rank: int = 64
     max_container_len: int = 1 << 24
     max_nesting: int = 256
+    #: arrays and maps one decoded msgpack document may build (spec/checkpoint-format.md
+    #: §14): what bounds a document's decoded size, since one input byte is one container.
+    max_containers: int = 1 << 21
     min_chunk_size: int = 4096
     max_chunk_size: int = 1 * GiB
 

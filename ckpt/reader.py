@@ -48,7 +48,7 @@ from .format.manifest import (
     decode_part_manifest,
 )
 from .format.safetensors import check_against_manifest, parse_header
-from .format.tree import TensorRef, decode_tree
+from .format.tree import DeviceRef, DtypeRef, TensorRef, decode_tree
 from .knobs import knobs
 from .storage import ReadHandle, Storage, resolve
 
@@ -396,14 +396,17 @@ class CheckpointReader:
     def context(self, part: str | None = None) -> dict[str, Any]:
         """A part's context (step, rng, data, config, topology, commit, env, lineage, extra).
 
-        Reads only the structure file, except where ``extra`` holds tensors: those are
-        read (verified) and returned as tensors, never as placeholders."""
+        Reads only the structure file, except where a field (``extra``, ``data``, ...)
+        holds tensors, dtypes or devices, as values or map keys: tensors are read
+        (verified), and each is returned as itself, never as a placeholder."""
         ctx = self.tree(part)["context"]
-        if not _holds_tensor_ref(ctx.get("extra")):
+        held = [k for k, v in ctx.items() if _holds_ref(v)]
+        if not held:
             return ctx
         from ._materialize import resolve_lazily
 
-        return {**ctx, "extra": resolve_lazily(self, self.part(part), ctx["extra"])}
+        pe = self.part(part)
+        return {**ctx, **{k: resolve_lazily(self, pe, ctx[k]) for k in held}}
 
     def config(self, part: str | None = None) -> Any:
         """The config saved with ``config=`` (its canonical form: maps, lists, plain values),
@@ -999,13 +1002,15 @@ class CheckpointReader:
         return None, name
 
 
-def _holds_tensor_ref(obj: Any) -> bool:
+def _holds_ref(obj: Any) -> bool:
+    """Whether a decoded value holds a placeholder (tensor, dtype, device), keys included."""
     stack = [obj]
     while stack:
         v = stack.pop()
-        if isinstance(v, TensorRef):
+        if isinstance(v, (TensorRef, DtypeRef, DeviceRef)):
             return True
         if isinstance(v, dict):
+            stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)

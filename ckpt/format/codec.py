@@ -14,7 +14,7 @@ import zstandard
 from ..errors import FormatError, LimitExceededError
 from ..knobs import knobs
 
-__all__ = ["packb", "unpackb", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
+__all__ = ["packb", "unpackb", "ContainerBudget", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
 
 
 def packb(obj: Any) -> bytes:
@@ -97,6 +97,33 @@ def strict_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
+class ContainerBudget:
+    """How many more arrays and maps a decode may build (``Knobs.max_containers``).
+
+    msgpack's own limits bound each container's *length* by the input, not how many
+    containers the input makes: one byte (``0x90``) is an empty array, a Python list of
+    56 bytes plus its slot, so 16 MiB of them made 3.6 GiB. Every other value costs at
+    least one input byte and a bounded object, so with this count capped, decoding
+    ``n`` bytes holds at most a small multiple of ``n`` plus ``max_containers`` lists
+    (spec/checkpoint-format.md §14). One budget may span several decodes of one
+    document (tuple payloads decode separately)."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = knobs().max_containers if limit is None else limit
+        self.left = self.limit
+
+    def take(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise _TooManyContainers(self.limit)
+
+
+class _TooManyContainers(Exception):
+    """Raised inside msgpack's hooks; unpackb turns it into LimitExceededError."""
+
+
 def unpackb(
     data: bytes | memoryview,
     *,
@@ -104,11 +131,23 @@ def unpackb(
     what: str = "msgpack",
     ext_hook: Callable[[int, bytes], Any] | None = None,
     offset: int = 0,
+    budget: ContainerBudget | None = None,
 ) -> Any:
     """``offset``: where the document starts in its file, named by errors. Inside a
-    compressed file positions do not map to file bytes, so errors name the frame (0)."""
+    compressed file positions do not map to file bytes, so errors name the frame (0).
+    ``budget``: the containers the document may still build (a fresh one by default)."""
     k = knobs()
     n = len(data)
+    b = budget if budget is not None else ContainerBudget()
+    take = b.take
+
+    def list_hook(v: list[Any]) -> list[Any]:
+        take()
+        return v
+
+    def pairs_hook(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        take()
+        return strict_map(pairs)
     kwargs: dict[str, Any] = dict(
         raw=False,
         strict_map_key=False,
@@ -118,12 +157,16 @@ def unpackb(
         max_array_len=min(n, k.max_container_len),
         max_map_len=min(n // 2 + 1, k.max_container_len),
         max_ext_len=min(n, k.max_state_raw_bytes),
-        object_pairs_hook=strict_map,
+        object_pairs_hook=pairs_hook,
+        list_hook=list_hook,
     )
     if ext_hook is not None:
         kwargs["ext_hook"] = ext_hook
     try:
         out = msgpack.unpackb(data, **kwargs)
+    except _TooManyContainers:
+        raise LimitExceededError(f"{what} builds more than {b.limit} arrays and maps (Knobs.max_containers)",
+                                 path=path, offset=offset) from None
     except (FormatError, RecursionError) as e:
         if isinstance(e, RecursionError):
             raise LimitExceededError(f"{what} nests too deeply", path=path, offset=offset) from None

@@ -17,6 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 import xxhash
@@ -178,3 +179,38 @@ def test_a_sparse_uncompressed_state_file_above_the_limit(small: Path) -> None:
     _resign(small)
     (got,) = probe(small, "state")
     assert got["outcome"] == "FormatError" and got["growth"] <= SLACK, got
+
+
+def test_a_state_file_of_empty_arrays_is_bounded_by_the_container_limit(small: Path) -> None:
+    """2^24 one-byte empty arrays (16 MiB, a few KiB compressed) made 3.6 GiB of lists:
+    each is within msgpack's per-container limits. Knobs.max_containers bounds how many
+    a document builds, so memory stays within a small multiple of the document."""
+    sf = small / "rank-00000.state.msgpack.zst"
+    n = 1 << 24
+    doc = (b"\x82" + msgpack.packb("state") + b"\x81" + msgpack.packb("x") + b"\xdd" + n.to_bytes(4, "big")
+           + b"\x90" * n + msgpack.packb("context") + b"\x80")
+    sf.write_bytes(zstandard.ZstdCompressor(level=3, write_content_size=True).compress(doc))
+    assert sf.stat().st_size < 64 * 1024
+    _resign(small, raw_size={sf.name: len(doc)})
+    (got,) = probe(small, "state")
+    assert got["outcome"] == "LimitExceededError", got
+    # the document (16 MiB), msgpack's slots for the outer array (8 bytes per input byte)
+    # and max_containers empty lists: a multiple of the document plus a constant
+    assert got["growth"] <= 10 * len(doc) + SLACK, got
+
+
+def test_the_container_limit_counts_arrays_maps_and_tuples_of_one_document() -> None:
+    from ckpt.errors import LimitExceededError
+    from ckpt.format.codec import unpackb
+    from ckpt.format.tree import decode_tree, to_wire
+
+    with override(max_containers=10):
+        assert unpackb(msgpack.packb([[]] * 4 + [{}] * 5)) == [[]] * 4 + [{}] * 5  # 10 containers: at the limit
+        with pytest.raises(LimitExceededError, match="more than 10 arrays and maps"):
+            unpackb(msgpack.packb([[]] * 10))
+        with pytest.raises(LimitExceededError, match="more than 10 arrays and maps"):
+            unpackb(msgpack.packb([{}] * 10))
+        body = msgpack.packb(to_wire({"state": {"t": tuple((i,) for i in range(8))}, "context": {}},
+                                     lambda v, where: None), use_bin_type=True)
+        with pytest.raises(LimitExceededError):  # 9 tuples (arrays in their own payloads) + 3 maps
+            decode_tree(body)
