@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
+from ckpt.format.codec import ContainerLimitError
 from ckpt.tape.format import strict_pairs  # one definition, next to the framing it serves
 from ckpt.tape.payload import pack_msgpack, unpack_msgpack  # the msgpack field rules, with the framing
 from replay.clock import VectorClock
@@ -251,7 +252,10 @@ def _dec_msgpack(mv: memoryview, pos: int) -> tuple[Any, int]:
     if n > MAX_MSGPACK:
         raise _OverLimit(f"msgpack length {n} above limit {MAX_MSGPACK}")
     _need(mv, pos, n)
-    return unpack_msgpack(bytes(mv[pos : pos + n])), pos + n
+    try:
+        return unpack_msgpack(bytes(mv[pos : pos + n])), pos + n
+    except ContainerLimitError as e:
+        raise _OverLimit(str(e)) from None
 
 
 _ENCODERS: dict[str, Callable[[bytearray, Any, str], None]] = {

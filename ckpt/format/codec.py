@@ -14,7 +14,7 @@ import zstandard
 from ..errors import FormatError, LimitExceededError
 from ..knobs import knobs
 
-__all__ = ["packb", "unpackb", "ContainerBudget", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
+__all__ = ["packb", "unpackb", "ContainerBudget", "ContainerLimitError", "bounded", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
 
 
 def packb(obj: Any) -> bytes:
@@ -117,11 +117,48 @@ class ContainerBudget:
     def take(self) -> None:
         self.left -= 1
         if self.left < 0:
-            raise _TooManyContainers(self.limit)
+            raise ContainerLimitError(self.limit)
 
 
-class _TooManyContainers(Exception):
-    """Raised inside msgpack's hooks; unpackb turns it into LimitExceededError."""
+class ContainerLimitError(ValueError):
+    """Raised inside msgpack's hooks when a decode passes its ``ContainerBudget``.
+    ``unpackb`` turns it into ``LimitExceededError``; the tape and stream decoders into
+    their own limit errors. A ValueError, so a caller that treats every decode failure
+    alike still catches it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"more than {limit} arrays and maps in one msgpack document")
+
+
+def bounded(n: int, *, pairs: Callable[[list[tuple[Any, Any]]], Any] | None = None,
+            budget: ContainerBudget | None = None) -> dict[str, Any]:
+    """``msgpack.unpackb`` keyword arguments that bound a decode of ``n`` input bytes:
+    no container, string or bin longer than the input (nor above the knobs), and at
+    most ``budget`` arrays and maps built (``Knobs.max_containers`` by default).
+    ``pairs``: the map builder (``strict_map`` by default)."""
+    k = knobs()
+    b = budget if budget is not None else ContainerBudget()
+    take = b.take
+    build = pairs if pairs is not None else strict_map
+
+    def list_hook(v: list[Any]) -> list[Any]:
+        take()
+        return v
+
+    def pairs_hook(items: list[tuple[Any, Any]]) -> Any:
+        take()
+        return build(items)
+
+    return dict(
+        max_str_len=min(n, k.max_state_raw_bytes),
+        max_bin_len=min(n, k.max_state_raw_bytes),
+        max_array_len=min(n, k.max_container_len),
+        max_map_len=min(n // 2 + 1, k.max_container_len),
+        max_ext_len=min(n, k.max_state_raw_bytes),
+        list_hook=list_hook,
+        object_pairs_hook=pairs_hook,
+    )
 
 
 def unpackb(
@@ -136,35 +173,13 @@ def unpackb(
     """``offset``: where the document starts in its file, named by errors. Inside a
     compressed file positions do not map to file bytes, so errors name the frame (0).
     ``budget``: the containers the document may still build (a fresh one by default)."""
-    k = knobs()
-    n = len(data)
     b = budget if budget is not None else ContainerBudget()
-    take = b.take
-
-    def list_hook(v: list[Any]) -> list[Any]:
-        take()
-        return v
-
-    def pairs_hook(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-        take()
-        return strict_map(pairs)
-    kwargs: dict[str, Any] = dict(
-        raw=False,
-        strict_map_key=False,
-        use_list=True,
-        max_str_len=min(n, k.max_state_raw_bytes),
-        max_bin_len=min(n, k.max_state_raw_bytes),
-        max_array_len=min(n, k.max_container_len),
-        max_map_len=min(n // 2 + 1, k.max_container_len),
-        max_ext_len=min(n, k.max_state_raw_bytes),
-        object_pairs_hook=pairs_hook,
-        list_hook=list_hook,
-    )
+    kwargs: dict[str, Any] = dict(raw=False, strict_map_key=False, use_list=True, **bounded(len(data), budget=b))
     if ext_hook is not None:
         kwargs["ext_hook"] = ext_hook
     try:
         out = msgpack.unpackb(data, **kwargs)
-    except _TooManyContainers:
+    except ContainerLimitError:
         raise LimitExceededError(f"{what} builds more than {b.limit} arrays and maps (Knobs.max_containers)",
                                  path=path, offset=offset) from None
     except (FormatError, RecursionError) as e:

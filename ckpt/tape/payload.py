@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import msgpack
 
 from ..errors import TapeFormatError, TapeLimitError
-from ..format.codec import foreign_value
+from ..format.codec import ContainerLimitError, bounded, foreign_value
 from .format import strict_pairs
 
 __all__ = ["PayloadWriter", "PayloadReader", "pack_msgpack", "unpack_msgpack", "MAX_LIST", "MAX_MSGPACK"]
@@ -39,7 +39,7 @@ def unpack_msgpack(data: bytes) -> Any:
     """Decode one msgpack object under the tape rules; ``ValueError`` says what is wrong."""
     try:
         v = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_refused,
-                            object_pairs_hook=strict_pairs)
+                            **bounded(len(data), pairs=strict_pairs))
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError, RecursionError) as e:
         raise ValueError(f"bad msgpack: {e}") from None
     bad = foreign_value(v)
@@ -179,6 +179,8 @@ class PayloadReader:
             raise TapeLimitError(f"{self.what} msgpack length {n} above the {MAX_MSGPACK} limit{self.where}")
         try:
             return unpack_msgpack(bytes(self.take(n)))
+        except ContainerLimitError as e:
+            raise TapeLimitError(f"{self.what}: {e}{self.where}") from None
         except ValueError as e:
             raise TapeFormatError(f"{self.what}: {e}{self.where}") from None
 
