@@ -344,6 +344,8 @@ def scan_segment(buf: bytes | memoryview, hdr: SegmentHeader, *, final: bool, sc
             st.end = pos + RECORD_HEADER
             return
         if kind == BLOCK_KIND:
+            if not hdr.zstd:  # §5.4: blocks exist only on a tape whose header says ZSTD
+                raise TapeFormatError(f"zstd block on a tape without the ZSTD flag{where}", offset=pos, seq=seq)
             if prev != 0:
                 raise TapeFormatError(f"block frame with non-zero prev{where}", offset=pos, seq=seq)
             yield from _expand_block(body, pos, seq, hdr, st, where)
