@@ -33,7 +33,7 @@ from .errors import (
     UnexpectedFileError,
     UnsafePathError,
 )
-from .format.codec import unpackb, zstd_decompress
+from .format.codec import unpackb, value_limit, zstd_decompress
 from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
 from .format.context import check_context, check_entry_names
 from .format.manifest import (
@@ -385,7 +385,7 @@ class CheckpointReader:
             if f.codec == "zstd":
                 raw = zstd_decompress(raw, f.raw_size or 0, path=self._fp(f))
             with gc_paused():
-                tree = decode_tree(raw, path=self._fp(f))
+                tree = decode_tree(raw, path=self._fp(f), max_value=value_limit(f.size))
                 if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
                     raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
                 check_entry_names(tree["state"], path=self._fp(f))

@@ -40,7 +40,7 @@ from .context.rng import capture_rng, rng_kinds
 from .context.topology import capture_topology
 from .errors import CheckpointExistsError, CkptError, DistributedUsageError, FormatError, UnsupportedValueError
 from .format import dtypes
-from .format.codec import packb, zstd_compress
+from .format.codec import packb, value_limit, zstd_compress
 from .format.digest import digest_bytes
 from .format.manifest import (
     MANIFEST_NAME,
@@ -448,7 +448,12 @@ def write_part(
         if len(raw) > k.max_state_raw_bytes:
             raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
         comp = zstd_compress(raw)
-        sname = pending.file_name(name, ".state.msgpack.zst")
+        codec: str | None = "zstd"
+        if len(raw) > value_limit(len(comp)):
+            # compresses so well that a reader could not tell it from a decompression bomb
+            # (spec §7.1: a value at most value_ratio times the file): stored as it is.
+            comp, codec = raw, None
+        sname = pending.file_name(name, ".state.msgpack.zst" if codec else ".state.msgpack")
         sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
         try:
             sink.write(comp)
@@ -467,7 +472,7 @@ def write_part(
         i = next(i for i, f in enumerate(files) if f.name == fname)
         files[i] = FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests)
     # The state file comes first so readers can find the structure without scanning.
-    files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
+    files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, codec, len(raw) if codec else None))
     index = {f.name: i for i, f in enumerate(files)}
     tensors = [e if e.file == index[fn] else dataclasses.replace(e, file=index[fn]) for fn, e in placed]
     summary = {

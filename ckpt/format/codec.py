@@ -14,7 +14,7 @@ import zstandard
 from ..errors import FormatError, LimitExceededError
 from ..knobs import knobs
 
-__all__ = ["packb", "unpackb", "ContainerBudget", "ContainerLimitError", "bounded", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
+__all__ = ["packb", "unpackb", "ContainerBudget", "ContainerLimitError", "bounded", "value_limit", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
 
 
 def packb(obj: Any) -> bytes:
@@ -131,13 +131,24 @@ class ContainerLimitError(ValueError):
         super().__init__(f"more than {limit} arrays and maps in one msgpack document")
 
 
+def value_limit(file_bytes: int) -> int:
+    """The longest str, bin or ext value a structure file of ``file_bytes`` on disk may
+    hold (spec/checkpoint-format.md §7.1): ``Knobs.value_ratio`` times the file, and at
+    least ``Knobs.value_floor``. Decoding copies each such value out of the decompressed
+    document, so without it a 68 KiB zstd frame holding one 1 GiB bin held 2 GiB."""
+    k = knobs()
+    return max(k.value_ratio * file_bytes, k.value_floor)
+
+
 def bounded(n: int, *, pairs: Callable[[list[tuple[Any, Any]]], Any] | None = None,
-            budget: ContainerBudget | None = None) -> dict[str, Any]:
+            budget: ContainerBudget | None = None, max_value: int | None = None) -> dict[str, Any]:
     """``msgpack.unpackb`` keyword arguments that bound a decode of ``n`` input bytes:
     no container, string or bin longer than the input (nor above the knobs), and at
     most ``budget`` arrays and maps built (``Knobs.max_containers`` by default).
-    ``pairs``: the map builder (``strict_map`` by default)."""
+    ``pairs``: the map builder (``strict_map`` by default); ``max_value``: the longest
+    str, bin or ext value (:func:`value_limit`), besides the input length."""
     k = knobs()
+    longest = min(n, k.max_state_raw_bytes, max_value if max_value is not None else n)
     b = budget if budget is not None else ContainerBudget()
     take = b.take
     build = pairs if pairs is not None else strict_map
@@ -151,11 +162,11 @@ def bounded(n: int, *, pairs: Callable[[list[tuple[Any, Any]]], Any] | None = No
         return build(items)
 
     return dict(
-        max_str_len=min(n, k.max_state_raw_bytes),
-        max_bin_len=min(n, k.max_state_raw_bytes),
+        max_str_len=longest,
+        max_bin_len=longest,
         max_array_len=min(n, k.max_container_len),
         max_map_len=min(n // 2 + 1, k.max_container_len),
-        max_ext_len=min(n, k.max_state_raw_bytes),
+        max_ext_len=longest,
         list_hook=list_hook,
         object_pairs_hook=pairs_hook,
     )
@@ -169,12 +180,13 @@ def unpackb(
     ext_hook: Callable[[int, bytes], Any] | None = None,
     offset: int = 0,
     budget: ContainerBudget | None = None,
+    max_value: int | None = None,
 ) -> Any:
     """``offset``: where the document starts in its file, named by errors. Inside a
     compressed file positions do not map to file bytes, so errors name the frame (0).
     ``budget``: the containers the document may still build (a fresh one by default)."""
     b = budget if budget is not None else ContainerBudget()
-    kwargs: dict[str, Any] = dict(raw=False, strict_map_key=False, use_list=True, **bounded(len(data), budget=b))
+    kwargs: dict[str, Any] = dict(raw=False, strict_map_key=False, use_list=True, **bounded(len(data), budget=b, max_value=max_value))
     if ext_hook is not None:
         kwargs["ext_hook"] = ext_hook
     try:

@@ -168,13 +168,14 @@ class _TuplePayload:
     data: bytes
 
 
-def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
+def decode_tree(data: bytes | memoryview, *, path: str | None = None, max_value: int | None = None) -> Any:
     """Decode a structure file body; extension values become *Ref placeholders.
 
     Tuple payloads are decoded after the enclosing document, never from inside
     msgpack's ext hook: each nested C unpacker call holds tens of KiB of C stack, so
     ~200 nested tuples would overflow it and crash the interpreter. Nesting of every
     container is bounded by ``max_nesting`` (plus the two wrapper maps of the file).
+    ``max_value``: the longest str/bin/ext value (``codec.value_limit`` of the file).
     """
     limit = knobs().max_nesting + 2
     budget = ContainerBudget()  # one count for the document and every tuple inside it
@@ -211,7 +212,7 @@ def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
             raise LimitExceededError("containers nest too deeply", path=path, offset=0)
         t = type(obj)
         if t is _TuplePayload:
-            inner = unpackb(obj.data, path=path, what="tuple", ext_hook=ext_hook, budget=budget)
+            inner = unpackb(obj.data, path=path, what="tuple", ext_hook=ext_hook, budget=budget, max_value=max_value)
             if not isinstance(inner, list):
                 raise FormatError("tuple payload is not an array", path=path, offset=0)
             return tuple(expand(inner, depth))
@@ -237,7 +238,7 @@ def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
             return obj
         return obj
 
-    tree = unpackb(data, path=path, what="state tree", ext_hook=ext_hook, budget=budget)
+    tree = unpackb(data, path=path, what="state tree", ext_hook=ext_hook, budget=budget, max_value=max_value)
     try:
         out = expand(tree, 0)
     except (TypeError, DuplicateKeyError) as e:  # an unhashable value inside a tuple key

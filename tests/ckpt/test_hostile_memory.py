@@ -214,3 +214,34 @@ def test_the_container_limit_counts_arrays_maps_and_tuples_of_one_document() -> 
                                      lambda v, where: None), use_bin_type=True)
         with pytest.raises(LimitExceededError):  # 9 tuples (arrays in their own payloads) + 3 maps
             decode_tree(body)
+
+
+def test_a_small_state_file_holding_a_huge_bin_is_not_copied(small: Path) -> None:
+    """A few KiB of zstd frame declaring (honestly) a document of one 256 MiB bin: decoding
+    copied the bin out of the document, so the reader held twice the declared size. A
+    value is at most Knobs.value_ratio times the file (or value_floor): refused before the
+    copy, so the reader holds the document it declares and no second copy."""
+    sf = small / "rank-00000.state.msgpack.zst"
+    big = 256 * MiB
+    doc = (b"\x82" + msgpack.packb("state") + b"\x81" + msgpack.packb("b") + b"\xc6" + big.to_bytes(4, "big")
+           + bytes(big) + msgpack.packb("context") + b"\x80")
+    sf.write_bytes(zstandard.ZstdCompressor(level=3, write_content_size=True).compress(doc))
+    assert sf.stat().st_size < 128 * 1024
+    _resign(small, raw_size={sf.name: len(doc)})
+    (got,) = probe(small, "state")
+    assert got["outcome"] == "FormatError", got
+    assert got["growth"] <= len(doc) + SLACK, got
+
+
+def test_a_state_that_compresses_past_the_value_ratio_is_stored_uncompressed(tmp_path: Path) -> None:
+    """The writer never writes what the reader refuses: a state whose zstd frame would be
+    more than value_ratio times smaller than a value in it is stored with codec nil."""
+    blob = bytes(80 * MiB)  # above value_floor, compresses ~10000-fold
+    ckpt.save(tmp_path / "c", {"s": {"blob": blob, "n": 1}}, step=1)
+    r = ckpt.open(tmp_path / "c")
+    (state_file,) = [f for f in r.manifest.parts[0].files if f.role == "state"]
+    assert state_file.codec is None and state_file.raw_size is None and state_file.size > len(blob)
+    assert r.state()["s"] == {"blob": blob, "n": 1}
+    ckpt.save(tmp_path / "d", {"s": {"blob": bytes(1 * MiB)}}, step=1)  # small: compressed as always
+    (state_file,) = [f for f in ckpt.open(tmp_path / "d").manifest.parts[0].files if f.role == "state"]
+    assert state_file.codec == "zstd"
