@@ -47,6 +47,9 @@ class Knobs:
     compress_min_bytes: int = _env_int("CKPT_COMPRESS_MIN_BYTES", 64 * 1024)
     #: a distributed save of more ranks than this lists parts by reference (part manifests).
     inline_parts_max: int = _env_int("CKPT_INLINE_PARTS_MAX", 16)
+    #: a dedup save re-hashes every chunk of a file it shares at least once in this many
+    #: consecutive saves that share it (spec/format-2.md §V.4.6; bench/dedup.py measures it).
+    dedup_rehash_every: int = _env_int("CKPT_DEDUP_REHASH_EVERY", 1)
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB

@@ -73,7 +73,9 @@ copies cost their bytes once per run. Each checkpoint stays complete on its own 
 directory entry for every byte), so retention deletes checkpoints as before and the
 filesystem frees a file's bytes when no kept checkpoint links it. Shared bytes share their
 fate (a damaged file fails every checkpoint that links it): ``dedup_full_every=K`` writes
-everything at every K-th save.
+everything at every K-th save. A save checks what it links (spec/format-2.md §V.4.6): a file
+whose bytes changed is written again from memory (``SharedFileDamagedWarning``), and
+retention does not count the checkpoints holding it toward ``keep_last``.
 
 **Signals.** The SIGTERM/SIGUSR1 handlers chain: the handler installed before the
 manager's is still called (after the flag is set), and ``close()`` puts it back unless
@@ -148,6 +150,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
+from . import _linkcheck
+from ._linkcheck import SharedFileDamagedWarning
 from .errors import (
     BackgroundSaveError,
     CkptError,
@@ -169,6 +173,7 @@ __all__ = [
     "SaveReport",
     "Rewind",
     "ResumeFallbackWarning",
+    "SharedFileDamagedWarning",
     "list_checkpoints",
     "plan_retention",
     "apply_retention",
@@ -281,19 +286,29 @@ def list_checkpoints(
     return out
 
 
-def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy) -> dict[str, tuple[str, ...]]:
+def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy, *,
+                   damaged: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
     """Which committed checkpoints to keep, and why (``name -> reasons``).
 
     Committed checkpoints not in the result are to be deleted. The newest committed one
-    is always kept (``"resume-point"``).
+    is always kept (``"resume-point"``). ``damaged``: checkpoints known to hold bytes that
+    do not verify (a shared file found damaged, spec/format-2.md §V.4.6). They do not count
+    toward ``keep_last``, so a damaged file never costs the last checkpoints that load;
+    those newer than the oldest one kept are kept too (``"damaged"``), since what
+    retention deletes is always older than what it keeps (§10.7).
     """
     committed = [r for r in records if r.committed]
     keep: dict[str, list[str]] = {}
     if not committed:
         return {}
     keep.setdefault(committed[-1].name, []).append("resume-point")
-    for r in committed[-policy.keep_last :]:
+    bad = frozenset(damaged)
+    lasts = [r for r in committed if r.name not in bad][-policy.keep_last :] or committed[-policy.keep_last :]
+    for r in lasts:
         keep.setdefault(r.name, []).append("last")
+    for r in committed:
+        if r.name in bad and r.step > lasts[0].step and r.name not in keep:
+            keep.setdefault(r.name, []).append("damaged")
     if policy.keep_every:
         for r in committed:
             if r.step % policy.keep_every == 0:
@@ -426,6 +441,8 @@ class CheckpointManager:
         self._guard: Any = None
         self._floor: int | None = None
         self._verified: set[tuple[str, str]] = set()
+        # checkpoint name -> holds a file found damaged, as of that many findings (_damaged)
+        self._damage_scan: tuple[int, dict[str, bool]] = (0, {})
 
         from .staging import Staging
 
@@ -1089,8 +1106,35 @@ class CheckpointManager:
         floor = self._floor
         if floor is not None:
             protect |= self._floor_keep(list_checkpoints(self.run_dir, storage=self._storage), floor)
+        damaged = self._damaged() if self.dedup else set()
         return apply_retention(self.run_dir, self.retention, storage=self._storage,
-                               protect=protect, upcoming=upcoming)
+                               protect=protect, upcoming=upcoming, damaged=damaged)
+
+    def _damaged(self) -> set[str]:
+        """The committed checkpoints holding a file that a dedup save of this process found
+        damaged (spec/format-2.md §V.4.6): retention does not count them as kept."""
+        seen = _linkcheck.damaged_count()
+        if not seen:
+            return set()
+        if self._damage_scan[0] != seen:  # a new finding: what was scanned before is stale
+            self._damage_scan = (seen, {})
+        scanned = self._damage_scan[1]
+        out = set()
+        committed = [r for r in list_checkpoints(self.run_dir, storage=self._storage) if r.committed]
+        for r in committed:
+            # the newest is scanned every time: a save may have replaced it under its name
+            if r.name not in scanned or r is committed[-1]:
+                storage, root = resolve(r.path, self._storage)
+                try:
+                    names = storage.listdir(root)
+                except OSError:
+                    continue
+                scanned[r.name] = any(_linkcheck.is_damaged(storage, os.path.join(root, n)) for n in names)
+            if scanned[r.name]:
+                out.add(r.name)
+        # The guard's cache of verified checkpoints assumed committed files never change.
+        self._verified = {key for key in self._verified if key[0] not in out}
+        return out
 
     def _floor_keep(self, records: Sequence[CheckpointRecord], floor: int) -> set[str]:
         """The loss-spike guard's retention rule (spec/loss-guard.md §8): every committed
@@ -1196,13 +1240,15 @@ def _lower_thread_priority(nice: int) -> None:
 
 
 def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage | None = None,
-                    protect: Iterable[str] = (), upcoming: int | None = None) -> tuple[str, ...]:
+                    protect: Iterable[str] = (), upcoming: int | None = None,
+                    damaged: Iterable[str] = ()) -> tuple[str, ...]:
     """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
     (:func:`plan_retention`); returns their names. The manager runs this after each
     commit; anything else that commits checkpoints into a directory (a snapshotter) runs
     it too, so that there is one retention routine. Names in ``protect`` are never
     deleted; ``upcoming`` plans as if that step had already committed (freeing space
-    before a save on a full disk) and is itself never deleted. On an object store a
+    before a save on a full disk) and is itself never deleted; ``damaged`` as for
+    :func:`plan_retention`. On an object store a
     checkpoint is deleted MANIFEST first (it is uncommitted from that instant), then
     its objects (spec/object-storage.md)."""
     storage, normal = resolve(run_dir, storage)
@@ -1214,7 +1260,7 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
         name = checkpoint_name(upcoming)
         records = sorted([*records, CheckpointRecord(name, os.path.join(run_dir, name), upcoming, True)],
                          key=lambda r: r.step)
-    keep = plan_retention(records, policy)
+    keep = plan_retention(records, policy, damaged=damaged)
     doomed = [r for r in records
               if r.committed and r.name not in keep and r.name not in protected and r.step != upcoming]
     # Older than every kept one: an undone deletion is redone next time (no fsync, §10.7).

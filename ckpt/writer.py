@@ -65,7 +65,7 @@ from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import PendingCheckpoint, Recovery, Storage, commits_by_manifest, resolve
-from . import _partfiles
+from . import _linkcheck, _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
 from ._tensorbytes import tensor_memoryview
 
@@ -405,7 +405,9 @@ def write_part(
     placed: list[tuple[str, TensorEntry]] = []  # (file name, entry): indices are set at the end
     layout = _partfiles.plan(name, collector.tensors, collector.tops, compress=compress, reuse=reuse, dedup=dedup,
                              storage=storage, file_name=pending.file_name)
-    # Shared files first (format-2.md §V.4): a file that cannot be linked is written below.
+    recording = layout.dedup
+    # Shared files first (format-2.md §V.4): a file that cannot be linked, or whose bytes
+    # are not what its MANIFEST says (§V.4.6), is written below.
     for fe, entries in _partfiles.link_shared(name, layout, pending.tmp_dir, storage, file_name=pending.file_name):
         files.append(fe)
         placed.extend((fe.name, e) for e in entries)
@@ -471,6 +473,12 @@ def write_part(
     if closing is not None:
         i = next(i for i, f in enumerate(files) if f.name == fname)
         files[i] = FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests)
+    if recording:
+        # Their digests were computed from the bytes written: a later dedup save may share
+        # them on the budget of format-2.md §V.4.6, not after a full re-hash.
+        for f in files:
+            if f.origin is None:
+                _linkcheck.record_written(storage, os.path.join(pending.tmp_dir, f.name))
     # The state file comes first so readers can find the structure without scanning.
     files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, codec, len(raw) if codec else None))
     index = {f.name: i for i, f in enumerate(files)}
