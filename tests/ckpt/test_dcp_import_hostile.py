@@ -128,3 +128,29 @@ def test_malformed_metadata_is_a_format_error(tmp_path: Path, case: str) -> None
     with pytest.raises(exc, match=msg):
         import_dcp(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_reports_each_malformed_metadata_in_one_line(tmp_path: Path) -> None:
+    """`ckpt import dcp` as a real process: exit 3, one `error:` line naming the value, no
+    traceback, nothing written (these were 9 tracebacks on 3930a40)."""
+    import os
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    repo = Path(__file__).resolve().parents[2]
+    cases = sorted(BAD)
+    for case in cases:
+        write_dcp(tmp_path / case, {"w": ((4,), [((0,), torch.zeros(4))])}, mutate=BAD[case][0])
+
+    def run(case: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ckpt_cli", "import", "dcp", str(tmp_path / case),
+                               str(tmp_path / f"out-{case}")], cwd=repo, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, CKPT_PROGRESS="0"))
+
+    with ThreadPoolExecutor(4) as pool:
+        for case, r in zip(cases, pool.map(run, cases)):
+            err = r.stderr.strip().splitlines()
+            assert r.returncode == 3 and "Traceback" not in r.stderr, (case, r.returncode, r.stderr[-1500:])
+            assert len(err) == 1 and err[0].startswith("error: ") and BAD[case][2] in err[0], (case, err)
+            assert not (tmp_path / f"out-{case}").exists(), case
