@@ -77,6 +77,7 @@ __all__ = [
     "DistributedUsageError",
     "UnsupportedSchemeError",
     "StorageError",
+    "UnprotectedMappingError",
     "GuardError",
     "NoRollbackTargetError",
     "RollbackLimitError",
@@ -242,6 +243,13 @@ class UnsupportedSchemeError(CkptError, ValueError):
 class StorageError(CkptError, OSError):
     """An object store refused or failed a request (credentials, network, throttling):
     the URL and the store's own message are named. Not a statement about the bytes."""
+
+
+class UnprotectedMappingError(CkptError, OSError):
+    """``state(mmap=True)`` on a file no read lease can be taken on (spec §11.1): a mapping
+    would change under the returned tensors if the file were overwritten in place, and
+    fault them if it were truncated. Pass ``mmap=None`` (read into fresh memory where no
+    lease is granted) or, knowingly, ``unsafe_mmap=True``. Not a statement about the bytes."""
 
 
 class TapeDataError(FormatError):
