@@ -27,6 +27,8 @@ keeps working for callers who do not know this package::
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
     ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
+    ├── WaitTimeoutError             (TimeoutError)       a lock or a save in flight passed its hang
+    │                                                     detector bound (names what it waited on)
     ├── DistributedUsageError        (RuntimeError)       single-process API under a process group
     ├── UnsupportedSchemeError       (ValueError)         a URL no installed storage backend serves
     ├── StorageError                 (OSError)            an object store refused or failed a request
@@ -74,6 +76,7 @@ __all__ = [
     "TapeLimitError",
     "ResumeDivergedError",
     "RunDirLockedError",
+    "WaitTimeoutError",
     "DistributedUsageError",
     "UnsupportedSchemeError",
     "StorageError",
@@ -227,6 +230,13 @@ class BackgroundSaveError(CkptError, RuntimeError):
 
 class RunDirLockedError(CkptError, BlockingIOError):
     """Another live process holds the run directory's writer lock (its pid and host named)."""
+
+
+class WaitTimeoutError(CkptError, TimeoutError):
+    """A wait inside a save (a lock on a checkpoint's temporary directory, the save in
+    flight) passed its hang-detector bound (``ckpt.knobs``: ``lock_timeout_s``,
+    ``save_timeout_s``). The message names what was waited on and, for a lock, which
+    processes hold it; ``waited_on`` and ``timeout_s`` carry the same."""
 
 
 class DistributedUsageError(CkptError, RuntimeError):

@@ -143,8 +143,10 @@ import os
 import queue
 import re
 import signal
+import sys
 import threading
 import time
+import traceback
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -152,12 +154,14 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from . import _linkcheck
 from ._linkcheck import SharedFileDamagedWarning
+from .context import prime as prime_context
 from .errors import (
     BackgroundSaveError,
     CkptError,
     EnvironmentMismatchError,
     RunDirLockedError,
     UnsupportedValueError,
+    WaitTimeoutError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .knobs import knobs
@@ -498,6 +502,11 @@ class CheckpointManager:
             self._release_lock()
             raise refusal
 
+        if self._writer:
+            # git and uname run here, on the loop's thread: never on the save thread, where a
+            # DataLoader forking workers meanwhile deadlocks them (ckpt.context.provenance).
+            prime_context(self.code_dir)
+
         # The step ledger (ckpt.ledger): created now, after seeding, so its RNG baseline
         # is the streams' start values; "unused, not compared" is judged against it.
         self.ledger = self._make_ledger(ledger_params_every, verify_resume) if ledger else None
@@ -647,21 +656,23 @@ class CheckpointManager:
             self._closed = True
             if self.ledger is not None:
                 self.ledger.close()
-            for sig, old in self._old_handlers.items():
+            for sig in self._old_handlers:
                 try:
                     # Only if ours is still installed: a handler installed after ours
                     # (which may chain to ours) is not overwritten. Ours stays in its
                     # chain, closed: it only forwards to the previous handler.
                     if signal.getsignal(sig) == self._on_signal:
-                        signal.signal(sig, old)
+                        signal.signal(sig, _first_open_handler(self, sig))
                 except (ValueError, TypeError):  # pragma: no cover - not main thread
                     pass
+            hung = self._inflight is not None and not self._inflight.done.is_set()
             if self._worker is not None:
-                self._worker.stop()
+                self._worker.stop(join=not hung)
                 self._worker = None
             if self._staging is not None:
                 self._staging.release()
-            self._release_lock()
+            if not hung:  # a save still running (reported by wait()) may yet commit: the run stays locked
+                self._release_lock()
 
     def _take_lock(self, *, wait: bool) -> None:
         self._storage.makedirs(self.run_dir)
@@ -907,7 +918,16 @@ class CheckpointManager:
         job = self._inflight
         if job is None:
             return
-        job.done.wait()
+        limit = knobs().save_timeout_s
+        if not job.done.wait(limit):
+            # A hang detector, not a verdict on speed: the save's own waits are bounded
+            # (locks: lock_timeout_s), so only a stuck system call gets here. Say where.
+            where = self._worker.where() if self._worker is not None else "unknown"
+            raise WaitTimeoutError(
+                f"the asynchronous save of step {job.step} has not finished after {limit:g} s; the save "
+                f"thread is at {where} (raise CKPT_SAVE_TIMEOUT_S if the storage is only slow)",
+                path=job.path, step=job.step, waited_on=f"the asynchronous save of step {job.step}", timeout_s=limit,
+            )
         self._inflight = None
         if job.error is not None:
             self._failed = job
@@ -976,6 +996,7 @@ class CheckpointManager:
                 self._raise_failure()
             return
         job.stall_s = time.perf_counter() - t0
+        prime_context(self.code_dir)  # cached after the first call (a follower made writer)
         self._inflight = job
         if self._worker is None:
             self._worker = _SaveWorker(self._run)
@@ -1170,6 +1191,22 @@ class CheckpointManager:
         return out
 
 
+def _first_open_handler(closed: CheckpointManager, sig: int) -> Any:
+    """The handler to restore when ``closed`` leaves the top of ``sig``'s chain: the one it
+    replaced, skipping every manager closed meanwhile. Managers closed in creation order
+    leave the older ones in the chain (each was under a newer one then); restoring the
+    newest one's predecessor as such would install a closed manager's handler, which
+    never calls SIG_DFL, and SIGTERM would be ignored for the rest of the process."""
+    handler = closed._old_handlers[sig]
+    for _ in range(1024):  # one hop per manager ever created; bounded against a cycle
+        owner = getattr(handler, "__self__", None)
+        if not (isinstance(owner, CheckpointManager) and getattr(handler, "__func__", None) is CheckpointManager._on_signal
+                and owner._closed and sig in owner._old_handlers):
+            break
+        handler = owner._old_handlers[sig]
+    return handler
+
+
 class _SaveWorker:
     """The one long-lived thread that runs a manager's asynchronous saves, in order.
 
@@ -1212,10 +1249,20 @@ class _SaveWorker:
             self._start()
         self._jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, *, join: bool = True) -> None:
+        """Stop after the jobs given; with ``join``, wait for that (the job in flight is
+        done: the loop only has to see the sentinel; bounded all the same)."""
         self._jobs.put(None)
-        if self._thread is not threading.current_thread() and self._thread.is_alive():
-            self._thread.join()
+        if join and self._thread is not threading.current_thread() and self._thread.is_alive():
+            self._thread.join(knobs().save_timeout_s)
+
+    def where(self) -> str:
+        """The save thread's innermost frames, for a hang report."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        if frame is None:
+            return "no frame (the thread has ended)"
+        stack = traceback.extract_stack(frame)[-4:]
+        return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
 
 
 def _lower_thread_priority(nice: int) -> None:

@@ -388,8 +388,10 @@ def shared_pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _forget_pool() -> None:
-    global _pools, _pool_lock
+    global _pools, _pool_lock, _shared, _shared_lock
     _pools, _pool_lock = {}, threading.Lock()  # a forked child has none of the parent's threads
+    # nor their locks: one held by an encoder thread at the fork would stay held for ever
+    _shared, _shared_lock = {}, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
