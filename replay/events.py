@@ -322,10 +322,6 @@ KINDS: tuple[Kind, ...] = (
     Kind(24, "resume_check", (("verdict", "str"), ("first", "i64"), ("last", "i64"), ("report", "str")),
          "The verification of a resume against the ledger: verdict exact, diverged or skipped over steps "
          "first..last, with the full report text."),
-    Kind(72, "ledger_values", (("values", "msgpack"),),
-         "The plain values of the ledger step of the same step field, right after its ledger_step: a map of names to "
-         "nil, bool, int, float, str or bytes (the script's values, e.g. lr; names starting ckpt. are the ledger's "
-         "own), compared exactly on a resume."),
     # -- 32-47: replica fault tolerance and SDC (runs/replicas, replay.sdc) --
     Kind(32, "step_commit", (("quorum", "str"), ("committed", "u32"), ("participants", "u32"), ("params", "d128"),
                              ("state", "d128")),
@@ -394,6 +390,10 @@ KINDS: tuple[Kind, ...] = (
          "sent and in total, and the payload bytes sent to each peer."),
     Kind(61, "stage_stall", (("reason", "str"),),
          "This stage is live but idles this step (its replica waits: reason wait or edge-down)."),
+    Kind(72, "ledger_values", (("values", "msgpack"),),
+         "The plain values of the ledger step of the same step field, right after its ledger_step: a map of names to "
+         "nil, bool, int, float, str or bytes (the script's values, e.g. lr; names starting ckpt. are the ledger's "
+         "own), compared exactly on a resume."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
