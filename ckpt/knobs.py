@@ -47,6 +47,16 @@ class Knobs:
     compress_min_bytes: int = _env_int("CKPT_COMPRESS_MIN_BYTES", 64 * 1024)
     #: a distributed save of more ranks than this lists parts by reference (part manifests).
     inline_parts_max: int = _env_int("CKPT_INLINE_PARTS_MAX", 16)
+    # --- the default step ledger of ckpt.save / ckpt.load (ckpt.ledger.auto) ---
+    #: 0 turns the default ledger off for the whole process (CKPT_AUTO_LEDGER=0); a
+    #: single call opts out with ckpt.save(..., ledger=False) / ckpt.load(..., ledger=False).
+    auto_ledger: int = _env_int("CKPT_AUTO_LEDGER", 1)
+    #: the default ledger digests every parameter every this many optimizer steps (a
+    #: sample of every parameter is digested at every step); 0: never.
+    auto_ledger_params_every: int = _env_int("CKPT_AUTO_LEDGER_PARAMS_EVERY", 10)
+    #: CKPT_LEDGER_DIR: where step ledgers go instead of next to the checkpoints (a
+    #: manager's in DIR/<run dir name>, the default one's in DIR/<checkpoint's dir name>).
+    ledger_dir: str = os.environ.get("CKPT_LEDGER_DIR", "")
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB
@@ -67,7 +77,7 @@ def knobs() -> Knobs:
 
 
 @contextlib.contextmanager
-def override(**changes: int) -> Iterator[Knobs]:
+def override(**changes: int | str) -> Iterator[Knobs]:
     """Temporarily change knobs (tests use small chunk sizes to exercise boundaries)."""
     global _current
     old = _current

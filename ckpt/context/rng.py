@@ -122,6 +122,9 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None =
         except RuntimeError as e:
             raise StateMismatchError(f"generator {name!r} does not restore: {e}", path=path, key=f"rng/generators/{name}") from None
         restored.append(f"generator:{name}")
+    from ..ledger.auto import rng_restored  # streams a ckpt.load held back are restored now
+
+    rng_restored()
     return restored
 
 

@@ -119,7 +119,11 @@ class Ledger:
 
     def __init__(self, directory: str | os.PathLike[str], *, params: Any = None, params_every: int = 10,
                  generators: Mapping[str, Any] | None = None, verify: Policy = "warn",
-                 run_id: str | None = None, meta: Mapping[str, Any] | None = None) -> None:
+                 run_id: str | None = None, meta: Mapping[str, Any] | None = None, _auto: bool = False) -> None:
+        if not _auto:  # the script keeps its own ledger (or a manager does): the default one stands down
+            from .auto import stand_down
+
+            stand_down()
         verify = os.environ.get(ENV_VERIFY, verify)  # type: ignore[assignment]
         if verify not in ("strict", "warn", "off"):
             raise ValueError(f"verify must be 'strict', 'warn' or 'off', not {verify!r}")
