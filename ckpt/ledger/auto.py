@@ -39,15 +39,14 @@ from ..errors import ResumeDivergedError
 from ..knobs import knobs
 from .compare import RNG_BEFORE, SAMPLE
 from .digest import rng_digests, tensor_digest
-from .ledger import Ledger, ResumeVerificationWarning
+from .ledger import ON_OWN_LEDGER, OWN_LEDGER, Ledger, ResumeVerificationWarning
 
-__all__ = ["before_save", "after_load", "stand_down", "active", "META_KEY"]
+__all__ = ["before_save", "after_load", "rng_restored", "stand_down", "reset", "active", "META_KEY"]
 
 #: the MANIFEST meta key a default-ledger save writes: {"step": int, "run_id": str}
 META_KEY = "ledger"
 
 _auto: _Auto | None = None
-_explicit = False  # a Ledger of the script's own (or a manager's) exists: the default one stands down
 
 
 @dataclass(slots=True)
@@ -121,8 +120,12 @@ class _Auto:
         self.directory = directory
         self.count = 0
         self.stepped = False
-        self.opts: dict[int, tuple[int, weakref.ref[Any]]] = {}  # id -> (index, optimizer)
-        self.tracked: weakref.WeakSet[Any] | None = None  # None: every optimizer
+        # The optimizers whose steps are the ledger's, by index: those of the saved state, in
+        # its order; with none there (plain state_dicts), every optimizer, in order of its
+        # first step. Indices name the values (optimizer1.param_groups[0].lr), so they restart
+        # with each resume, as a new process's would.
+        self.order: list[weakref.ref[Any]] = []
+        self.from_state = False
         self.before = True
         self.pending: _Resume | None = None
         self.ledger = self._new_ledger(None)
@@ -136,24 +139,26 @@ class _Auto:
                       _auto=True)
 
     # -- what the hooks see ----------------------------------------------------------------
-    def track(self, state: Any) -> None:
+    def track(self, state: Any, *, replace: bool = False) -> None:
         opts = _optimizers(state)
+        if replace:
+            self.order, self.from_state = [], False
         if opts:
-            if self.tracked is None:
-                self.tracked = weakref.WeakSet()
-            for o in opts:
-                self.tracked.add(o)
+            if not self.from_state:
+                self.order, self.from_state = [], True
+            known = {id(r()) for r in self.order}
+            self.order += [weakref.ref(o) for o in opts if id(o) not in known]
 
     def _mine(self, opt: Any) -> bool:
-        if self.tracked is not None and opt not in self.tracked:
+        if any(r() is opt for r in self.order):
+            return True
+        if self.from_state:
             return False
-        if id(opt) not in self.opts or self.opts[id(opt)][1]() is not opt:
-            self.opts[id(opt)] = (len(self.opts), weakref.ref(opt))
+        self.order.append(weakref.ref(opt))
         return True
 
     def _live(self) -> list[tuple[int, Any]]:
-        out = [(i, r()) for i, r in self.opts.values()]
-        return sorted((i, o) for i, o in out if o is not None)
+        return [(i, o) for i, r in enumerate(self.order) if (o := r()) is not None]
 
     def _named(self) -> Iterable[tuple[str, Any]]:
         for i, opt in self._live():
@@ -180,7 +185,7 @@ class _Auto:
         return values
 
     def _pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if _explicit or not self._mine(opt):
+        if OWN_LEDGER[0] or not self._mine(opt):
             return
         try:
             if self.pending is not None:
@@ -195,7 +200,7 @@ class _Auto:
             self._fail(e)
 
     def _post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if _explicit or not self._mine(opt):
+        if OWN_LEDGER[0] or not self._mine(opt):
             return
         try:
             self.count += 1
@@ -231,6 +236,9 @@ class _Auto:
             self.stepped = False
         self.count = int(step or 0)
         self.before = True
+        if not led:  # saved without a default ledger: nothing to verify against; this process records
+            self.pending = None
+            return
         held = ""
         if not restore_rng or not result.restored_rng:
             held = ("ckpt.load(..., restore_rng=False)|restore them with ckpt.rng.restore_rng(result.context['rng']) "
@@ -255,16 +263,20 @@ class _Auto:
 
 def _engage(path: Any, state: Any, kwargs: Mapping[str, Any], *, step: Any = None) -> _Auto | None:
     global _auto
-    if _explicit or not knobs().auto_ledger:
+    if OWN_LEDGER[0] or not knobs().auto_ledger:
         return None
     where = _local(path, kwargs)
     if where is None or _distributed():
         return None
     if _auto is None:
+        from ..context.rng import RESTORE_LISTENERS
+
         root = knobs().ledger_dir
         parent = os.path.dirname(where)
         directory = os.path.join(root, os.path.basename(parent)) if root else os.path.join(parent, "ledger")
         _auto = _Auto(directory)
+        RESTORE_LISTENERS.append(rng_restored)
+        ON_OWN_LEDGER.append(stand_down)
         # The steps before the first save were not seen: number on from the optimizer's own
         # count (Adam keeps one), else from the script's step.
         taken = _steps_taken(state)
@@ -286,6 +298,7 @@ def after_load(path: Any, state: Any, result: Any, *, restore_rng: bool) -> None
     """A ``ckpt.load`` returned ``result``: the next optimizer step starts the resume."""
     a = _engage(path, state, {})
     if a is not None:
+        a.track(state, replace=True)
         a.loaded(os.path.abspath(os.fsdecode(os.fspath(path))), result, restore_rng)
 
 
@@ -297,12 +310,28 @@ def rng_restored() -> None:
 
 def stand_down() -> None:
     """A ledger of the script's own exists: the default one records nothing more."""
-    global _explicit
-    _explicit = True
+    OWN_LEDGER[0] = True
     if _auto is not None:
         _auto.close()
 
 
+def reset() -> None:
+    """Forget the process's default ledger (hooks removed, tape closed) and any stand-down:
+    the next save or load starts afresh. For a process that runs several independent
+    runs in turn (a test session)."""
+    global _auto
+    from ..context.rng import RESTORE_LISTENERS
+
+    if _auto is not None:
+        _auto.close()
+        atexit.unregister(_auto.close)
+    if rng_restored in RESTORE_LISTENERS:
+        RESTORE_LISTENERS.remove(rng_restored)
+    if stand_down in ON_OWN_LEDGER:
+        ON_OWN_LEDGER.remove(stand_down)
+    _auto, OWN_LEDGER[0] = None, False
+
+
 def active() -> Ledger | None:
     """The default ledger of this process, once a save or load started it."""
-    return _auto.ledger if _auto is not None and not _explicit else None
+    return _auto.ledger if _auto is not None and not OWN_LEDGER[0] else None

@@ -46,6 +46,12 @@ class ResumeVerificationWarning(RuntimeWarning):
     """A resume was not exact, or could not be verified (the message is the whole report)."""
 
 
+#: OWN_LEDGER[0]: a Ledger of the script's own (or a manager's) exists in this process;
+#: ON_OWN_LEDGER: called when one is created (ckpt.ledger.auto stands down then)
+OWN_LEDGER: list[bool] = [False]
+ON_OWN_LEDGER: list[Callable[[], None]] = []
+
+
 class ResumeNotice(UserWarning):
     """The verdict line of a resume that needs no action; filter it with
     ``warnings.filterwarnings("ignore", category=ckpt.ledger.ResumeNotice)``."""
@@ -121,9 +127,9 @@ class Ledger:
                  generators: Mapping[str, Any] | None = None, verify: Policy = "warn",
                  run_id: str | None = None, meta: Mapping[str, Any] | None = None, _auto: bool = False) -> None:
         if not _auto:  # the script keeps its own ledger (or a manager does): the default one stands down
-            from .auto import stand_down
-
-            stand_down()
+            OWN_LEDGER[0] = True
+            for f in list(ON_OWN_LEDGER):
+                f()
         verify = os.environ.get(ENV_VERIFY, verify)  # type: ignore[assignment]
         if verify not in ("strict", "warn", "off"):
             raise ValueError(f"verify must be 'strict', 'warn' or 'off', not {verify!r}")
