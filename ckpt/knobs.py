@@ -57,6 +57,10 @@ class Knobs:
     #: CKPT_LEDGER_DIR: where step ledgers go instead of next to the checkpoints (a
     #: manager's in DIR/<run dir name>, the default one's in DIR/<checkpoint's dir name>).
     ledger_dir: str = os.environ.get("CKPT_LEDGER_DIR", "")
+    #: CKPT_CHECK_RUN: set by `ckpt check-resume -- COMMAND` to the attempt's run directory;
+    #: a step ledger outside it is refused (two runs writing one place would be compared
+    #: with themselves).
+    check_run_dir: str = os.environ.get("CKPT_CHECK_RUN", "")
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB

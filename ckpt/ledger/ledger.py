@@ -76,6 +76,22 @@ def announce(report: ResumeReport, *, ok: bool) -> None:
     warnings.warn_explicit(text, category, filename="ckpt.ledger", lineno=0, module="ckpt.ledger")
 
 
+def _refuse_outside_check_run(directory: str) -> None:
+    """Under ``ckpt check-resume -- COMMAND``, a ledger outside the attempt's run directory
+    is refused: every attempt would write (and later compare) one shared place."""
+    from ..errors import CkptError
+    from ..knobs import knobs
+
+    run = knobs().check_run_dir
+    if not run:
+        return
+    a, b = os.path.realpath(directory), os.path.realpath(run)
+    if os.path.commonpath([a, b]) != b:
+        raise CkptError(f"ckpt check-resume: this run's step ledger {directory} (and so its checkpoints) is outside "
+                        f"the attempt's run directory {run}: give the command its output directory as {{run}} "
+                        f"(--out {{run}}) or write under $CKPT_CHECK_RUN", path=directory)
+
+
 def plain_values(values: Mapping[str, Any] | None) -> tuple[tuple[str, Value], ...]:
     """``values`` as the ledger tapes them: sorted (name, value); a tensor of one element
     becomes its number; anything else that is not nil/bool/int/float/str/bytes is refused."""
@@ -136,6 +152,7 @@ class Ledger:
         if params_every < 0:
             raise ValueError(f"params_every must be >= 0, got {params_every}")
         self.directory = os.path.abspath(os.fspath(directory))
+        _refuse_outside_check_run(self.directory)
         self.params_every = params_every if params is not None else 0
         self._params = _named_tensors(params) if params is not None else None
         self.generators = dict(generators or {})

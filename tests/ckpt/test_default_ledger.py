@@ -282,3 +282,66 @@ def test_values_round_trip_on_the_tape_and_a_differing_value_is_named(tmp_path):
     assert d.values == (("lr", 5.0, 20.0),) and "lr differs (5.0 vs 20.0)" in d.what()
     with pytest.raises(TypeError, match="ledger value 'x' must be a plain number"):
         led.step(2, values={"x": [1, 2]})
+
+
+# -- ckpt check-resume -- COMMAND, in the user's directory -------------------------------------
+def _check(cwd, *command, work):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_LEDGER_", "CKPT_CHECK_", "CKPT_AUTO"))}
+    env["PYTHONPATH"] = ROOT
+    return subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "10", "--work-dir", work,
+                           "--", sys.executable, SCRIPT, *command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("work", ["relative", "absolute"])
+def test_check_resume_runs_the_script_where_it_lives_with_its_own_output_per_run(tmp_path, work):
+    """The script reads data/input.txt relative to its working directory and resumes only
+    when told (--init_from=resume): {run} and {resume} need no wrapper."""
+    _data(tmp_path)
+    w = "chk" if work == "relative" else str(tmp_path / "elsewhere" / "chk")
+    res = _check(tmp_path, "--out_dir={run}", "--init_from={resume}", "--port=guided", work=w)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.rstrip().endswith("IDENTICAL")
+    assert "checkpoint ckpt: identical (tensors and used RNG streams, bit for bit)" in res.stdout
+    assert "resumed process said: resume verified exact over steps 9..10" in res.stdout
+    root = tmp_path / "chk" if work == "relative" else tmp_path / "elsewhere" / "chk"
+    assert (root / "straight" / "ckpt").is_dir() and (root / "resumed" / "ledger").is_dir()
+    assert sorted(os.listdir(tmp_path)) == (["chk", "data"] if work == "relative" else ["data", "elsewhere"])
+    swap = _check(tmp_path, "--out_dir={run}", "--init_from={resume}", "--port=swap", work=w + "2")
+    assert swap.returncode == 6 and swap.stdout.rstrip().endswith("DIFFERENT"), swap.stdout + swap.stderr
+    assert "moved between the resume" in swap.stdout
+
+
+def test_check_resume_refuses_a_run_whose_output_lands_outside_its_place(tmp_path):
+    _data(tmp_path)
+    res = _check(tmp_path, "--out_dir=" + str(tmp_path / "shared"), "--init_from={resume}", work="chk")
+    assert res.returncode == 2 and res.stdout.rstrip().endswith("NO CLAIM"), res.stdout + res.stderr
+    assert "the command has no {run}" in res.stdout
+    assert f"this run's step ledger {tmp_path / 'shared' / 'ledger'}" in res.stdout
+    assert f"is outside the attempt's run directory {tmp_path / 'chk' / 'straight'}" in res.stdout
+
+
+# -- ckpt diff / inspect: plain values, and config apart from state ----------------------------
+def test_diff_compares_plain_values_and_tells_config_from_state(tmp_path):
+    from click.testing import CliRunner
+
+    from ckpt_cli.main import cli
+
+    m = torch.nn.Linear(2, 2)
+    for name, lr, out in (("a", 5.0, "a"), ("b", 20.0, "a"), ("c", 5.0, "c")):
+        ckpt.save(tmp_path / name, {"model": m, "lr": lr}, extra={"iter_num": 3}, config={"out_dir": out},
+                  ledger=False)
+    run = CliRunner().invoke
+    r = run(cli, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--ignore", "env", "--ignore", "commit"])
+    assert r.exit_code == 6 and "  value lr: 5.0 -> 20.0" in r.output and r.output.endswith("different: values\n")
+    r = run(cli, ["diff", str(tmp_path / "a"), str(tmp_path / "c"), "--ignore", "env", "--ignore", "commit"])
+    assert r.exit_code == 8, r.output
+    assert "keys out_dir" in r.output and r.output.endswith(
+        "state identical; different: config (not the training state)\n")
+    r = run(cli, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--ignore", "env", "--ignore", "commit",
+                  "--ignore", "lr"])
+    assert r.exit_code == 0, r.output
+    r = run(cli, ["inspect", str(tmp_path / "b")])
+    assert r.exit_code == 0 and "  values       lr 20.0, extra.iter_num 3" in r.output
+    r = run(cli, ["inspect", str(tmp_path / "b"), "--json"])
+    assert '"values": {' in r.output and '"lr": 20.0' in r.output
