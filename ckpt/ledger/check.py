@@ -226,17 +226,17 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
         config = sorted({k for p in d["parts"].values() if p["config"] for k in p["config"]["keys"]})
         if d["identical"] or d["state_identical"]:
             lines.append(f"checkpoint {rel}: identical (tensors and used RNG streams, bit for bit)")
-            if not d["identical"]:
-                # the runs' own places (out_dir={run}) or init_from={resume} differ by design: not state
-                lines.append(f"checkpoint {rel}: config differs in {', '.join(config) or 'its hash'} (not state; "
-                             "not a difference of the resume)")
         else:
             bad = [t["name"] for p in d["parts"].values() for t in p["tensors"] if t["status"] != "equal"]
             rng = sorted({s for p in d["parts"].values() for s in p["rng"]})
-            lines.append(f"checkpoint {rel}: differs in {', '.join(d['differs'])}"
+            lines.append(f"checkpoint {rel}: differs in {', '.join(c for c in d['differs'] if c != 'config')}"
                          + (f" ({len(bad)} tensors, first {bad[0]})" if bad else "")
                          + (f" (RNG streams {', '.join(rng)})" if rng else ""))
             different = True
+        if "config" in d["differs"]:
+            # the runs' own places (out_dir={run}) or init_from={resume} differ by design: not state
+            lines.append(f"checkpoint {rel}: config differs in {', '.join(config) or 'its hash'} (not state; not "
+                         "a difference of the resume)")
     return CommandCheck("DIFFERENT" if different else "IDENTICAL", tuple(lines), kills_at, tuple(reports), work,
                         checks)
 

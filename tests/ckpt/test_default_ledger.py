@@ -309,7 +309,12 @@ def test_check_resume_runs_the_script_where_it_lives_with_its_own_output_per_run
     assert sorted(os.listdir(tmp_path)) == (["chk", "data"] if work == "relative" else ["data", "elsewhere"])
     swap = _check(tmp_path, "--out_dir={run}", "--init_from={resume}", "--port=swap", work=w + "2")
     assert swap.returncode == 6 and swap.stdout.rstrip().endswith("DIFFERENT"), swap.stdout + swap.stderr
-    assert "moved between the resume" in swap.stdout
+    assert "resumed process said: resume diverged at step 9 (first compared step 9): RNG stream torch_cpu differs " \
+           "before the optimizer step" in swap.stdout
+    # the runs' out_dir and init_from differ by design: said apart, never a difference of the state
+    (state_line,) = [ln for ln in swap.stdout.splitlines() if ln.startswith("checkpoint ckpt: differs in ")]
+    assert "rng" in state_line and "config" not in state_line
+    assert "checkpoint ckpt: config differs in init_from, out_dir (not state" in swap.stdout
 
 
 def test_check_resume_refuses_a_run_whose_output_lands_outside_its_place(tmp_path):
