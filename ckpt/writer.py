@@ -33,6 +33,7 @@ import msgpack
 
 from . import __version__
 from ._gc import paused as gc_paused
+from ._locks import flock_bounded, unlock_and_close
 from .context.config import canonical_config, config_hash
 from .context.env import capture_env
 from .context.provenance import capture_commit
@@ -65,7 +66,7 @@ from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import PendingCheckpoint, Recovery, Storage, commits_by_manifest, resolve
-from . import _partfiles
+from . import _linkcheck, _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
 from ._tensorbytes import tensor_memoryview
 
@@ -261,9 +262,11 @@ def _type_name(obj: Any) -> str:
 
 def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: bool) -> int | None:
     """Lock the temporary directory of ``pending`` (``flock`` on the directory itself): part
-    writers hold it shared, the committer exclusively. Returns the descriptor (closing it
-    releases the lock; a dead process's lock goes with it), or None where there is no local
-    directory (an object store commits by MANIFEST and ignores unnamed objects).
+    writers hold it shared, the committer exclusively. Returns the descriptor, to be given
+    to ``unlock_and_close`` (a close alone would leave the lock to any DataLoader worker
+    forked while it was held: ckpt._locks; a dead process's lock goes with it), or None
+    where there is no local directory (an object store commits by MANIFEST and ignores
+    unnamed objects). The wait is bounded (``knobs().lock_timeout_s``, WaitTimeoutError).
 
     Why: a part's files are written through open descriptors, which follow the directory
     when the commit renames it. A writer still running when a commit went ahead without its
@@ -271,19 +274,19 @@ def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: 
     does not name, and the committed checkpoint would no longer open (UnexpectedFileError)."""
     if commits_by_manifest(storage) or getattr(storage, "scheme", "file") != "file":
         return None
-    import fcntl
-
     gone = DistributedUsageError(
         "the checkpoint's temporary directory is gone: it was committed or aborted before this "
         "part was written (a part written after the commit is not part of it)", path=pending.final)
     try:
-        fd = os.open(pending.tmp_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(pending.tmp_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         if exclusive:
             return None  # commit reports the missing directory itself, as before
         raise gone from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        what = ("the temporary directory, for the part writers still in flight" if exclusive
+                else "the temporary directory, for the commit in progress")
+        flock_bounded(fd, exclusive=exclusive, timeout_s=knobs().lock_timeout_s, what=what, path=pending.tmp_dir)
         try:
             st = os.stat(pending.tmp_dir)
         except FileNotFoundError:
@@ -292,7 +295,7 @@ def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: 
         if st is None or (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
             raise gone
     except BaseException:
-        os.close(fd)
+        unlock_and_close(fd)
         raise
     return fd
 
@@ -322,7 +325,7 @@ def _holding_part_lock(fn: Callable[..., PartEntry]) -> Callable[..., PartEntry]
             return fn(pending, *args, storage=storage, **kw)
         finally:
             if fd is not None:
-                os.close(fd)
+                unlock_and_close(fd)
 
     return locked
 
@@ -405,7 +408,9 @@ def write_part(
     placed: list[tuple[str, TensorEntry]] = []  # (file name, entry): indices are set at the end
     layout = _partfiles.plan(name, collector.tensors, collector.tops, compress=compress, reuse=reuse, dedup=dedup,
                              storage=storage, file_name=pending.file_name)
-    # Shared files first (format-2.md §V.4): a file that cannot be linked is written below.
+    recording = layout.dedup
+    # Shared files first (format-2.md §V.4): a file that cannot be linked, or whose bytes
+    # are not what its MANIFEST says (§V.4.6), is written below.
     for fe, entries in _partfiles.link_shared(name, layout, pending.tmp_dir, storage, file_name=pending.file_name):
         files.append(fe)
         placed.extend((fe.name, e) for e in entries)
@@ -466,6 +471,12 @@ def write_part(
     if closing is not None:
         i = next(i for i, f in enumerate(files) if f.name == fname)
         files[i] = FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests)
+    if recording:
+        # Their digests were computed from the bytes written: a later dedup save may share
+        # them on the budget of format-2.md §V.4.6, not after a full re-hash.
+        for f in files:
+            if f.origin is None:
+                _linkcheck.record_written(storage, os.path.join(pending.tmp_dir, f.name))
     # The state file comes first so readers can find the structure without scanning.
     files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
     index = {f.name: i for i, f in enumerate(files)}
@@ -572,7 +583,7 @@ def commit(
         _write_manifest_and_publish(pending, storage, blob)
     finally:
         if fd is not None:
-            os.close(fd)
+            unlock_and_close(fd)
     return manifest
 
 
@@ -624,6 +635,8 @@ class _Background:
             self.error = e
 
     def join(self) -> Any:
+        # Unbounded on purpose: the thread runs one local fsync/close, which the calling
+        # thread would otherwise run itself; it takes no lock and waits on no process.
         self._thread.join()
         if self.error is not None:
             raise self.error

@@ -309,12 +309,23 @@ def test_manager_retention_and_latest_valid_resume(s3) -> None:
     data = bytearray(st.read_all(obj))
     data[-1] ^= 0xFF
     st.put(obj, bytes(data))
+    found = ckpt.latest(run)  # what resume() will pick, from the object store, loading nothing
+    assert (found.step, found.skipped[0][0]) == (3, "step-00000004")
     m2 = _model(4)
     with pytest.warns(ckpt.manager.ResumeFallbackWarning, match="step-00000004.*ChecksumMismatchError"):
         with CheckpointManager(run, {"model": m2}, signals=()) as mgr2:
             res = mgr2.resume()
     assert res.step == 3
     assert torch.equal(m2.state_dict()["0.weight"], at[3])
+    # A model that does not fit stops the resume; nothing of the run is deleted or replaced.
+    before = _objects(s3, "mgr")
+    wide = torch.nn.Sequential(torch.nn.Linear(32, 65), torch.nn.ReLU(), torch.nn.Linear(65, 8))
+    with CheckpointManager(run, {"model": wide}, every_steps=1, signals=()) as mgr3:
+        with pytest.raises(ckpt.errors.ResumeMismatchError, match="does not fit"):
+            mgr3.resume()
+        with pytest.raises(ckpt.errors.ResumeMismatchError):
+            mgr3.after_step(5)
+    assert _objects(s3, "mgr") == before
 
 
 def test_async_manager_saves_to_s3_in_the_background(s3) -> None:
