@@ -65,7 +65,11 @@ holds it for a distributed job). A second manager, in this process or another, g
 ``RunDirLockedError`` naming the holder's pid and host; the kernel drops the lock when
 the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
 cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
-by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed,
+except those a writer holds or changed within ``orphan_grace_s`` (a save that takes no
+lock may still commit them). On an object store the lock is a lease renewed by a daemon
+thread, taken over only after it expired; every commit and deletion proves it first
+(``LeaseLostError``; spec/object-storage.md §O.6).
 **Followers.** ``writer=False`` makes a manager that reads a run directory another one
 writes (replicas of one data-parallel state: one writes, every one can ``resume()`` or
 ``rewind()`` from it): it takes no lock, never saves (``save()`` refuses) and never
@@ -179,7 +183,7 @@ from .format.manifest import MANIFEST_NAME, decode_manifest
 from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
-from .storage import Storage, commits_by_manifest, is_space_error, resolve
+from .storage import FencedStorage, Storage, commits_by_manifest, is_space_error, resolve
 from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
@@ -692,24 +696,26 @@ class CheckpointManager:
 
     # -- the loop's calls --------------------------------------------------------------
     def after_step(self, step: int, *, batch: Any = None, loss: Any = None, metrics: Mapping[str, Any] | None = None,
-                   extra: Any = None) -> bool:
+                   extra: Any = None, values: Mapping[str, Any] | None = None) -> bool:
         """Call once per optimizer step, after it. Saves if due; returns True if it did.
 
         ``batch`` (every tensor the step consumed) and ``loss`` go to the step ledger;
         without them it still records the RNG streams and a periodic parameter digest.
+        ``values``: plain values carried across steps that the checkpoint may not hold
+        (``{"lr": lr, "best_val": best}``): a resume whose value differs names it.
         With a ``LossGuard`` attached, call ``guard.after_step`` instead: it judges the
         loss before anything of the step is saved."""
         if self._guard is not None:
             raise CkptError("a LossGuard is attached to this manager: call guard.after_step(step, loss=...) so the "
                             "loss is judged before the step is saved", path=self.run_dir)
-        return self._after_step(step, batch=batch, loss=loss, metrics=metrics, extra=extra)
+        return self._after_step(step, batch=batch, loss=loss, metrics=metrics, extra=extra, values=values)
 
     def _after_step(self, step: int, *, batch: Any = None, loss: Any = None, metrics: Mapping[str, Any] | None = None,
-                    extra: Any = None) -> bool:
+                    extra: Any = None, values: Mapping[str, Any] | None = None) -> bool:
         self._check_open()
         self._raise_failure()
         if self.ledger is not None:
-            self.ledger.step(step, batch=batch, loss=loss, kill=False)
+            self.ledger.step(step, batch=batch, loss=loss, values=values, kill=False)
         saved = self._after_step_save(step, metrics, extra)
         if self.ledger is not None:
             self.ledger.maybe_kill(step)
@@ -825,6 +831,9 @@ class CheckpointManager:
                 raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
                                 "object cannot be waited for)", path=self.run_dir)
             self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
+            # A lease, not a kernel lock: every commit and deletion proves it first
+            # (LeaseLostError once another writer took the run over after it expired).
+            self._storage = FencedStorage(self._storage, self._lock)
         else:
             self._lock = RunLock.acquire(self.run_dir, owner=owner, wait=wait)
         rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
@@ -856,6 +865,8 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
+            if isinstance(self._storage, FencedStorage):
+                self._storage = self._storage.inner
             self._lock.release()
             self._lock = None
 
@@ -885,6 +896,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failure()
+        held_how = "resume(defer_rng=True)" if defer_rng else "resume(restore_rng=False)"
         defer_rng = defer_rng or not restore_rng
         loaded = self._load_first(self._candidates(lambda r: True), defer_rng=defer_rng, exactness=exactness)
         if loaded is None:
@@ -898,8 +910,10 @@ class CheckpointManager:
         self._loaded(result, choice)
         if self.rank == 0:
             warn_config_changed(result.path, result.context, self.config, stacklevel=3)
-        if self.ledger is not None and not defer_rng:
-            self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id)
+        if self.ledger is not None:  # held-back streams are named at the first step unless restore_rng() ran
+            self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id,
+                                rng_held=f"{held_how}|call restore_rng() right after creating the DataLoader "
+                                         "iterator" if defer_rng else "")
         if self._guard is not None:
             self._guard._restore(result, rewound=False)
         return result
@@ -1120,7 +1134,7 @@ class CheckpointManager:
         state, self._deferred_rng = self._deferred_rng, None
         restored = restore_rng(state, self.generators or None, path=self.run_dir)
         if self.ledger is not None and self.resumed_from is not None:
-            self.ledger.resumed(self._start_step, source=self.resumed_from["name"], run_id=self.run_id)
+            self.ledger.rng_restored()
         return restored
 
     # -- saving ------------------------------------------------------------------------

@@ -54,7 +54,7 @@ class ReceivedState:
         import ckpt
 
         t = self.transport
-        kw: dict[str, Any] = {"data": t.data, "generators": t.generators, "exactness": "off"}
+        kw: dict[str, Any] = {"data": t.data, "generators": t.generators, "exactness": "off", "ledger": False}
         kw.update(load_kwargs)
         try:
             return ckpt.load(self.path, dict(state), **kw)
@@ -117,7 +117,8 @@ class TorchftTransport(CheckpointTransport[dict]):
         try:
             path = os.path.join(spool, f"step-{step:08d}")
             ckpt.save(path, dict(state), config=self.config, data=self.data, step=step, generators=self.generators,
-                      extra={"torchft": dict(state_dict["torchft"]), "key": key}, this_rank_only=True)
+                      extra={"torchft": dict(state_dict["torchft"]), "key": key}, this_rank_only=True,
+                      ledger=False)
             for dst in dst_ranks:
                 info = self._send_stream(path, dst, step, timeout)
                 if self.on_sent is not None:
@@ -132,7 +133,8 @@ class TorchftTransport(CheckpointTransport[dict]):
             raise FormatError(f"the source replica serves {metadata!r}, not a checkpoint stream ({METADATA})")
         spool = self._spool or tempfile.gettempdir()
         dest = os.path.join(spool, f"ckpt-recv-{uuid.uuid4().hex}")
-        info = read_stream(self._reader(src_rank, timeout), dest, max_bytes=self._max)
+        read = self._reader(src_rank, timeout)
+        info = read_stream(read, dest, max_bytes=self._max, unread=read.unread)  # type: ignore[attr-defined]
         r = ckpt.open(dest)
         if r.step != step:
             shutil.rmtree(dest, ignore_errors=True)
@@ -195,4 +197,5 @@ class TorchftTransport(CheckpointTransport[dict]):
             del pending[:n]
             return out
 
+        read.unread = lambda: len(pending)  # type: ignore[attr-defined]  # bytes past the trailer, checked there
         return read
