@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-# this file's folder holds bench/bisect.py, which would shadow the standard bisect module
+# the trial run lives with the tests (tests/integrations/trainer_trial.py)
 sys.path[0] = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "integrations")
 
 import argparse  # noqa: E402
