@@ -49,9 +49,12 @@ def main() -> None:
             for i in range(a.trials):
                 kill, where = T.draw(rng, a.steps)
                 run, out = os.path.join(base, f"t{i}-run"), os.path.join(base, f"t{i}-out")
-                T.launch(T.command(trainer, loader, run, out, a.steps, kill, where), expect_kill=True)
-                T.launch(T.command(trainer, loader, run, out, a.steps), expect_kill=False)
-                diff = T.differences(straight, out)
+                try:
+                    T.launch(T.command(trainer, loader, run, out, a.steps, kill, where), expect_kill=True)
+                    T.launch(T.command(trainer, loader, run, out, a.steps), expect_kill=False)
+                    diff = T.differences(straight, out)
+                except RuntimeError as e:  # a run that failed is a trial that is not identical
+                    diff = ["FAILED " + str(e).splitlines()[0] + " | " + " ".join(str(e).splitlines()[-1:])]
                 same += not diff
                 print(f"  {mode} kill {where}@{kill}: {'identical' if not diff else 'DIFFERENT: ' + '; '.join(diff[:4])}",
                       flush=True)
