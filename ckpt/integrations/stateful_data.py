@@ -19,7 +19,8 @@ installed) after the worker's last yielded batch, so the resumed worker continue
 
 In the main process (``num_workers=0``) it saves and restores nothing: augmentation there
 draws from the main process's global RNG, which the trainer integrations restore at the
-point the trainer resumes (exact for ``CkptTrainer`` and ``CkptAccelerator``; see each).
+point the trainer resumes (exact under Lightning; under Accelerate not mid-epoch, whose
+prepared loader fetches one batch ahead: see ``ckpt.integrations.accelerate``).
 Every attribute of the wrapped dataset is reachable through the wrapper.
 """
 
