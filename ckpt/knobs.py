@@ -23,6 +23,16 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _env_scale(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    value = float(raw)
+    if not value > 0:  # NaN, zero or negative would turn every hang bound into an instant verdict
+        raise ValueError(f"{name}={raw!r}: a positive number is required")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Knobs:
     #: bytes per digest chunk; 4 MiB keeps Python per-call overhead invisible and
@@ -47,6 +57,10 @@ class Knobs:
     compress_min_bytes: int = _env_int("CKPT_COMPRESS_MIN_BYTES", 64 * 1024)
     #: a distributed save of more ranks than this lists parts by reference (part manifests).
     inline_parts_max: int = _env_int("CKPT_INLINE_PARTS_MAX", 16)
+    #: multiplies every hang bound (``replay.watchdog.hang_bound``): the runs', the demos'
+    #: and the test suite's. Bounds only catch hangs, never judge speed; raise it on a
+    #: machine so loaded that a step can stall for minutes (e.g. ``CKPT_TIMEOUT_SCALE=4``).
+    timeout_scale: float = _env_scale("CKPT_TIMEOUT_SCALE", 1.0)
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB
@@ -67,7 +81,7 @@ def knobs() -> Knobs:
 
 
 @contextlib.contextmanager
-def override(**changes: int) -> Iterator[Knobs]:
+def override(**changes: float) -> Iterator[Knobs]:
     """Temporarily change knobs (tests use small chunk sizes to exercise boundaries)."""
     global _current
     old = _current
