@@ -106,6 +106,7 @@ class WorkerState:
     label: str  # its last heartbeat's label
     quiet_s: float  # seconds since its last heartbeat changed
     waiting_in: str  # the torch.distributed call its stacks wait in ("" unknown)
+    answered: bool = True  # False: alive but wrote no stacks on SIGUSR1 (stopped, or stuck in the kernel)
 
 
 @dataclass
@@ -118,11 +119,21 @@ class HangReport:
 
     @property
     def stuck(self) -> list[str]:
+        """The workers alive when it fired (each one waits, or is the one they wait for)."""
         return [w.name for w in self.workers if w.exitcode is None]
 
+    @property
+    def unresponsive(self) -> list[str]:
+        """Alive workers that wrote no stacks when asked: stopped, or stuck in the kernel."""
+        return [w.name for w in self.workers if w.exitcode is None and not w.answered]
+
     def error(self) -> HangError:
-        stuck = ", ".join(f"{w.name} ({w.waiting_in or w.label or 'no heartbeat'})" for w in self.workers
-                          if w.exitcode is None) or "none alive"
+        def state(w: WorkerState) -> str:
+            if not w.answered:
+                return f"{w.name} (no stacks: stopped?; last beat: {w.label or '-'})"
+            return f"{w.name} ({'waiting in ' + w.waiting_in if w.waiting_in else w.label or 'no heartbeat'})"
+
+        stuck = ", ".join(state(w) for w in self.workers if w.exitcode is None) or "none alive"
         gone = ", ".join(f"{w.name} exit {w.exitcode}" for w in self.workers if w.exitcode not in (None, 0))
         msg = f"no progress for {self.stall_s:.0f} s; stuck: {stuck}" + (f"; ended: {gone}" if gone else "")
         return HangError(msg + f"; stacks and report in {self.path}", report=str(self.path))
@@ -147,13 +158,16 @@ def waiting_in(stacks_text: str) -> str:
         frames = [m.groupdict() for m in _FRAME.finditer(thread)]
         for i, f in enumerate(frames):
             if _DIST.search(f["file"]):
-                # the outermost consecutive torch.distributed frame is the public call
+                # the outermost consecutive torch.distributed frame that is not a decorator's
+                # wrapper or a private helper is the public call (all_reduce, recv, barrier)
                 j = i
                 while j + 1 < len(frames) and _DIST.search(frames[j + 1]["file"]):
                     j += 1
+                public = [k for k in range(i, j + 1) if frames[k]["fn"] != "wrapper" and not frames[k]["fn"].startswith("_")]
+                call = frames[public[-1] if public else i]["fn"]
                 caller = frames[j + 1] if j + 1 < len(frames) else None
                 where = f" (from {os.path.basename(caller['file'])}:{caller['line']} {caller['fn']})" if caller else ""
-                found.append(frames[j]["fn"] + where)
+                found.append(call + where)
                 break
     return "; ".join(dict.fromkeys(found))
 
@@ -195,6 +209,13 @@ class Watchdog:
         with self._lock:
             self._pids[name] = proc
             self._seen.setdefault(name, (b"", time.monotonic()))
+
+    def last_beat(self, name: str) -> tuple[int, str]:
+        """Worker ``name``'s heartbeats so far and its last label ((0, "") before any)."""
+        parts = self._read_beat(name).decode("utf-8", "replace").strip().split(" ", 2)
+        if not parts or not parts[0].isdigit():
+            return 0, ""
+        return int(parts[0]), parts[2].strip() if len(parts) > 2 else ""
 
     def start(self) -> "Watchdog":
         if self._thread is None:
@@ -307,18 +328,18 @@ class Watchdog:
             if isinstance(p, int) and not _alive(p):
                 code = -1
             rec = self._seen.get(n, (b"", now))
-            parts = rec[0].decode("utf-8", "replace").strip().split(" ", 2)
-            beats = int(parts[0]) if parts and parts[0].isdigit() else 0
-            label = parts[2].strip() if len(parts) > 2 else ""
+            beats, label = self.last_beat(n)
             text = self._read(self.dir / f"{_safe(n)}.stacks") if p is not None else ""
-            workers.append(WorkerState(n, pid, code, beats, label, now - rec[1], waiting_in(text)))
+            answered = n not in live or self._size(n) > sizes[n]
+            workers.append(WorkerState(n, pid, code, beats, label, now - rec[1], waiting_in(text), answered))
         path = self.dir / "hang.txt"
         lines = [f"watchdog {self.name}: no progress for {quiet:.0f} s (bound {self.stall_s:.0f} s)",
                  f"stacks: {self.dir}/<name>.stacks (SIGUSR1 faulthandler dumps), {own.name} for this process", ""]
         for w in workers:
             state = "alive" if w.exitcode is None else f"exit {w.exitcode}"
             lines.append(f"{w.name:<16} pid {w.pid}  {state:<8} beats {w.beats:<5} last {w.quiet_s:.0f} s ago: "
-                         f"{w.label or '-'}" + (f"  waiting in {w.waiting_in}" if w.waiting_in else ""))
+                         f"{w.label or '-'}" + (f"  waiting in {w.waiting_in}" if w.waiting_in else "")
+                         + ("" if w.answered else "  NO STACKS: did not answer SIGUSR1 (stopped, or stuck in the kernel)"))
         own_wait = waiting_in(self._read(own))
         if own_wait:
             lines.append(f"{self.name:<16} pid {os.getpid()}  (this process) waiting in {own_wait}")
