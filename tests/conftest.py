@@ -17,6 +17,7 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
 def pytest_collection_modifyitems(config, items):
+    _scale_timeouts(config, items)
     try:
         import torch
 
@@ -28,6 +29,25 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+def _scale_timeouts(config, items) -> None:
+    """pytest-timeout's bounds are hang detectors (tests/hangs.py): each one, the ini
+    default and every ``@pytest.mark.timeout(S)``, is multiplied by CKPT_TIMEOUT_SCALE."""
+    from hangs import scale
+
+    factor = scale()
+    if factor == 1.0:
+        return
+    try:
+        default = float(config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout not installed: nothing to scale
+        return
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        base = float(marker.args[0]) if marker is not None and marker.args else default
+        if base > 0:
+            item.add_marker(pytest.mark.timeout(base * factor), append=False)
 
 
 @pytest.fixture
@@ -97,7 +117,8 @@ def s3(s3_server, monkeypatch):
 
 
 # --- long commands that several tests need, run once per session ---------------------------
-#: name -> (the command line exactly as the README or docs/*.md shows it, seconds it may take).
+#: name -> (the command line exactly as the README or docs/*.md shows it, its hang bound in seconds:
+#: many times its quiet time, scaled by CKPT_TIMEOUT_SCALE; on expiry its processes' stacks are dumped).
 #: ``/tmp/`` in it stands for the run's own scratch directory (as in tests/e2e/test_readme.py).
 #: A README/docs block marked ``<!-- example: shared=NAME -->`` shows this command and its output;
 #: the tests that check more of the run's claims ask ``shared_runs.get(NAME)`` for the same run,
@@ -149,12 +170,14 @@ class SharedRuns:
         import re
         import subprocess
 
+        from hangs import run, scale
+
         if name not in self._done:
-            cmd, timeout = self.command(name), SHARED_RUNS[name][1]
+            cmd, bound = self.command(name), SHARED_RUNS[name][1]
             scratch = self._factory.mktemp(f"shared-{name}")
             real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
-            p = subprocess.run(["bash", "-c", real], cwd=scratch, env=self.env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            p = run(["bash", "-c", real], cwd=scratch, env=self.env(), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, bound_s=bound * scale())
             self._done[name] = SharedRun(cmd, scratch, p.stdout, p.returncode)
         return self._done[name]
 

@@ -267,13 +267,14 @@ def run_block(block: Block, factory: pytest.TempPathFactory, request: pytest.Fix
         shutil.copy2(ROOT / rel, dst)
     vary = set(filter(None, block.options.get("vary", "").split(",")))
     where = f"{block.where} ({block.lang} block {block.index})"
-    timeout = float(block.options.get("timeout", 900))
+    from hangs import run, scale
+
+    timeout = float(block.options.get("timeout", 900)) * scale()  # a hang bound (tests/hangs.py)
     if block.lang == "python":
         if "file" in block.options:
             script = scratch / block.options["file"]
             script.write_text(block.code, encoding="utf-8")
-            p = subprocess.run([sys.executable, script.name], cwd=scratch, env=env,
-                               capture_output=True, text=True, timeout=timeout)
+            p = run([sys.executable, script.name], cwd=scratch, env=env, bound_s=timeout)
             assert p.returncode == 0, f"{where}: exited {p.returncode}\n{p.stdout}\n{p.stderr}"
             printed = p.stdout
         else:
@@ -293,8 +294,8 @@ def run_block(block: Block, factory: pytest.TempPathFactory, request: pytest.Fix
                 code, printed = shared.returncode, shared.output
             else:
                 real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
-                p = subprocess.run(["bash", "-c", real], cwd=scratch, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                p = run(["bash", "-c", real], cwd=scratch, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, bound_s=timeout)
                 code, printed = p.returncode, p.stdout
             want = _expected_exit(cmd)
             assert code == want, f"{where}: `{cmd}` exited {code}, the page says {want}:\n{printed}"
