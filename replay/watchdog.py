@@ -229,6 +229,25 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
+    def discard(self) -> None:
+        """After a run that did not hang: remove the heartbeat and stacks files of the
+        watched workers (and the directory, if that leaves it empty). A fired watchdog's
+        evidence is never removed."""
+        if self.report is not None:
+            return
+        with self._lock:
+            names = list(self._pids)
+        for n in names:
+            for ext in ("beat", "stacks"):
+                try:
+                    os.unlink(self.dir / f"{_safe(n)}.{ext}")
+                except OSError:
+                    pass
+        try:
+            self.dir.rmdir()
+        except OSError:  # not empty (someone else's files) or never made
+            pass
+
     def __enter__(self) -> "Watchdog":
         return self.start()
 
@@ -261,6 +280,11 @@ class Watchdog:
             names = list(self._pids)
         for n in names:
             rec = self._read_beat(n)
+            if self.last_beat(n)[0] <= 1:
+                # Starting (imports, model build): no heartbeat of its own yet, so the CPU
+                # time it burns is its progress. From its first beat on, only beats count
+                # (a worker blocked in a collective burns none; one polling would).
+                rec += b"cpu %d" % _cpu_ticks(self._pids.get(n))
             old = self._seen.get(n)
             if old is None or rec != old[0]:
                 self._seen[n] = (rec, now)
@@ -368,6 +392,19 @@ class Watchdog:
             return path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             return ""
+
+
+def _cpu_ticks(proc: Any) -> int:
+    """User plus system CPU time of a process so far, in clock ticks (0 when unknown)."""
+    pid = proc if isinstance(proc, int) else getattr(proc, "pid", None)
+    if pid is None:
+        return 0
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _alive(pid: int) -> bool:

@@ -161,6 +161,8 @@ class Workers:
                 p.kill()
         for p in self.procs.values():
             p.join()  # SIGKILL cannot be ignored: the reap follows at once
+        if self.watchdog is not None:
+            self.watchdog.discard()  # a run that did not hang leaves no heartbeat files behind
 
     def __enter__(self) -> "Workers":
         return self

@@ -20,8 +20,9 @@ from replay.watchdog import Watchdog, beat, hang_bound, waiting_in
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-# the stall the watchdog waits for in these runs: 15x a rank's quiet start-up (import
-# torch, join gloo), times CKPT_TIMEOUT_SCALE
+# the stall the watchdog waits for in these runs: 10x and more a rank's longest quiet wait
+# between heartbeats (joining gloo; while it starts up, its CPU time counts as progress),
+# times CKPT_TIMEOUT_SCALE
 STALL_S = hang_bound(2.0, floor_s=30.0)
 
 
@@ -59,7 +60,7 @@ def test_a_rank_killed_mid_collective_ends_the_run_non_zero_without_a_hang(tmp_p
     assert p.returncode == 1, p.stdout + p.stderr
     assert "rank2 killed at all_reduce step" in p.stdout and "'rank2': -9" in p.stdout
     assert "'rank0': 1" in p.stdout and "'rank1': 1" in p.stdout
-    assert not (tmp_path / "watch" / "hang.txt").exists()
+    assert not (tmp_path / "watch").exists()  # no hang: no evidence left behind
 
 
 def test_threads_watchdog_dumps_this_process_and_names_the_thread(tmp_path: Path) -> None:
