@@ -9,9 +9,12 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from hangs import hang_s, run
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # interpreters in subprocesses: `make check` leaves them out
 
 _CHILD = """
 import atexit, sys, threading

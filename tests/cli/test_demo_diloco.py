@@ -17,6 +17,9 @@ from click.testing import CliRunner
 from ckpt_cli.main import cli
 from hangs import hang_s, run
 
+# multi-process runs, subprocesses or heavy imports: `make check` leaves them out
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -27,7 +27,7 @@ def _ckpt(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 
 
 # the first test to ask for the shared run pays for it (1-2.5 min on 2 busy cores)
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 @pytest.fixture(scope="module")

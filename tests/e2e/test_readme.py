@@ -62,6 +62,9 @@ from typing import Any
 
 import pytest
 
+# multi-process runs, subprocesses or heavy imports: `make check` leaves them out
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: the pages whose examples run: the README first, then every page under docs/
