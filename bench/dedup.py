@@ -5,6 +5,12 @@ Figures, against a full save of the same state measured side by side in this run
 
 - bytes written by the dedup save / bytes of a full save: target <= 0.15;
 - time of the dedup save / time of a full save (durable, digests on): target <= 0.25;
+- the check of what a dedup save links (spec/format-2.md §V.4.6): the time of a dedup save
+  with it (every linked byte re-hashed: ``dedup_rehash_every=1``, the default; and a window
+  of 1/4 of the chunks: ``=4``) against the same save without it (the check replaced by a
+  no-op, as before issue 22) and against a full save. The shared file was written or read
+  moments before, so its re-hash reads the page cache: a file evicted from it costs a read
+  from the device on top (what the first dedup save after a restart pays);
 
 as medians of paired ratios over >= 7 interleaved rounds, with an A/A control (a full save
 against a full save). Each round trains the adapters one step, then saves twice: in full to a
@@ -31,6 +37,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 import ckpt  # noqa: E402
+from ckpt import _partfiles  # noqa: E402
+from ckpt.knobs import override  # noqa: E402
 
 MiB = 1 << 20
 
@@ -87,19 +95,37 @@ def main() -> int:
         changed = sum(t.numel() * t.element_size() for t in [*model.a, *model.b]) * 3  # adapters + 2 moments
         history = [prev]
         time_ratio, bytes_ratio, aa = [], [], []
+        check_vs_nocheck: dict[str, list[float]] = {"k1": [], "k4": []}
+        check_vs_full: dict[str, list[float]] = {"k1": [], "k4": []}
+        checked = _partfiles.check_linked
         for i in range(1, args.rounds + 1):
             step()
             full, full2 = os.path.join(d, f"full-{i}"), os.path.join(d, f"full2-{i}")
             path = os.path.join(d, "run", f"step-{i:08d}")
             t: dict[str, float] = {}
-            order = ("full", "dedup", "full2") if i % 2 else ("dedup", "full2", "full")
+            variants = {kind: os.path.join(d, "run", f"{kind}-{i:08d}") for kind in ("nocheck", "k4")}
+            order = ("full", "dedup", "nocheck", "k4", "full2") if i % 2 else ("k4", "nocheck", "dedup", "full2", "full")
             for kind in order:
                 t0 = time.perf_counter()
                 if kind == "dedup":
-                    ckpt.save(path, state, dedup_from=prev)
+                    ckpt.save(path, state, dedup_from=prev)  # the default: every linked byte re-hashed
+                elif kind == "nocheck":
+                    _partfiles.check_linked = lambda *a, **k: None  # the save as it was before the check
+                    try:
+                        ckpt.save(variants[kind], state, dedup_from=prev)
+                    finally:
+                        _partfiles.check_linked = checked
+                elif kind == "k4":
+                    with override(dedup_rehash_every=4):
+                        ckpt.save(variants[kind], state, dedup_from=prev)
                 else:
                     ckpt.save(full if kind == "full" else full2, state)
                 t[kind] = time.perf_counter() - t0
+            for kind, key in (("dedup", "k1"), ("k4", "k4")):
+                check_vs_nocheck[key].append(t[kind] / t["nocheck"])
+                check_vs_full[key].append((t[kind] - t["nocheck"]) / t["full"])
+            for v in variants.values():
+                shutil.rmtree(v)
             time_ratio.append(t["dedup"] / t["full"])
             aa.append(t["full2"] / t["full"])
             bytes_ratio.append(_written(path) / sum(f.size for f in ckpt.open(full).manifest.files))
@@ -117,11 +143,19 @@ def main() -> int:
             "time_vs_full": statistics.median(time_ratio),
             "aa_control": statistics.median(aa),
             "time_rounds": time_ratio,
+            "check_k1_vs_nocheck": statistics.median(check_vs_nocheck["k1"]),
+            "check_k4_vs_nocheck": statistics.median(check_vs_nocheck["k4"]),
+            "check_k1_cost_vs_full": statistics.median(check_vs_full["k1"]),
+            "check_k4_cost_vs_full": statistics.median(check_vs_full["k4"]),
         }
         print(f"state {out['state_mib']:.0f} MiB, {100 * out['unchanged_share']:.1f} % of the bytes unchanged between saves; "
               f"{args.rounds} interleaved rounds, median of paired ratios against a full save:")
         print(f"  bytes written, dedup / full: {out['bytes_written_vs_full']:.3f} (target <= 0.15)")
         print(f"  save time, dedup / full:     {out['time_vs_full']:.3f} (target <= 0.25; A/A control {out['aa_control']:.2f})")
+        print(f"  the check of linked files (§V.4.6), dedup save with it / without it: "
+              f"{out['check_k1_vs_nocheck']:.3f} (full re-hash, K=1), {out['check_k4_vs_nocheck']:.3f} (window, K=4)")
+        print(f"  its added time / a full save:  {out['check_k1_cost_vs_full']:.3f} (K=1), "
+              f"{out['check_k4_cost_vs_full']:.3f} (K=4)")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

@@ -42,6 +42,7 @@ __all__ = [
     "apply_retention",
     "list_checkpoints",
     "checkpoint_name",
+    "latest",
     "TMP_PREFIX",
     "errors",
     "data",
@@ -54,7 +55,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._torchio import LoadResult
-    from .manager import CheckpointManager, RetentionPolicy, apply_retention, checkpoint_name, list_checkpoints
+    from .manager import CheckpointManager, RetentionPolicy, apply_retention, checkpoint_name, latest, list_checkpoints
     from .writer import CheckpointInfo, PendingCheckpoint, abort, begin, commit, write_part
 
 
@@ -152,6 +153,7 @@ _LAZY = {
     "apply_retention": ("manager", "apply_retention"),
     "list_checkpoints": ("manager", "list_checkpoints"),
     "checkpoint_name": ("manager", "checkpoint_name"),
+    "latest": ("manager", "latest"),
 }
 
 

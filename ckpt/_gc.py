@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from typing import Iterator
 
@@ -24,6 +25,20 @@ __all__ = ["paused"]
 _lock = threading.Lock()
 _depth = 0
 _resume = False
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while a save thread was pausing (a DataLoader worker) has none of
+    the parent's threads: a lock held by one would stay held for ever, and a pause it
+    began would never end. Start over, with the collector as it was before that pause."""
+    global _lock, _depth, _resume
+    _lock = threading.Lock()
+    if _depth and _resume:
+        gc.enable()
+    _depth, _resume = 0, False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ from typing import Any, Mapping, Protocol
 import torch
 
 from ._gc import paused as gc_paused
+from ._ranges import check_digests
 from ._statecheck import PartSource, replica_target
-from .errors import FormatError, SizeMismatchError
+from .errors import FormatError, SizeMismatchError, UnprotectedMappingError
 from .format import dtypes
 from .format.manifest import FileEntry, PartEntry, TensorEntry
 from .format.tree import DeviceRef, DtypeRef, TensorRef
@@ -28,8 +29,12 @@ class TensorSource(PartSource, Protocol):
     """The reading half of ``CheckpointReader`` that materialisation uses."""
 
     def read_tensor_bytes_into(
-        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, fd: int | None = None
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, handle: Any = None
     ) -> None: ...
+
+    def check_file(
+        self, pe: PartEntry, index: int, keys: set[str] | None = None, *, verify: bool = True, handle: Any = None
+    ) -> int: ...
 
     def read_tensors_into(self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True) -> None: ...
 
@@ -108,20 +113,21 @@ def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool, index: int 
     return fresh
 
 
-def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool | None) -> dict[str, torch.Tensor]:
+def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool | None, unsafe: bool) -> dict[str, torch.Tensor]:
     """Tensors backed by private (copy-on-write) mappings of the part's safetensors files.
 
     No copy and no first touch of anonymous memory: the tensors use the page-cache
     pages that already hold the bytes, and a page is copied only when it is written.
     Verification hashes every byte, on two threads, before anything is returned.
 
-    ``mode=None`` (the default load) maps a file only under a read lease, which keeps a
+    A file is mapped only under a read lease, which keeps an in-place overwrite or a
     truncation of the file from ever reaching the tensors (``ckpt.storage._lease``,
-    spec §11.1); a file no lease can be taken on is read into fresh memory instead.
-    ``mode=True`` maps even where no lease can be taken (the old opt-in: do not truncate
-    the file while the tensors live, or the process gets SIGBUS). Packed tensors (format
-    2.0) are decoded into fresh memory: there are no values to map; so is a file that is
-    not local (an object store).
+    spec §11.1). Where no lease can be taken: ``mode=None`` (the default load) reads the
+    file into fresh memory instead, ``mode=True`` refuses (``UnprotectedMappingError``),
+    and ``unsafe`` maps it unprotected (the caller's promise: nobody writes or truncates
+    the file while the tensors live). Packed tensors (format 2.0) are decoded into fresh
+    memory: there are no values to map; so is a file that is not local (an object
+    store), where nothing can change under the tensors.
     """
     out: dict[str, torch.Tensor] = {}
     for index in pe.data_files():
@@ -142,7 +148,15 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
                 size = handle.size()
                 if size != f.size:
                     raise SizeMismatchError(f"file is {size} bytes, manifest says {f.size}", path=path, offset=min(size, f.size))
-                mm = mapper(f.size, require_lease=mode is not True)
+                mm = mapper(f.size, require_lease=not unsafe)
+                if mm is None and mode is True:
+                    raise UnprotectedMappingError(
+                        "mmap=True, but no read lease can be taken on this file (another user's file, a filesystem "
+                        "without leases, the file open for writing, the lease signal in use, or a first load off the "
+                        "main thread): a mapping would change with an in-place overwrite and fault on a truncation. "
+                        "Use mmap=None to read into fresh memory here, or unsafe_mmap=True to map it anyway",
+                        path=path,
+                    )
         finally:
             handle.close()
         if mm is None:
@@ -151,6 +165,7 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
         mv = memoryview(mm)
         if verify:
             _verify_parallel(reader, f, mv)
+            check_digests(path, entries, mv)
         for t in entries:
             dt = dtypes.torch_dtype(t.dtype)
             item = dtypes.itemsize(t.dtype)
@@ -196,27 +211,39 @@ def _verify_parallel(reader: TensorSource, f: FileEntry, mv: memoryview) -> None
         raise errors[0]
 
 
-def fresh_tensors(reader: TensorSource, pe: PartEntry, *, verify: bool, mmap: bool | None = None) -> dict[str, torch.Tensor]:
+def check_mmap_options(mmap: bool | None, unsafe_mmap: bool) -> None:
+    if unsafe_mmap and mmap is False:
+        raise ValueError("unsafe_mmap=True maps the file; it contradicts mmap=False")
+
+
+def fresh_tensors(
+    reader: TensorSource, pe: PartEntry, *, verify: bool, mmap: bool | None = None, unsafe_mmap: bool = False
+) -> dict[str, torch.Tensor]:
     """Every tensor of part ``pe`` in new memory of this process, by key.
 
     ``mmap``: ``None`` (default) a lease-protected private mapping where one can be
-    taken, else a read into fresh tensors; ``False`` always the read; ``True`` a
-    mapping even without a lease. Either way every chunk is verified unless ``verify``
-    is false, and nothing is returned before it is.
+    taken, else a read into fresh tensors; ``False`` always the read; ``True`` the
+    lease-protected mapping or ``UnprotectedMappingError``. ``unsafe_mmap``: a mapping
+    even without a lease. Either way every chunk is verified unless ``verify`` is false,
+    and nothing is returned before it is.
     """
+    check_mmap_options(mmap, unsafe_mmap)
     if mmap is False:
         return _stream_fresh(reader, pe, verify)
-    return _mapped_fresh(reader, pe, verify, mmap)
+    return _mapped_fresh(reader, pe, verify, mmap, unsafe_mmap)
 
 
 def materialize_state(
-    reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool | None = None
+    reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool | None = None, unsafe_mmap: bool = False
 ) -> dict[str, Any]:
+    check_mmap_options(mmap, unsafe_mmap)
     with gc_paused():  # thousands of small objects, no cycles (ckpt._gc)
-        return _materialize_state(reader, pe, map_location=map_location, verify=verify, mmap=mmap)
+        return _materialize_state(reader, pe, map_location=map_location, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
 
 
-def _materialize_state(reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool | None) -> dict[str, Any]:
+def _materialize_state(
+    reader: TensorSource, pe: PartEntry, *, map_location: Any, verify: bool, mmap: bool | None, unsafe_mmap: bool
+) -> dict[str, Any]:
     tree = reader.tree(pe.name, verify=verify)
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -224,7 +251,8 @@ def _materialize_state(reader: TensorSource, pe: PartEntry, *, map_location: Any
         # (A mapping is also the cheapest source for a map_location that copies the
         # tensors elsewhere: the copy reads the page cache, allocating nothing here.)
         if p.name not in cache:
-            cache[p.name] = {k: place(v, map_location) for k, v in fresh_tensors(reader, p, verify=verify, mmap=mmap).items()}
+            got = fresh_tensors(reader, p, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
+            cache[p.name] = {k: place(v, map_location) for k, v in got.items()}
         return cache[p.name]
 
     out = {}
@@ -265,16 +293,18 @@ def resolve_lazily(reader: TensorSource, pe: PartEntry, saved: Any, *, map_locat
 
 
 def materialize_entry(
-    reader: TensorSource, pe: PartEntry, name: str, *, map_location: Any, verify: bool, mmap: bool | None = None
+    reader: TensorSource, pe: PartEntry, name: str, *, map_location: Any, verify: bool, mmap: bool | None = None,
+    unsafe_mmap: bool = False,
 ) -> Any:
     """One top-level entry as saved (a module's plain ``state_dict``): only its tensors are read."""
+    check_mmap_options(mmap, unsafe_mmap)
     state = reader.tree(pe.name, verify=verify)["state"]
     if name not in state:
         raise FormatError(f"no entry {name!r} in this checkpoint (it has {sorted(state)})", path=reader.path, key=name)
     src, saved = replica_target(reader, pe, name, state[name], verify=verify)
     keys = _refs(saved)
-    if mmap or (keys and len(keys) == len(src.tensors)):
+    if mmap or unsafe_mmap or (keys and len(keys) == len(src.tensors)):
         # the entry is the whole tensor file (or a mapping was asked for): one pass
-        got = fresh_tensors(reader, src, verify=verify, mmap=mmap)
+        got = fresh_tensors(reader, src, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
         return resolve(saved, {k: place(v, map_location) for k, v in got.items()}, reader.path)
     return resolve_lazily(reader, src, saved, map_location=map_location, verify=verify)

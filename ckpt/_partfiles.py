@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -23,6 +24,7 @@ from .format import bpz, dtypes
 from .format.codec import packb
 from .format.digest import digest_bytes
 from .format.manifest import FileEntry, PartEntry, TensorEntry
+from ._linkcheck import SharedFileDamagedWarning, check_linked
 from ._tensorbytes import tensor_memoryview
 from .errors import CkptError
 from .knobs import knobs
@@ -145,13 +147,14 @@ def _plain_name(part: str, suffix: str) -> str:
     return f"{part}{suffix}"
 
 
-def _name_files(part: str, out: Layout, file_name: Callable[[str, str], str]) -> None:
+def _name_files(part: str, out: Layout, file_name: Callable[[str, str], str], taken: Iterable[str] = ()) -> None:
     """``file_name(part, suffix)``: the save's naming (``PendingCheckpoint.file_name``: an
-    object store adds a per-save tag)."""
+    object store adds a per-save tag). ``taken``: names already used in the temporary
+    directory besides the shared files."""
     if not out.dedup:
         out.plain_name, out.packed_name = file_name(part, ".safetensors"), file_name(part, ".bpz")
         return
-    taken = {s.entry.name for s in out.shared}
+    taken = {s.entry.name for s in out.shared} | set(taken)
 
     def rows(ts: list[tuple[str, Any]], enc: str | None) -> Iterable[list[Any]]:
         return ([k, dtypes.dtype_name(t.dtype), list(t.shape), out.digests[k], enc] for k, t in ts)
@@ -197,6 +200,8 @@ def _shareable(
         except OSError:
             continue
         if not stat.S_ISREG(st.st_mode) or st.st_size != f.size:
+            what = f"is {st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "is not a regular file"
+            _warn_damaged(src, f"{what}, the MANIFEST declares {f.size}")
             continue
         out.append(Shared(f, mine, src))
     return out[:60]  # files per part stay within the limit of 64 (§V.7)
@@ -206,29 +211,52 @@ def link_shared(
     part: str, layout: Layout, tmp_dir: str, storage: Storage, *, file_name: Callable[[str, str], str] | None = None
 ) -> list[tuple[FileEntry, list[TensorEntry]]]:
     """Link the planned shared files into the temporary directory (§V.4.2 rule 3), before
-    anything else is written. A file that cannot be linked (another filesystem, the link
-    limit, a backend without links or server-side copy, the source gone) is written
-    instead: its tensors go back to ``layout.plain``/``layout.packed``, and the new files
-    are named after their final content."""
+    anything else is written, and check each one linked (§V.4.6, ``_linkcheck``). A file
+    that cannot be linked (another filesystem, the link limit, a backend without links or
+    server-side copy, the source gone), or whose bytes are not what its MANIFEST declares,
+    is written instead from the tensors in memory: its tensors go back to
+    ``layout.plain``/``layout.packed``, and the new files are named after their final
+    content. A damaged one is reported (``SharedFileDamagedWarning``); a local link stays in
+    the temporary directory under a name the new files avoid, unnamed by the MANIFEST, and
+    the commit removes it (``writer._drop_unnamed``); an object store's copy is deleted."""
     done: list[tuple[FileEntry, list[TensorEntry]]] = []
     keep: list[Shared] = []
+    damaged: list[str] = []
     link = getattr(storage, "link", None)  # a backend without it writes the bytes (§V.4.5)
     if layout.shared and _parent(_parent(layout.shared[0].source)) != _parent(tmp_dir):
         link = None  # §V.4.2 rule 1: only from a checkpoint of the same run directory
     for s in layout.shared:
         dst = os.path.join(tmp_dir, s.entry.name)
         if link is not None and link(s.source, dst):
-            keep.append(s)
-            origin = s.entry.origin or os.path.basename(os.path.dirname(s.source))
-            done.append((FileEntry(s.entry.name, s.entry.role, s.entry.size, s.entry.chunk_size, s.entry.digests,
-                                   None, None, origin), s.tensors))
-            continue
+            # Checked where it now stands: the bytes checked are the bytes committed.
+            why = check_linked(storage, dst, s.entry)
+            if why is None:
+                keep.append(s)
+                origin = s.entry.origin or os.path.basename(os.path.dirname(s.source))
+                done.append((FileEntry(s.entry.name, s.entry.role, s.entry.size, s.entry.chunk_size, s.entry.digests,
+                                       None, None, origin), s.tensors))
+                continue
+            damaged.append(s.entry.name)
+            _warn_damaged(s.source, why)
+            drop = getattr(storage, "delete", None)
+            if callable(drop):  # an object store's copy: it holds the damaged bytes under a name
+                try:            # that would make this checkpoint look damaged to retention
+                    drop([dst])
+                except OSError:
+                    pass  # left unnamed: readers ignore it, and retention keeps more, never less
         for e in s.tensors:
             (layout.packed if layout.encode[e.key] else layout.plain).append((e.key, layout.tensors[e.key]))
     if len(keep) != len(layout.shared):
         layout.shared = keep
-        _name_files(part, layout, file_name or _plain_name)
+        _name_files(part, layout, file_name or _plain_name, damaged)
     return done
+
+
+def _warn_damaged(source: str, why: str) -> None:
+    warnings.warn(
+        f"shared file {source} {why}: not shared; this save writes its tensors again from memory. "
+        f"Every checkpoint that links this file fails verify (spec/format-2.md §V.4.6)",
+        SharedFileDamagedWarning, stacklevel=2)
 
 
 def _parent(path: str) -> str:

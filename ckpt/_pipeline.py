@@ -41,6 +41,8 @@ class OrderedFeeder:
     def finish(self) -> None:
         """Wait until every item is processed; re-raise the first failure."""
         self._q.put(None)
+        # Unbounded on purpose: the thread only runs ``fn`` on items already handed to it
+        # (hashing, local reads), takes no lock and waits on no other process.
         self._thread.join()
         if self._err is not None:
             raise self._err

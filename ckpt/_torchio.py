@@ -9,9 +9,12 @@ mismatch with the targets, and writes nothing the caller holds:
    live storage is marked to be restored through ``load_state_dict`` (its keys must
    match, so that call cannot fail on them);
 3. open every tensor file it reads and keep the handles (a retention that renames
-   or deletes the checkpoint meanwhile cannot change what is read), then hash every
-   chunk it will copy, through a bounded scratch buffer (pass 1). Tensors that land in
-   fresh memory rather than in a target are read (and verified) in this pass.
+   or deletes the checkpoint meanwhile cannot change what is read), then read what
+   pass 2 will read exactly as pass 2 will, through a bounded scratch buffer and
+   keeping nothing (pass 1, ``CheckpointReader.check_file``): every chunk hashed, every
+   packed span decoded under every rule, every recorded tensor digest compared. Tensors
+   that land in fresh memory rather than in a target are read (and verified) in this
+   pass.
 
 ``PreparedLoad.apply`` then reads the bytes into the targets through the same
 handles, hashing them again as they land (pass 2), and applies Statefuls, trees,
@@ -87,6 +90,20 @@ def _describe(t: torch.Tensor | TensorEntry) -> str:
     except (KeyError, ValueError, TypeError):
         name = str(t.dtype)
     return f"{name}{list(t.shape)}"
+
+
+def _key_shapes(missing: list[str], cur: Mapping[str, Any], unexpected: list[str], saved: Mapping[str, Any],
+                pe: PartEntry) -> str:
+    """The shapes of the first missing and first unexpected key, so that a changed model
+    (another layer count, another width) is told apart from a renamed one at a glance."""
+    out = []
+    if missing and isinstance(cur.get(missing[0]), torch.Tensor):
+        out.append(f"the target's {missing[0]!r} is {_describe(cur[missing[0]])}")
+    if unexpected and isinstance(saved.get(unexpected[0]), TensorRef):
+        entry = {t.key: t for t in pe.tensors}.get(saved[unexpected[0]].key)
+        if entry is not None:
+            out.append(f"the checkpoint's {unexpected[0]!r} is {_describe(entry)}")
+    return f" ({'; '.join(out)})" if out else ""
 
 
 class _Plan:
@@ -448,9 +465,10 @@ def prepare_load(
             if isinstance(cur, Mapping) and isinstance(saved, dict) and set(cur) != set(saved):
                 missing, unexpected = sorted(set(cur) - set(saved)), sorted(set(saved) - set(cur))
                 raise StateMismatchError(
-                    f"module {name!r} does not match the checkpoint: missing {missing[:10]}, unexpected {unexpected[:10]}",
+                    f"module {name!r} does not match the checkpoint: missing {missing[:10]}, unexpected {unexpected[:10]}"
+                    + _key_shapes(missing, cur, unexpected, saved, src_pe),
                     path=reader.path,
-                    key=name,
+                    key=f"{name}/{(missing or unexpected)[0]}",
                 )
         elif not stateful:
             _check_assign(obj, saved, name, reader.path)
@@ -473,8 +491,10 @@ def prepare_load(
                 if not wanted:
                     continue
                 f = p.files[index]
-                # Read twice (pass 1 hashes, pass 2 copies) when bytes land in targets.
-                twice = verify and any((p.name, k) in plan.targets for k in wanted)
+                # Read twice (pass 1 checks, pass 2 copies) when bytes land in targets: a
+                # packed file is decoded in pass 1 even without verify (its spans are content).
+                checked = verify or f.role == "packed"
+                twice = checked and any((p.name, k) in plan.targets for k in wanted)
                 handle = reader.open_data_file(p, index, reread=True) if twice else reader.open_data_file(p, index)
                 r = _Read(p, index, handle, f, wanted, whole=len(wanted) == len(entries))
                 prepared.reads.append(r)
@@ -482,14 +502,12 @@ def prepare_load(
                     # Nothing here lands in a target: read it (verified) now, once.
                     _read_now(reader, r, plan, verify)
                     r.done = True
-                elif verify:
-                    # Pass 1: hash every chunk that pass 2 will copy, nothing written.
-                    if r.whole:
-                        reader.verify_file(f, handle=handle)
-                    else:
-                        for t in entries:
-                            if t.key in wanted:
-                                reader.verify_file(f, handle=handle, span=(t.offset, t.offset + t.stored_nbytes))
+                elif checked:
+                    # Pass 1, nothing written: read what pass 2 will read, as it will read
+                    # it (ckpt._ranges): every chunk hashed, every packed span decoded under
+                    # every rule, every recorded digest compared. Pass 2 can then fail only
+                    # if the file changes in between.
+                    reader.check_file(p, index, None if r.whole else wanted, verify=verify, handle=handle)
     except BaseException:
         prepared.close()
         raise

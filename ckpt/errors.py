@@ -23,10 +23,16 @@ keeps working for callers who do not know this package::
     │   └── UnexpectedFileError                           a file the manifest does not name
     ├── CheckpointExistsError        (FileExistsError)    refusing to replace a checkpoint
     ├── StateMismatchError           (KeyError-free ValueError)  saved keys/shapes vs target
+    │   └── ResumeMismatchError                           a resume refused: the model or world does not
+    │                                                     fit the run's checkpoint (nothing changed)
     ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
     ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
+    │   └── LeaseLostError                               this writer's lease on the run was taken over
+    ├── SaveConflictError            (RuntimeError)       another process removed this save's files
+    ├── WaitTimeoutError             (TimeoutError)       a lock or a save in flight passed its hang
+    │                                                     detector bound (names what it waited on)
     ├── DistributedUsageError        (RuntimeError)       single-process API under a process group
     ├── UnsupportedSchemeError       (ValueError)         a URL no installed storage backend serves
     ├── StorageError                 (OSError)            an object store refused or failed a request
@@ -64,6 +70,7 @@ __all__ = [
     "UnexpectedFileError",
     "CheckpointExistsError",
     "StateMismatchError",
+    "ResumeMismatchError",
     "EnvironmentMismatchError",
     "UnsupportedValueError",
     "BackgroundSaveError",
@@ -74,9 +81,13 @@ __all__ = [
     "TapeLimitError",
     "ResumeDivergedError",
     "RunDirLockedError",
+    "WaitTimeoutError",
+    "LeaseLostError",
+    "SaveConflictError",
     "DistributedUsageError",
     "UnsupportedSchemeError",
     "StorageError",
+    "UnprotectedMappingError",
     "GuardError",
     "NoRollbackTargetError",
     "RollbackLimitError",
@@ -210,6 +221,20 @@ class StateMismatchError(CkptError, ValueError):
     """The checkpoint does not fit the objects it is being loaded into."""
 
 
+class ResumeMismatchError(StateMismatchError):
+    """A resume refused: the live state or world does not fit the run's checkpoint.
+
+    Raised by ``CheckpointManager.resume()`` (and the trainer integrations) when a
+    checkpoint that is intact does not fit what is being resumed: other keys, shapes or
+    dtypes (a changed model), or another world size (no part for this rank). That is not
+    damage, so the resume does not fall back past it: every older checkpoint of the run
+    would be as wrong, and starting afresh would overwrite the run. ``path`` is the
+    checkpoint, ``key`` the first entry that does not fit; ``context`` carries
+    ``saved_shape``/``target_shape`` (and dtypes) where a tensor differs. Nothing in the
+    run directory was changed, and the manager that raised it refuses to save.
+    """
+
+
 class EnvironmentMismatchError(CkptError, RuntimeError):
     """Under ``strict`` exactness, the environment differs from the one that saved."""
 
@@ -228,6 +253,25 @@ class RunDirLockedError(CkptError, BlockingIOError):
     """Another live process holds the run directory's writer lock (its pid and host named)."""
 
 
+class LeaseLostError(RunDirLockedError):
+    """This writer's lease on an object-store run expired and another writer took the run
+    over (spec/object-storage.md §O.6): nothing more is committed or deleted through it.
+    Raised by the commit or deletion that found out; the run now belongs to the new holder."""
+
+
+class SaveConflictError(CkptError, RuntimeError):
+    """A file of a save in progress was removed or changed by another process (a cleanup
+    of the run directory, another writer) before the save committed: nothing was committed.
+    The file is named; saving again is safe."""
+
+
+class WaitTimeoutError(CkptError, TimeoutError):
+    """A wait inside a save (a lock on a checkpoint's temporary directory, the save in
+    flight) passed its hang-detector bound (``ckpt.knobs``: ``lock_timeout_s``,
+    ``save_timeout_s``). The message names what was waited on and, for a lock, which
+    processes hold it; ``waited_on`` and ``timeout_s`` carry the same."""
+
+
 class DistributedUsageError(CkptError, RuntimeError):
     """A single-process API called under a multi-rank process group; use the distributed one."""
 
@@ -242,6 +286,13 @@ class UnsupportedSchemeError(CkptError, ValueError):
 class StorageError(CkptError, OSError):
     """An object store refused or failed a request (credentials, network, throttling):
     the URL and the store's own message are named. Not a statement about the bytes."""
+
+
+class UnprotectedMappingError(CkptError, OSError):
+    """``state(mmap=True)`` on a file no read lease can be taken on (spec §11.1): a mapping
+    would change under the returned tensors if the file were overwritten in place, and
+    fault them if it were truncated. Pass ``mmap=None`` (read into fresh memory where no
+    lease is granted) or, knowingly, ``unsafe_mmap=True``. Not a statement about the bytes."""
 
 
 class TapeDataError(FormatError):

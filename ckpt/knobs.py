@@ -23,6 +23,11 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw else default
+
+
 def _env_scale(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if not raw:
@@ -48,6 +53,14 @@ class Knobs:
     #: how much nicer (lower CPU priority) an asynchronous save's thread runs than the
     #: training loop (bench/async_save.py measures the step slowdown); 0 keeps it equal.
     save_thread_nice: int = _env_int("CKPT_SAVE_NICE", 10)
+    # --- hang detectors: a wait past these bounds raises WaitTimeoutError naming what it
+    # waited on. They detect a hang, they judge no speed: far above any healthy wait. ---
+    #: seconds a save waits for a lock on a checkpoint's temporary directory (a committer
+    #: for the part writers still in flight, a part writer for a commit in progress).
+    lock_timeout_s: float = _env_float("CKPT_LOCK_TIMEOUT_S", 1800.0)
+    #: seconds the training loop waits for the asynchronous save in flight (at the next
+    #: save, ``wait()`` or ``close()``) before it reports where the save thread is stuck.
+    save_timeout_s: float = _env_float("CKPT_SAVE_TIMEOUT_S", 3600.0)
     # --- format 2.0 writers (spec/format-2.md §V.7): none of these changes what readers accept ---
     #: raw bytes per BPZ1 block: a block is the unit a thread encodes and a reader decodes.
     bpz_block: int = _env_int("CKPT_BPZ_BLOCK", 4 * MiB)
@@ -57,6 +70,19 @@ class Knobs:
     compress_min_bytes: int = _env_int("CKPT_COMPRESS_MIN_BYTES", 64 * 1024)
     #: a distributed save of more ranks than this lists parts by reference (part manifests).
     inline_parts_max: int = _env_int("CKPT_INLINE_PARTS_MAX", 16)
+    #: a dedup save re-hashes every chunk of a file it shares at least once in this many
+    #: consecutive saves that share it (spec/format-2.md §V.4.6; bench/dedup.py measures it).
+    dedup_rehash_every: int = _env_int("CKPT_DEDUP_REHASH_EVERY", 1)
+    # --- the run lock on an object store (spec/object-storage.md §O.6) ---
+    #: seconds between two renewals of a run's lease (one conditional PUT each: 17,280 a day).
+    lock_heartbeat_s: float = _env_float("CKPT_LOCK_HEARTBEAT_S", 5.0)
+    #: seconds a lease stays in force after its last renewal: a writer whose heartbeat
+    #: cannot get through for this long loses the run (six missed renewals by default);
+    #: a crashed writer's lock is taken over this long after its last renewal.
+    lock_expiry_s: float = _env_float("CKPT_LOCK_EXPIRY_S", 30.0)
+    #: cleanup at a manager's start leaves an uncommitted save's files alone until they
+    #: are this old (a save without the run's lock may still commit them; §O.6).
+    orphan_grace_s: float = _env_float("CKPT_ORPHAN_GRACE_S", 60.0)
     #: multiplies every hang bound (``replay.watchdog.hang_bound``): the runs', the demos'
     #: and the test suite's. Bounds only catch hangs, never judge speed; raise it on a
     #: machine so loaded that a step can stall for minutes (e.g. ``CKPT_TIMEOUT_SCALE=4``).

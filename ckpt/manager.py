@@ -34,11 +34,19 @@ raised as ``BackgroundSaveError`` by the next call into the manager (``after_ste
 
 **Latest valid.** ``resume()`` lists committed ``step-*`` directories (``.tmp-*`` are
 never candidates), newest first, and loads the first that loads: every chunk verified
-and every check passed before any target is written (``ckpt.load`` is all or nothing),
-so it falls back past a checkpoint that fails *for any reason* (corrupt, content load
-cannot take, state that does not fit); only the strict exactness gate propagates. Each
-one skipped is named in a ``ResumeFallbackWarning`` with the error that disqualified it
-(file, chunk, offset).
+and every check passed before any target is written (``ckpt.load`` is all or nothing).
+It falls back past a checkpoint that is *damaged* (corrupt, truncated, content load
+cannot take, removed meanwhile), each named in a ``ResumeFallbackWarning`` with the error
+that disqualified it (file, chunk, offset), and past nothing else. An intact checkpoint
+that does not fit the state (other keys, shapes or dtypes: a changed model) or the world
+(no part for this rank) raises ``ResumeMismatchError`` naming the checkpoint, the key and
+both shapes: no older checkpoint of the run would fit either, and a fresh start would
+overwrite the run. Nothing in the run directory is changed, and the manager refuses to
+save until a later resume succeeds. The strict exactness gate and a checkpoint of a newer
+format version stop the resume too. :func:`latest` returns the checkpoint ``resume()``
+will choose, and its config, without loading it; a config other than the checkpoint's is
+named in one ``ConfigChangedWarning``. ``save(step)`` never replaces a committed checkpoint
+unless asked (``overwrite=True``), except one the resume skipped as damaged.
 
 **Retention.** ``RetentionPolicy``: keep the last K, keep every step divisible by N, keep
 the best M by a metric passed to ``after_step(metrics=...)`` (stored in the manifest's
@@ -57,7 +65,11 @@ holds it for a distributed job). A second manager, in this process or another, g
 ``RunDirLockedError`` naming the holder's pid and host; the kernel drops the lock when
 the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
 cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
-by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed,
+except those a writer holds or changed within ``orphan_grace_s`` (a save that takes no
+lock may still commit them). On an object store the lock is a lease renewed by a daemon
+thread, taken over only after it expired; every commit and deletion proves it first
+(``LeaseLostError``; spec/object-storage.md §O.6).
 **Followers.** ``writer=False`` makes a manager that reads a run directory another one
 writes (replicas of one data-parallel state: one writes, every one can ``resume()`` or
 ``rewind()`` from it): it takes no lock, never saves (``save()`` refuses) and never
@@ -73,7 +85,9 @@ copies cost their bytes once per run. Each checkpoint stays complete on its own 
 directory entry for every byte), so retention deletes checkpoints as before and the
 filesystem frees a file's bytes when no kept checkpoint links it. Shared bytes share their
 fate (a damaged file fails every checkpoint that links it): ``dedup_full_every=K`` writes
-everything at every K-th save.
+everything at every K-th save. A save checks what it links (spec/format-2.md §V.4.6): a file
+whose bytes changed is written again from memory (``SharedFileDamagedWarning``), and
+retention does not count the checkpoints holding it toward ``keep_last``.
 
 **Signals.** The SIGTERM/SIGUSR1 handlers chain: the handler installed before the
 manager's is still called (after the flag is set), and ``close()`` puts it back unless
@@ -141,25 +155,35 @@ import os
 import queue
 import re
 import signal
+import sys
 import threading
 import time
+import traceback
 import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
+from . import _linkcheck
+from ._linkcheck import SharedFileDamagedWarning
+from .context import prime as prime_context
 from .errors import (
     BackgroundSaveError,
+    CheckpointExistsError,
     CkptError,
     EnvironmentMismatchError,
+    ResumeMismatchError,
     RunDirLockedError,
+    StateMismatchError,
     UnsupportedValueError,
+    UnsupportedVersionError,
+    WaitTimeoutError,
 )
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
-from .storage import Storage, commits_by_manifest, is_space_error, resolve
+from .storage import FencedStorage, Storage, commits_by_manifest, is_space_error, resolve
 from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
@@ -169,6 +193,10 @@ __all__ = [
     "SaveReport",
     "Rewind",
     "ResumeFallbackWarning",
+    "ConfigChangedWarning",
+    "LatestCheckpoint",
+    "latest",
+    "SharedFileDamagedWarning",
     "list_checkpoints",
     "plan_retention",
     "apply_retention",
@@ -184,7 +212,14 @@ def checkpoint_name(step: int) -> str:
 
 
 class ResumeFallbackWarning(RuntimeWarning):
-    """The newest checkpoint did not verify; an older one was used (the message says why)."""
+    """The newest checkpoint is damaged (it did not verify); an older one was used (the
+    message says why). Never issued for a checkpoint that does not fit the live state:
+    that stops the resume (``ResumeMismatchError``)."""
+
+
+class ConfigChangedWarning(UserWarning):
+    """A run resumed with a config other than the one its checkpoint recorded; the
+    message names the keys that changed (and their old and new values)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,19 +316,127 @@ def list_checkpoints(
     return out
 
 
-def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy) -> dict[str, tuple[str, ...]]:
+@dataclass(frozen=True, slots=True)
+class LatestCheckpoint:
+    """The checkpoint ``resume()`` will load, found without loading it (:func:`latest`).
+
+    ``config`` is the config saved with it (its canonical form: maps, lists, plain
+    values; ``None`` if the run saved none), ``config_hash`` its hash; ``skipped`` names
+    the newer checkpoints passed over as damaged, each with the error."""
+
+    path: str
+    name: str
+    step: int
+    id: str
+    config: Any
+    config_hash: str | None
+    skipped: tuple[tuple[str, str], ...] = ()
+
+
+def latest(run_dir: str | os.PathLike[str], *, verify: bool = True, storage: Storage | None = None
+           ) -> LatestCheckpoint | None:
+    """The checkpoint ``CheckpointManager.resume()`` will choose in ``run_dir``, and its
+    config, without loading any tensor into anything: the newest committed ``step-*``
+    that verifies (``verify=False``: the newest whose MANIFEST and structure decode,
+    which reads no tensor bytes, as ``ckpt inspect --latest`` does). ``None`` when none
+    qualifies. Read the model's shape from ``.config`` before building the model::
+
+        found = ckpt.latest("runs/gpt")
+        cfg = found.config["model"] if found else default_model_config
+    """
+    storage, _ = resolve(run_dir, storage)  # one backend for the listing and the readers
+    skipped: list[tuple[str, str]] = []
+    for rec in reversed(list_checkpoints(run_dir, storage=storage)):
+        if not rec.committed:
+            continue
+        try:
+            reader = CheckpointReader(rec.path, storage=storage)
+            pe = reader.parts[0]
+            if verify:
+                reader.verify()
+            else:
+                reader.tree(pe.name, verify=False)
+            saved = (reader.tree(pe.name, verify=False)["context"].get("config") or {}).get("hash")
+            config = reader.config(pe.name)
+        except UnsupportedVersionError:
+            raise  # resume() stops here too: a newer writer's checkpoint is not damage
+        except (CkptError, OSError) as e:  # damaged: resume() falls back past it as well
+            skipped.append((rec.name, f"{type(e).__name__}: {e}"))
+            continue
+        return LatestCheckpoint(reader.path, rec.name, int(reader.step if reader.step is not None else rec.step),
+                                str(reader.manifest.id), config, saved, tuple(skipped))
+    return None
+
+
+def config_changes(saved: Any, live: Any, *, limit: int = 10) -> list[str]:
+    """The keys (dotted paths) whose values differ between two configs' canonical
+    forms, each as ``key: old -> new`` (at most ``limit``, then a count)."""
+    from .context.config import canonicalize
+
+    def flat(obj: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(obj, dict) and obj:
+            for k, v in obj.items():
+                flat(v, f"{prefix}.{k}" if prefix else str(k), out)
+        else:
+            out[prefix or "(config)"] = obj
+        return out
+
+    a, b = flat(canonicalize(saved), "", {}), flat(canonicalize(live), "", {})
+    missing = object()
+    keys = sorted(k for k in set(a) | set(b) if a.get(k, missing) != b.get(k, missing))
+
+    def show(v: Any) -> str:
+        text = "(absent)" if v is missing else repr(v)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    out = [f"{k}: {show(a.get(k, missing))} -> {show(b.get(k, missing))}" for k in keys[:limit]]
+    if len(keys) > limit:
+        out.append(f"and {len(keys) - limit} more")
+    return out
+
+
+def warn_config_changed(path: str, context: Mapping[str, Any], live: Any, *, stacklevel: int = 2) -> list[str]:
+    """One ``ConfigChangedWarning`` when ``live`` (the resuming run's config) differs from
+    the config a checkpoint's ``context`` recorded; returns the changes (empty: none, or
+    nothing to compare because either side has no config)."""
+    saved = context.get("config")
+    if live is None or not saved:
+        return []
+    from .context.config import config_hash
+    from .format.codec import unpackb
+
+    if config_hash(live) == saved.get("hash"):
+        return []
+    changes = config_changes(unpackb(saved["canonical"], path=path, what="config"), live)
+    if changes:
+        warnings.warn(f"resuming from {path} with a changed config: " + "; ".join(changes),
+                      ConfigChangedWarning, stacklevel=stacklevel + 1)
+    return changes
+
+
+def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy, *,
+                   damaged: Iterable[str] = ()) -> dict[str, tuple[str, ...]]:
     """Which committed checkpoints to keep, and why (``name -> reasons``).
 
     Committed checkpoints not in the result are to be deleted. The newest committed one
-    is always kept (``"resume-point"``).
+    is always kept (``"resume-point"``). ``damaged``: checkpoints known to hold bytes that
+    do not verify (a shared file found damaged, spec/format-2.md §V.4.6). They do not count
+    toward ``keep_last``, so a damaged file never costs the last checkpoints that load;
+    those newer than the oldest one kept are kept too (``"damaged"``), since what
+    retention deletes is always older than what it keeps (§10.7).
     """
     committed = [r for r in records if r.committed]
     keep: dict[str, list[str]] = {}
     if not committed:
         return {}
     keep.setdefault(committed[-1].name, []).append("resume-point")
-    for r in committed[-policy.keep_last :]:
+    bad = frozenset(damaged)
+    lasts = [r for r in committed if r.name not in bad][-policy.keep_last :] or committed[-policy.keep_last :]
+    for r in lasts:
         keep.setdefault(r.name, []).append("last")
+    for r in committed:
+        if r.name in bad and r.step > lasts[0].step and r.name not in keep:
+            keep.setdefault(r.name, []).append("damaged")
     if policy.keep_every:
         for r in committed:
             if r.step % policy.keep_every == 0:
@@ -312,11 +455,13 @@ def plan_retention(records: Sequence[CheckpointRecord], policy: RetentionPolicy)
     return {k: tuple(v) for k, v in keep.items()}
 
 
-# resume() falls back past a checkpoint that fails to load for any reason (corrupt,
-# re-signed with content load cannot take, state that does not fit, vanished). Only
-# the caller's own refusal propagates: the strict exactness gate, which every older
-# checkpoint of the run would fail too (falling back would silently start afresh).
-_REFUSALS: tuple[type[BaseException], ...] = (EnvironmentMismatchError,)
+# resume() falls back only past a checkpoint that is damaged (corrupt, truncated,
+# re-signed with content load cannot take, vanished). What every older checkpoint of the
+# run would fail too stops it, because falling back past all of them starts the run
+# afresh and its saves then replace the run's checkpoints: the strict exactness gate, a
+# checkpoint written by a newer format version, and a state or world that does not fit
+# (ResumeMismatchError, told apart in _mismatch).
+_REFUSALS: tuple[type[BaseException], ...] = (EnvironmentMismatchError, UnsupportedVersionError)
 
 
 @dataclass(slots=True)
@@ -426,6 +571,15 @@ class CheckpointManager:
         self._guard: Any = None
         self._floor: int | None = None
         self._verified: set[tuple[str, str]] = set()
+        # Set when resume() or rewind() found that the run's checkpoint does not fit the
+        # live state (or world): this manager then never saves, since its saves would
+        # replace the run's checkpoints. Cleared by a later load that succeeds.
+        self._refusal: ResumeMismatchError | None = None
+        # The checkpoints the last resume()/rewind() skipped as damaged: a save of their
+        # step replaces them without overwrite=True (the re-run step's checkpoint).
+        self._replaceable: set[str] = set()
+        # checkpoint name -> holds a file found damaged, as of that many findings (_damaged)
+        self._damage_scan: tuple[int, dict[str, bool]] = (0, {})
 
         from .staging import Staging
 
@@ -481,6 +635,11 @@ class CheckpointManager:
             self._release_lock()
             raise refusal
 
+        if self._writer:
+            # git and uname run here, on the loop's thread: never on the save thread, where a
+            # DataLoader forking workers meanwhile deadlocks them (ckpt.context.provenance).
+            prime_context(self.code_dir)
+
         # The step ledger (ckpt.ledger): created now, after seeding, so its RNG baseline
         # is the streams' start values; "unused, not compared" is judged against it.
         self.ledger = self._make_ledger(ledger_params_every, verify_resume) if ledger else None
@@ -513,6 +672,11 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[CheckpointRecord]:
         return list_checkpoints(self.run_dir, with_metrics=True, storage=self._storage)
+
+    def latest(self, *, verify: bool = True) -> LatestCheckpoint | None:
+        """The checkpoint :meth:`resume` will load, and its config, without loading it
+        (:func:`latest`)."""
+        return latest(self.run_dir, verify=verify, storage=self._storage)
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -603,16 +767,25 @@ class CheckpointManager:
             return True
         return False
 
-    def save(self, step: int, *, metrics: Mapping[str, Any] | None = None, extra: Any = None, block: bool | None = None) -> None:
-        """Save now (at a step boundary). ``block`` defaults to ``not async_save``."""
+    def save(self, step: int, *, metrics: Mapping[str, Any] | None = None, extra: Any = None, block: bool | None = None,
+             overwrite: bool = False) -> None:
+        """Save now (at a step boundary). ``block`` defaults to ``not async_save``.
+
+        A committed checkpoint of ``step`` already in the run is never replaced silently:
+        ``CheckpointExistsError`` unless ``overwrite=True`` (or unless ``resume()`` skipped
+        it as damaged: the re-run step replaces it)."""
         self._check_open()
         self._raise_failure()
         if not self._writer:
             raise CkptError("this CheckpointManager is a follower (writer=False): it does not save; "
                             "set_writer(True) first", path=self.run_dir)
+        if self._inflight is not None and self._inflight.step == step:
+            self._join()  # a save in flight of this very step commits (or fails) before the check
+            self._raise_failure()
+        self._check_save(step, overwrite=overwrite)
         if self.ledger is not None:
             self.ledger.touch(step)  # a run that only saves still has a ledger: a resume is not "missing" one
-        self._save(step, metrics, extra, block=(not self.async_save) if block is None else block)
+        self._save(step, metrics, extra, block=(not self.async_save) if block is None else block, checked=True)
 
     def wait(self) -> SaveReport | None:
         """Wait for the save in flight; raise ``BackgroundSaveError`` if it failed."""
@@ -630,21 +803,23 @@ class CheckpointManager:
             self._closed = True
             if self.ledger is not None:
                 self.ledger.close()
-            for sig, old in self._old_handlers.items():
+            for sig in self._old_handlers:
                 try:
                     # Only if ours is still installed: a handler installed after ours
                     # (which may chain to ours) is not overwritten. Ours stays in its
                     # chain, closed: it only forwards to the previous handler.
                     if signal.getsignal(sig) == self._on_signal:
-                        signal.signal(sig, old)
+                        signal.signal(sig, _first_open_handler(self, sig))
                 except (ValueError, TypeError):  # pragma: no cover - not main thread
                     pass
+            hung = self._inflight is not None and not self._inflight.done.is_set()
             if self._worker is not None:
-                self._worker.stop()
+                self._worker.stop(join=not hung)
                 self._worker = None
             if self._staging is not None:
                 self._staging.release()
-            self._release_lock()
+            if not hung:  # a save still running (reported by wait()) may yet commit: the run stays locked
+                self._release_lock()
 
     def _take_lock(self, *, wait: bool) -> None:
         self._storage.makedirs(self.run_dir)
@@ -654,6 +829,9 @@ class CheckpointManager:
                 raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
                                 "object cannot be waited for)", path=self.run_dir)
             self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
+            # A lease, not a kernel lock: every commit and deletion proves it first
+            # (LeaseLostError once another writer took the run over after it expired).
+            self._storage = FencedStorage(self._storage, self._lock)
         else:
             self._lock = RunLock.acquire(self.run_dir, owner=owner, wait=wait)
         rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
@@ -685,6 +863,8 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
+            if isinstance(self._storage, FencedStorage):
+                self._storage = self._storage.inner
             self._lock.release()
             self._lock = None
 
@@ -695,15 +875,26 @@ class CheckpointManager:
         self.close()
 
     # -- resume ------------------------------------------------------------------------
-    def resume(self, *, defer_rng: bool = False, exactness: str | None = None) -> Any:
+    def resume(self, *, defer_rng: bool = False, restore_rng: bool = True, exactness: str | None = None) -> Any:
         """Load the newest committed checkpoint that verifies; ``None`` if there is none.
 
-        Returns the ``LoadResult``. With ``defer_rng``, RNG streams are not restored now:
-        call :meth:`restore_rng` right after creating the DataLoader iterator (a plain
-        DataLoader draws its base seed from the global RNG at ``iter()``).
+        Returns the ``LoadResult``. With ``defer_rng`` (or ``restore_rng=False``, the name
+        ``ckpt.load`` uses), RNG streams are not restored now: call :meth:`restore_rng`
+        right after creating the DataLoader iterator (a plain DataLoader draws its base
+        seed from the global RNG at ``iter()``), or never, to continue with this process's
+        streams.
+
+        Falls back past damaged checkpoints only (each named in a
+        ``ResumeFallbackWarning``). A checkpoint that is intact but does not fit the live
+        state (other keys, shapes or dtypes) or world (no part for this rank) raises
+        ``ResumeMismatchError`` naming the checkpoint, the key and both shapes: nothing in
+        the run directory is changed, and this manager refuses to save from then on.
+        :func:`latest` tells beforehand which checkpoint this picks and its config. A
+        config other than the checkpoint's is named in one ``ConfigChangedWarning``.
         """
         self._check_open()
         self._raise_failure()
+        defer_rng = defer_rng or not restore_rng
         loaded = self._load_first(self._candidates(lambda r: True), defer_rng=defer_rng, exactness=exactness)
         if loaded is None:
             return None
@@ -714,6 +905,8 @@ class CheckpointManager:
         if isinstance(lineage.get("run_id"), str) and lineage["run_id"]:
             self.run_id = lineage["run_id"]
         self._loaded(result, choice)
+        if self.rank == 0:
+            warn_config_changed(result.path, result.context, self.config, stacklevel=3)
         if self.ledger is not None and not defer_rng:
             self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id)
         if self._guard is not None:
@@ -748,6 +941,7 @@ class CheckpointManager:
         return Rewind(result, choice, target, discarded, tuple(fallbacks))
 
     def _loaded(self, result: Any, choice: str) -> None:
+        self._refusal = None  # the state fits the run again: its saves are the run's
         self.resumed_from = {"id": result.id, "name": choice, "step": result.step}
         self.last_load = result
         self._dedup_source = os.path.join(self.run_dir, choice)
@@ -794,6 +988,8 @@ class CheckpointManager:
                     from .writer import part_name_for_rank
 
                     part = part_name_for_rank(self.rank)
+                    if not sharded and part not in reader.parts.names:
+                        raise self._world_mismatch(reader, part)
                 if sharded:
                     # every chunk of every rank's part, before any target is written
                     if self.rank == 0:
@@ -811,17 +1007,25 @@ class CheckpointManager:
                         verify=True,
                         exactness=exactness or self.exactness,
                     )
-            except Exception as e:  # any reason: this checkpoint cannot be loaded here
+            except Exception as e:  # damage is skipped below; a mismatch or a refusal stops
                 error = e
-            failed, refused = error is not None, isinstance(error, _REFUSALS)
+            mismatch = self._mismatch(error, path) if isinstance(error, StateMismatchError) else None
+            failed, refused, misfit = error is not None, isinstance(error, _REFUSALS), mismatch is not None
             if self._ctl is not None:  # all ranks load the same checkpoint or none does
-                failed, refused = (bool(v) for v in self._ctl.all_reduce_max([int(failed), int(refused)]))
-            if refused:  # every rank raises together (none waits in a collective)
+                failed, refused, misfit = (
+                    bool(v) for v in self._ctl.all_reduce_max([int(failed), int(refused), int(misfit)])
+                )
+            if misfit or refused:  # every rank raises together (none waits in a collective)
                 if prepared is not None:
                     prepared.close()
+                if misfit:
+                    raise self._refuse(mismatch or ResumeMismatchError(
+                        f"cannot resume {self.run_dir} from {path}: another rank's state or world does not fit this "
+                        "checkpoint (that rank's error names the key). Nothing in the run directory was changed; "
+                        "this manager will not save", path=path))
                 if isinstance(error, _REFUSALS):
                     raise error
-                raise CkptError("another rank refused this checkpoint (strict exactness gate)", path=path)
+                raise CkptError("another rank refused this checkpoint (strict exactness gate, format version)", path=path)
             if failed:
                 if prepared is not None:
                     prepared.close()
@@ -832,15 +1036,20 @@ class CheckpointManager:
             if sharded:  # collective: DCP reshards onto this job's shards
                 from .dcp.integration import load_sharded
 
-                result = load_sharded(
-                    reader, self.state, data=self.data, generators=self.generators or None, restore_rng=not defer_rng,
-                    verify=self.rank != 0, exactness=exactness or self.exactness,
-                )
+                try:
+                    result = load_sharded(
+                        reader, self.state, data=self.data, generators=self.generators or None,
+                        restore_rng=not defer_rng, verify=self.rank != 0, exactness=exactness or self.exactness,
+                    )
+                except StateMismatchError as e:
+                    raise self._refuse(self._mismatch(e, path)) from e
                 break
             assert prepared is not None
             try:
                 result = prepared.apply()
             except Exception as e:  # a file changed between the passes, a Stateful refused
+                if isinstance(e, StateMismatchError):  # load_state_dict refused it: not damage
+                    raise self._refuse(self._mismatch(e, path, applied=True)) from e
                 if self._ctl is not None:
                     raise  # ranks cannot agree on a fallback after some applied theirs
                 # The targets may be mixed now: only a complete load of an older
@@ -850,11 +1059,66 @@ class CheckpointManager:
                 skipped.append(choice)
                 continue
             break
+        self._replaceable = set(skipped)  # damaged: the re-run steps may replace them
         if result is None:
             if changed is not None:
                 raise changed
             return None
         return result, choice, skipped
+
+    def _mismatch(self, error: StateMismatchError, path: str, *, applied: bool = False) -> ResumeMismatchError:
+        """The resume refusal for a checkpoint that is intact but does not fit the state."""
+        if isinstance(error, ResumeMismatchError):
+            return error
+        ctx = dict(error.context)  # saved_shape/target_shape and dtypes, where a tensor differs
+        where = (
+            "Some targets were already written (a Stateful's load_state_dict refused the rest): "
+            "do not train with them. " if applied else ""
+        )
+        return ResumeMismatchError(
+            f"cannot resume {self.run_dir} from {path}: the state does not fit this checkpoint: {error.message}"
+            f"{self._config_note(path)}. "
+            "The checkpoint is intact, so resume() does not fall back past it (no older checkpoint of the run "
+            f"fits either, and starting afresh would overwrite the run). {where}Nothing in the run directory was "
+            "changed and this manager will not save. Build the state the run was saved with (ckpt.latest(run_dir) "
+            "returns its config without loading it), or start the changed one in a new run directory",
+            path=path, key=error.key, **ctx,
+        )
+
+    def _config_note(self, path: str) -> str:
+        """How this run's config differs from the checkpoint's, for a mismatch message
+        (a changed model usually comes with a changed config: name it)."""
+        if self.config is None:
+            return ""
+        try:
+            reader = CheckpointReader(path, storage=self._storage)
+            saved = reader.tree(reader.parts[0].name)["context"].get("config")  # the structure file only
+            if not saved:
+                return ""
+            from .context.config import config_hash
+            from .format.codec import unpackb
+
+            if config_hash(self.config) == saved.get("hash"):
+                return ""
+            changes = config_changes(unpackb(saved["canonical"], path=path, what="config"), self.config)
+        except (CkptError, OSError):
+            return ""
+        return f" (the config differs too: {'; '.join(changes)})" if changes else ""
+
+    def _world_mismatch(self, reader: CheckpointReader, part: str) -> ResumeMismatchError:
+        names = list(reader.parts.names)
+        return ResumeMismatchError(
+            f"cannot resume {self.run_dir} from {reader.path}: this job has world size {self.world_size} but the "
+            f"checkpoint was saved by {len(names)} rank(s) (parts {names[:8]}): there is no part {part!r} for rank "
+            f"{self.rank}. The checkpoint is intact, so resume() does not fall back past it. Nothing in the run "
+            f"directory was changed and this manager will not save. Resume with the saving world size, or save "
+            "sharded state (ckpt.dcp), which reshards on resume",
+            path=reader.path, key=part, saved_world_size=len(names), world_size=self.world_size,
+        )
+
+    def _refuse(self, error: ResumeMismatchError) -> ResumeMismatchError:
+        self._refusal = error
+        return error
 
     def restore_rng(self) -> list[str]:
         """Restore the RNG streams held back by ``resume(defer_rng=True)``."""
@@ -890,12 +1154,49 @@ class CheckpointManager:
         job = self._inflight
         if job is None:
             return
-        job.done.wait()
+        limit = knobs().save_timeout_s
+        if not job.done.wait(limit):
+            # A hang detector, not a verdict on speed: the save's own waits are bounded
+            # (locks: lock_timeout_s), so only a stuck system call gets here. Say where.
+            where = self._worker.where() if self._worker is not None else "unknown"
+            raise WaitTimeoutError(
+                f"the asynchronous save of step {job.step} has not finished after {limit:g} s; the save "
+                f"thread is at {where} (raise CKPT_SAVE_TIMEOUT_S if the storage is only slow)",
+                path=job.path, step=job.step, waited_on=f"the asynchronous save of step {job.step}", timeout_s=limit,
+            )
         self._inflight = None
         if job.error is not None:
             self._failed = job
 
-    def _save(self, step: int, metrics: Mapping[str, Any] | None, extra: Any, *, block: bool) -> None:
+    def _check_save(self, step: int, *, overwrite: bool) -> None:
+        """Refuse a save that would replace what the caller did not ask to replace: any
+        save after a refused resume, and a committed checkpoint of ``step`` (every rank
+        raises together: rank 0 looks, the ranks agree)."""
+        if self._refusal is not None:
+            r = self._refusal
+            raise ResumeMismatchError(
+                f"this CheckpointManager does not save: its resume was refused because the state does not fit "
+                f"the run's checkpoint ({r.message}); the run's checkpoints stay as they are. Build the state the "
+                "run was saved with, or start the changed one in a new run directory",
+                path=r.path, key=r.key, **r.context,
+            )
+        if overwrite:
+            return
+        name = checkpoint_name(step)
+        exists = name not in self._replaceable and self.rank == 0 and \
+            self._storage.isfile(os.path.join(self.run_dir, name, MANIFEST_NAME))
+        if self._ctl is not None:
+            exists = bool(self._ctl.all_reduce_max([int(exists)])[0])
+        if exists:
+            raise CheckpointExistsError(
+                f"step {step} is already saved in this run: a save never replaces a checkpoint unless asked "
+                "(save(step, overwrite=True)); did the script skip resume()?",
+                path=os.path.join(self.run_dir, name),
+            )
+        self._replaceable.discard(name)  # replaced once: the new one is no longer damaged
+
+    def _save(self, step: int, metrics: Mapping[str, Any] | None, extra: Any, *, block: bool,
+              checked: bool = False) -> None:
         from .context.rng import capture_rng
         from .staging import frozen_stateful
 
@@ -903,6 +1204,8 @@ class CheckpointManager:
         # At most one save in flight, and the staging buffer is still being read by it.
         self._join()
         self._raise_failure()
+        if not checked:
+            self._check_save(step, overwrite=False)
         if self.sharded:
             self._save_sharded(step, metrics, extra, t0)
             return
@@ -959,6 +1262,7 @@ class CheckpointManager:
                 self._raise_failure()
             return
         job.stall_s = time.perf_counter() - t0
+        prime_context(self.code_dir)  # cached after the first call (a follower made writer)
         self._inflight = job
         if self._worker is None:
             self._worker = _SaveWorker(self._run)
@@ -1089,8 +1393,35 @@ class CheckpointManager:
         floor = self._floor
         if floor is not None:
             protect |= self._floor_keep(list_checkpoints(self.run_dir, storage=self._storage), floor)
+        damaged = self._damaged() if self.dedup else set()
         return apply_retention(self.run_dir, self.retention, storage=self._storage,
-                               protect=protect, upcoming=upcoming)
+                               protect=protect, upcoming=upcoming, damaged=damaged)
+
+    def _damaged(self) -> set[str]:
+        """The committed checkpoints holding a file that a dedup save of this process found
+        damaged (spec/format-2.md §V.4.6): retention does not count them as kept."""
+        seen = _linkcheck.damaged_count()
+        if not seen:
+            return set()
+        if self._damage_scan[0] != seen:  # a new finding: what was scanned before is stale
+            self._damage_scan = (seen, {})
+        scanned = self._damage_scan[1]
+        out = set()
+        committed = [r for r in list_checkpoints(self.run_dir, storage=self._storage) if r.committed]
+        for r in committed:
+            # the newest is scanned every time: a save may have replaced it under its name
+            if r.name not in scanned or r is committed[-1]:
+                storage, root = resolve(r.path, self._storage)
+                try:
+                    names = storage.listdir(root)
+                except OSError:
+                    continue
+                scanned[r.name] = any(_linkcheck.is_damaged(storage, os.path.join(root, n)) for n in names)
+            if scanned[r.name]:
+                out.add(r.name)
+        # The guard's cache of verified checkpoints assumed committed files never change.
+        self._verified = {key for key in self._verified if key[0] not in out}
+        return out
 
     def _floor_keep(self, records: Sequence[CheckpointRecord], floor: int) -> set[str]:
         """The loss-spike guard's retention rule (spec/loss-guard.md §8): every committed
@@ -1124,6 +1455,22 @@ class CheckpointManager:
                 continue
             break
         return out
+
+
+def _first_open_handler(closed: CheckpointManager, sig: int) -> Any:
+    """The handler to restore when ``closed`` leaves the top of ``sig``'s chain: the one it
+    replaced, skipping every manager closed meanwhile. Managers closed in creation order
+    leave the older ones in the chain (each was under a newer one then); restoring the
+    newest one's predecessor as such would install a closed manager's handler, which
+    never calls SIG_DFL, and SIGTERM would be ignored for the rest of the process."""
+    handler = closed._old_handlers[sig]
+    for _ in range(1024):  # one hop per manager ever created; bounded against a cycle
+        owner = getattr(handler, "__self__", None)
+        if not (isinstance(owner, CheckpointManager) and getattr(handler, "__func__", None) is CheckpointManager._on_signal
+                and owner._closed and sig in owner._old_handlers):
+            break
+        handler = owner._old_handlers[sig]
+    return handler
 
 
 class _SaveWorker:
@@ -1168,10 +1515,20 @@ class _SaveWorker:
             self._start()
         self._jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, *, join: bool = True) -> None:
+        """Stop after the jobs given; with ``join``, wait for that (the job in flight is
+        done: the loop only has to see the sentinel; bounded all the same)."""
         self._jobs.put(None)
-        if self._thread is not threading.current_thread() and self._thread.is_alive():
-            self._thread.join()
+        if join and self._thread is not threading.current_thread() and self._thread.is_alive():
+            self._thread.join(knobs().save_timeout_s)
+
+    def where(self) -> str:
+        """The save thread's innermost frames, for a hang report."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        if frame is None:
+            return "no frame (the thread has ended)"
+        stack = traceback.extract_stack(frame)[-4:]
+        return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(stack))
 
 
 def _lower_thread_priority(nice: int) -> None:
@@ -1196,13 +1553,15 @@ def _lower_thread_priority(nice: int) -> None:
 
 
 def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *, storage: Storage | None = None,
-                    protect: Iterable[str] = (), upcoming: int | None = None) -> tuple[str, ...]:
+                    protect: Iterable[str] = (), upcoming: int | None = None,
+                    damaged: Iterable[str] = ()) -> tuple[str, ...]:
     """Delete the committed checkpoints under ``run_dir`` that ``policy`` does not keep
     (:func:`plan_retention`); returns their names. The manager runs this after each
     commit; anything else that commits checkpoints into a directory (a snapshotter) runs
     it too, so that there is one retention routine. Names in ``protect`` are never
     deleted; ``upcoming`` plans as if that step had already committed (freeing space
-    before a save on a full disk) and is itself never deleted. On an object store a
+    before a save on a full disk) and is itself never deleted; ``damaged`` as for
+    :func:`plan_retention`. On an object store a
     checkpoint is deleted MANIFEST first (it is uncommitted from that instant), then
     its objects (spec/object-storage.md)."""
     storage, normal = resolve(run_dir, storage)
@@ -1214,7 +1573,7 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
         name = checkpoint_name(upcoming)
         records = sorted([*records, CheckpointRecord(name, os.path.join(run_dir, name), upcoming, True)],
                          key=lambda r: r.step)
-    keep = plan_retention(records, policy)
+    keep = plan_retention(records, policy, damaged=damaged)
     doomed = [r for r in records
               if r.committed and r.name not in keep and r.name not in protected and r.step != upcoming]
     # Older than every kept one: an undone deletion is redone next time (no fsync, §10.7).

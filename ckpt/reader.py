@@ -3,24 +3,24 @@
 Opening reads only MANIFEST and a directory listing, and checks structure: names,
 sizes, file types, nothing missing and nothing extra. Tensor bytes are read on
 demand and every chunk they touch is verified against the digests written at save
-time, unless the caller opts out. Nothing in this module imports torch at import
-time: ``ckpt inspect`` and ``ckpt verify`` use it without torch.
+time, unless the caller opts out. Every read of a data file (verify, lazy tensors, the
+streaming fresh load, both passes of the in-place load) goes through the one range
+walker of ``ckpt._ranges``, so verify checks exactly what a load decodes. Nothing in
+this module imports torch at import time: ``ckpt inspect`` and ``ckpt verify`` use it
+without torch.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import stat
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ._gc import paused as gc_paused
-from ._pipeline import OrderedFeeder
+from ._ranges import ChunkVerifier, RangeWalker, Target, read_tiled
 from ._statecheck import check_part
 from .errors import (
-    ChecksumMismatchError,
     CheckpointNotFoundError,
     CheckpointVanishedError,
     CkptError,
@@ -34,7 +34,7 @@ from .errors import (
     UnsafePathError,
 )
 from .format.codec import unpackb, zstd_decompress
-from .format.digest import DIGEST_SIZE, ChunkHasher, chunk_count
+from .format.digest import chunk_count
 from .format.context import check_context, check_entry_names
 from .format.manifest import (
     MANIFEST_NAME,
@@ -63,154 +63,6 @@ class VerifyReport:
     bytes: int = 0
     quick: bool = False
     shared: int = 0  # files shared with an earlier checkpoint (format 2.0 dedup)
-
-
-class _DigestCheck:
-    """Hash each tensor's values from the pieces of its file as verification reads them,
-    and compare with the entry's ``digest`` (format-2.md §V.6). Packed tensors are decoded
-    block by block into one reused buffer."""
-
-    def __init__(self, path: str, entries: list[TensorEntry]) -> None:
-        self.path = path
-        self._todo = sorted(entries, key=lambda t: t.offset)
-        self._i = 0
-        self._cur: tuple[TensorEntry, Any, Any] | None = None  # (entry, hasher, decoder)
-
-    def __bool__(self) -> bool:
-        return bool(self._todo)
-
-    def _start(self, t: TensorEntry) -> None:
-        import xxhash
-
-        from .format import bpz, dtypes
-
-        h = xxhash.xxh3_128()
-        dec = None
-        if t.encoding is not None:
-            dec = bpz.SpanDecoder(None, dtypes.itemsize(t.dtype), t.stored_nbytes, path=self.path, offset=t.offset,
-                                  key=t.key, nbytes=t.nbytes, sink=h.update)
-        self._cur = (t, h, dec)
-
-    def observe(self, at: int, piece: memoryview) -> None:
-        end = at + len(piece)
-        while True:
-            if self._cur is None:
-                if self._i >= len(self._todo) or self._todo[self._i].offset >= end:
-                    return
-                self._start(self._todo[self._i])
-                self._i += 1
-            t, h, dec = self._cur  # type: ignore[misc]
-            lo, hi = t.offset, t.offset + t.stored_nbytes
-            a, b = max(lo, at), min(hi, end)
-            if a < b:
-                (dec.feed if dec is not None else h.update)(piece[a - at : b - at])
-            if hi > end:
-                return
-            self._done()
-
-    def _done(self) -> None:
-        t, h, dec = self._cur  # type: ignore[misc]
-        self._cur = None
-        if dec is not None:
-            dec.finish()
-        if h.digest() != t.digest:
-            raise ChecksumMismatchError(
-                "tensor values do not match the digest the manifest records", path=self.path, offset=t.offset, key=t.key
-            )
-
-    def finish(self) -> None:
-        if self._cur is not None or self._i < len(self._todo):
-            raise SizeMismatchError("file ended before the tensors its manifest lists", path=self.path)
-
-
-class _ChunkVerifier:
-    """Compares each chunk's digest as soon as the chunk is complete."""
-
-    def __init__(self, path: str, entry: FileEntry, *, first: int = 0, key: str | None = None) -> None:
-        """``first``: the chunk the fed bytes start at (a range, not the whole file)."""
-        self.path = path
-        self.entry = entry
-        self.first = first
-        self.key = key
-        self.hasher = ChunkHasher(entry.chunk_size, self._check)
-
-    def _check(self, idx: int, digest: bytes) -> None:
-        idx += self.first
-        want = self.entry.digests[idx * DIGEST_SIZE : (idx + 1) * DIGEST_SIZE]
-        if digest != want:
-            cs = self.entry.chunk_size
-            lo, hi = idx * cs, min((idx + 1) * cs, self.entry.size)
-            raise ChecksumMismatchError(
-                f"chunk {idx} (bytes {lo}..{hi}) does not match its digest",
-                path=self.path,
-                offset=lo,
-                key=self.key,
-                chunk=idx,
-                byte_range=(lo, hi),
-            )
-
-    def update(self, data: Any) -> None:
-        self.hasher.update(data)
-
-    def finish(self) -> None:
-        self.hasher.finish()
-
-
-_PIPELINE_MIN_BYTES = 32 << 20
-#: the most a verifying read holds beside its destination (verify, lazy tensor reads)
-_VERIFY_PIECE = 8 << 20
-
-
-class _PipelinedVerifier:
-    """A _ChunkVerifier fed from one background thread, in submission order.
-
-    The first mismatch is raised by the next ``update`` or by ``finish``, so a corrupt
-    chunk stops the load within one tensor of where it was found.
-    """
-
-    def __init__(self, inner: _ChunkVerifier) -> None:
-        self._inner = inner
-        self._feeder = OrderedFeeder(inner.update, "ckpt-verify")
-
-    def update(self, data: Any) -> None:
-        self._feeder.feed(data)
-
-    def finish(self) -> None:
-        self._feeder.finish()
-        self._inner.finish()
-
-    def abort(self) -> None:
-        self._feeder.abort()
-
-
-def _parallel_reads(handle: ReadHandle, fp: str, jobs: list[tuple[TensorEntry, memoryview]], request: int) -> None:
-    """Read (tensor, destination) pairs in ``request``-sized pieces on two threads."""
-    pieces: list[tuple[TensorEntry, memoryview, int]] = []
-    for t, dst in jobs:
-        mv = dst.cast("B") if dst.format != "B" or dst.ndim != 1 else dst
-        for lo in range(0, t.nbytes, request):
-            pieces.append((t, mv[lo : lo + request], lo))
-
-    def run(share: list[tuple[TensorEntry, memoryview, int]]) -> None:
-        for t, piece, lo in share:
-            got = handle.pread_into(t.offset + lo, piece)
-            if got != len(piece):
-                raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + lo + got, key=t.key)
-
-    errors: list[BaseException] = []
-
-    def guarded(share: list[tuple[TensorEntry, memoryview, int]]) -> None:
-        try:
-            run(share)
-        except BaseException as e:  # re-raised by the caller
-            errors.append(e)
-
-    helper = threading.Thread(target=guarded, args=(pieces[1::2],), name="ckpt-read", daemon=True)
-    helper.start()
-    guarded(pieces[0::2])
-    helper.join()
-    if errors:
-        raise errors[0]
 
 
 class CheckpointReader:
@@ -370,7 +222,7 @@ class CheckpointReader:
         if len(data) != f.size:
             raise SizeMismatchError(f"read {len(data)} of {f.size} bytes", path=self._fp(f), offset=len(data))
         if verify:
-            v = _ChunkVerifier(self._fp(f), f)
+            v = ChunkVerifier(self._fp(f), f)
             v.update(data)
             v.finish()
         return data
@@ -447,69 +299,54 @@ class CheckpointReader:
                 return pe, t
         raise FormatError("no such tensor in this checkpoint", path=self.path, key=key)
 
-    def read_tensor_bytes_into(
-        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, handle: ReadHandle | None = None
-    ) -> None:
-        """Read one tensor's bytes into ``dst``, verifying every chunk it overlaps.
-
-        ``handle``: read through this open file of the tensor (see :meth:`open_data_file`)
-        instead of through the storage by path. Only the chunks the tensor overlaps are
-        read (ranged requests on an object store). A packed tensor (format 2.0) is decoded
-        into ``dst`` from the chunks its span overlaps.
-        """
-        if t.encoding is not None:
-            self._read_encoded_into(pe, t, dst, verify=verify, handle=handle)
-            return
-        self._header(pe, t.file)
-        f = pe.files[t.file]
+    def _walk(
+        self,
+        f: FileEntry,
+        targets: list[Target],
+        *,
+        verify: bool,
+        handle: ReadHandle | None = None,
+        whole: bool = False,
+        progress: Callable[[int], None] | None = None,
+        pool: Any = None,
+    ) -> int:
+        """Walk data file ``f`` for ``targets`` (``ckpt._ranges``); returns the bytes read."""
         fp = self._fp(f)
-
-        def pread_into(offset: int, buf: memoryview) -> int:
-            if handle is not None:
-                return handle.pread_into(offset, buf)
-            return self._storage.pread_into(fp, offset, buf)
-
-        if not verify:
-            got = pread_into(t.offset, dst)
-            if got != t.nbytes:
-                raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + got, key=t.key)
-            return
-        cs = f.chunk_size
-        first = t.offset // cs
-        last = (t.offset + t.nbytes - 1) // cs if t.nbytes else first - 1
-        if last < first:
-            return
-        lo, hi = first * cs, min((last + 1) * cs, f.size)
-        # Hash the chunks the tensor overlaps in pieces of at most _VERIFY_PIECE bytes,
-        # copying the tensor's bytes out as they pass: memory is the tensor plus one
-        # piece, never a whole declared chunk (a MANIFEST may declare 1 GiB chunks).
-        # When the chunks fit one piece (the usual case: 4 MiB chunks, small tensors),
-        # dst is written only after every chunk it overlaps has matched; a longer range
-        # is copied as it is verified, so after an error dst may hold part of the bytes.
-        if dst.format != "B" or dst.ndim != 1:
-            dst = dst.cast("B")
+        if handle is not None:
+            read = handle.pread_into
+        else:
+            def read(offset: int, buf: memoryview) -> int:
+                return self._storage.pread_into(fp, offset, buf)
         try:
-            whole = hi - lo <= _VERIFY_PIECE
-            scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
-            verifier = _ChunkVerifier(fp, f, first=first, key=t.key)
-            pos = lo
-            while pos < hi:
-                n = min(len(scratch), hi - pos)
-                piece = scratch[:n]
-                got = pread_into(pos, piece)
-                if got != n:
-                    raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got, key=t.key)
-                verifier.update(piece)
-                a, b = max(pos, t.offset), min(pos + n, t.offset + t.nbytes)
-                if a < b and not whole:
-                    dst[a - t.offset : b - t.offset] = piece[a - pos : b - pos]
-                pos += n
-            verifier.finish()
-            if whole:
-                dst[:] = scratch[t.offset - lo : t.offset - lo + t.nbytes]
+            return RangeWalker(fp, f, read, verify=verify, pool=pool).walk(targets, whole=whole, progress=progress)
         except FileNotFoundError:
             self._raise_if_vanished()
             raise MissingFileError("file named in the manifest is missing", path=fp) from None
+
+    @staticmethod
+    def _codec_pool(f: FileEntry) -> Any:
+        """The codec threads for a packed file (blocks decode there while the next piece is read)."""
+        if f.role != "packed":
+            return None
+        from .format import bpz  # numpy: only when a packed file is read
+
+        return bpz.shared_pool(knobs().bpz_threads)
+
+    def read_tensor_bytes_into(
+        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool = True, handle: ReadHandle | None = None
+    ) -> None:
+        """Read one tensor's values into ``dst``, verifying every chunk it overlaps.
+
+        ``handle``: read through this open file of the tensor (see :meth:`open_data_file`)
+        instead of through the storage by path. Only the chunks the tensor overlaps are
+        read (ranged requests on an object store), in pieces of at most 8 MiB beside
+        ``dst``; a packed tensor (format 2.0) is decoded into ``dst`` from its span. When
+        the chunks fit one piece (the usual case), ``dst`` is written only after every
+        chunk has matched; a longer range is copied as it is verified, so after an error
+        ``dst`` may hold part of the values.
+        """
+        self._header(pe, t.file)
+        self._walk(pe.files[t.file], [Target(t, dst)], verify=verify, handle=handle)
 
     def read_tensors_into(
         self, pe: PartEntry, items: list[tuple[TensorEntry, memoryview]], *, verify: bool = True
@@ -521,107 +358,43 @@ class CheckpointReader:
         their piece is read, so after an error a destination may hold part of its bytes.
         Reading tensors one by one would hash a whole chunk for each small tensor in it.
         """
-        if not items:
-            return  # a tensor-free entry never touches the tensor file
-        # Packed tensors (format 2.0) decode span by span; unverified reads need no runs.
-        single = [(t, dst) for t, dst in items if not verify or t.encoding is not None]
-        for t, dst in single:
-            self.read_tensor_bytes_into(pe, t, dst, verify=verify)
-        plain = [(t, dst) for t, dst in items if verify and t.encoding is None]
-        for index in sorted({t.file for t, _ in plain}):  # 2.0: a part's tensors may span files
-            self._read_runs_into(pe, index, [(t, dst) for t, dst in plain if t.file == index])
+        for index in sorted({t.file for t, _ in items}):  # 2.0: a part's tensors may span files
+            self._header(pe, index)
+            f = pe.files[index]
+            targets = [Target(t, dst) for t, dst in items if t.file == index]
+            self._walk(f, targets, verify=verify, pool=self._codec_pool(f))
 
-    def _read_runs_into(self, pe: PartEntry, index: int, items: list[tuple[TensorEntry, memoryview]]) -> None:
-        """``read_tensors_into`` for the plain tensors of one data file."""
-        self._header(pe, index)
+    def check_file(
+        self,
+        pe: PartEntry,
+        index: int,
+        keys: set[str] | None = None,
+        *,
+        verify: bool = True,
+        handle: ReadHandle | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Read data file ``index`` as a load of its tensors (those named in ``keys``;
+        every one, and every chunk of the file, when None) reads it, keeping nothing:
+        every chunk they overlap hashed (``verify``), every packed span decoded under
+        every rule of format-2.md §V.3.3, every recorded tensor digest compared. Returns
+        the bytes read.
+
+        ``verify`` runs it on every data file, and an in-place load (pass 1) on every file
+        it will read into a target, before it writes any: one walker, so a checkpoint
+        that verifies decodes in the load, and a load that would fail on a span fails
+        before any target changed. Without ``verify`` plain bytes need no read (nothing
+        to check but sizes) and packed spans are still decoded.
+        """
         f = pe.files[index]
-        fp, cs = self._fp(f), f.chunk_size
-        runs: list[tuple[int, int, list[tuple[TensorEntry, memoryview]]]] = []
-        for t, dst in sorted(items, key=lambda it: it[0].offset):
-            if not t.nbytes:
-                continue
-            first, last = t.offset // cs, (t.offset + t.nbytes - 1) // cs
-            if runs and first <= runs[-1][1] + 1:
-                runs[-1] = (runs[-1][0], max(runs[-1][1], last), runs[-1][2] + [(t, dst)])
-            else:
-                runs.append((first, last, [(t, dst)]))
-        try:
-            for first, last, group in runs:
-                lo, hi = first * cs, min((last + 1) * cs, f.size)
-                verifier = _ChunkVerifier(fp, f, first=first)
-                scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
-                pos, k = lo, 0
-                while pos < hi:
-                    n = min(len(scratch), hi - pos)
-                    piece = scratch[:n]
-                    got = self._storage.pread_into(fp, pos, piece)
-                    if got != n:
-                        raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got)
-                    verifier.update(piece)
-                    while k < len(group) and group[k][0].offset + group[k][0].nbytes <= pos:
-                        k += 1  # tensors that ended before this piece
-                    for t, dst in group[k:]:
-                        if t.offset >= pos + n:
-                            break
-                        a, b = max(pos, t.offset), min(pos + n, t.offset + t.nbytes)
-                        if a < b:
-                            out = dst.cast("B") if dst.format != "B" or dst.ndim != 1 else dst
-                            out[a - t.offset : b - t.offset] = piece[a - pos : b - pos]
-                    pos += n
-                verifier.finish()
-        except FileNotFoundError:
-            self._raise_if_vanished()
-            raise MissingFileError("file named in the manifest is missing", path=fp) from None
-
-    def _read_encoded_into(
-        self, pe: PartEntry, t: TensorEntry, dst: memoryview, *, verify: bool, handle: ReadHandle | None
-    ) -> None:
-        """Decode a BPZ1 span (format-2.md §V.3) into ``dst``: the chunks the span overlaps
-        are read in pieces of at most _VERIFY_PIECE, each hashed before it is decoded."""
-        from .format import bpz, dtypes  # numpy: only when a packed tensor is read (inspect stays light)
-
-        f = pe.files[t.file]
-        fp = self._fp(f)
-        stored = t.stored_nbytes
-        dec = bpz.SpanDecoder(dst, dtypes.itemsize(t.dtype), stored, path=fp, offset=t.offset, key=t.key)
-        cs = f.chunk_size
-        lo, hi = t.offset, t.offset + stored
-        if verify:
-            lo, hi = (lo // cs) * cs, min(((hi - 1) // cs + 1) * cs, f.size)
-        verifier = _ChunkVerifier(fp, f, first=lo // cs, key=t.key) if verify else None
-        scratch = memoryview(bytearray(min(hi - lo, _VERIFY_PIECE)))
-        failed: FormatError | None = None
-        stop = hi
-        pos = lo
-        try:
-            while pos < stop:
-                n = min(len(scratch), stop - pos)
-                piece = scratch[:n]
-                got = handle.pread_into(pos, piece) if handle is not None else self._storage.pread_into(fp, pos, piece)
-                if got != n:
-                    raise SizeMismatchError("file ended inside a tensor", path=fp, offset=pos + got, key=t.key)
-                if verifier is not None:
-                    verifier.update(piece)  # a corrupt chunk is named before its bytes are decoded
-                a, b = max(pos, t.offset), min(pos + n, t.offset + stored)
-                if failed is None and a < b:
-                    try:
-                        dec.feed(piece[a - pos : b - pos])
-                    except FormatError as e:
-                        # Hash on to the end of this chunk first: if its bytes are damaged,
-                        # that is the error to report, not what the decoder made of them.
-                        failed = e
-                        if verifier is None:
-                            raise
-                        stop = min(((pos + n - 1) // cs + 1) * cs, f.size)
-                pos += n
-            if verifier is not None:
-                verifier.finish()
-            if failed is not None:
-                raise failed
-            dec.finish()
-        except FileNotFoundError:
-            self._raise_if_vanished()
-            raise MissingFileError("file named in the manifest is missing", path=fp) from None
+        self._header(pe, index)
+        if not verify and f.role != "packed":
+            return 0
+        targets = [Target(t) for t in pe.tensors_in(index) if keys is None or t.key in keys]
+        return self._walk(
+            f, targets, verify=verify, handle=handle, whole=verify and keys is None, progress=progress,
+            pool=self._codec_pool(f),
+        )
 
     def stream_part_into(
         self,
@@ -651,139 +424,33 @@ class CheckpointReader:
         """Read every tensor of data file ``index`` of a part into caller memory.
 
         A safetensors file written by this checkpoint is read in file order straight into
-        the destinations: verification hashes the destination memory right after each
-        read, so a full load costs one read and one hash pass, with no scratch copy, and
-        because tensors tile the data region (checked against the safetensors header),
-        the hashed ranges cover every byte of the file. A shared file (format 2.0, which
-        may hold tensors this checkpoint does not reference) and a packed file are read
-        tensor by tensor (:meth:`read_tensor_bytes_into`). ``handle``: read through this
-        open file (from :meth:`open_data_file`; the caller closes it).
+        the destinations and hashed there (``ckpt._ranges.read_tiled``): one read and one
+        hash pass, no scratch copy, and since tensors tile the data region (checked
+        against the safetensors header) every byte of the file is verified. A shared file
+        (format 2.0, which may hold tensors this checkpoint does not reference) and a
+        packed file go through the range walker, in one pass over the file: each piece is
+        hashed, then decoded on the codec threads while the next one is read.
+        ``handle``: read through this open file (from :meth:`open_data_file`; the caller
+        closes it).
         """
         f = pe.files[index]
         entries = pe.tensors_in(index)
-        if f.role == "packed" or f.origin is not None:
-            own = handle is None
-            if handle is None:
-                handle = self.open_data_file(pe, index)
-            ordered = sorted(entries, key=lambda e: e.offset)
-            try:
-                if f.role == "packed":
-                    self._decode_file(f, ordered, destinations, verify=verify, handle=handle)
-                else:
-                    for t in ordered:
-                        self.read_tensor_bytes_into(pe, t, destinations(t), verify=verify, handle=handle)
-            finally:
-                if own:
-                    handle.close()
-            return
-        self._header(pe, index)
-        n, _ = self._headers[(pe.name, index)]
         fp = self._fp(f)
         own = handle is None
         if handle is None:
-            handle = self._open_handle(fp)
-        verifier: _ChunkVerifier | _PipelinedVerifier | None = None
+            handle = self.open_data_file(pe, index)
+        else:
+            self._header(pe, index)
         try:
-            if verify:
-                # Large parts hash on a second thread while the next tensor is read
-                # (preadv and xxh3 both release the GIL), so verification overlaps I/O.
-                verifier = _ChunkVerifier(fp, f)
-                if f.size >= _PIPELINE_MIN_BYTES:
-                    verifier = _PipelinedVerifier(verifier)
-                head = bytearray(8 + n)
-                handle.pread_into(0, memoryview(head))
-                verifier.update(head)
-            request = knobs().read_request
-            ordered = sorted(entries, key=lambda e: e.offset)
-            if verifier is None and f.size >= _PIPELINE_MIN_BYTES:
-                # Without hashing, the second core has nothing to do: split the reads
-                # between two threads (the kernel copy from the page cache is the cost).
-                _parallel_reads(handle, fp, [(t, destinations(t)) for t in ordered], request)
-                ordered = []
-            for t in ordered:
-                dst = destinations(t)
-                got = handle.pread_into(t.offset, dst)
-                if got != t.nbytes:
-                    raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + got, key=t.key)
-                if verifier is not None:
-                    verifier.update(dst)
-            if verifier is not None:
-                verifier.finish()
-                verifier = None
+            if f.role == "packed" or f.origin is not None:
+                targets = [Target(t, destinations(t)) for t in entries]
+                self._walk(f, targets, verify=verify, handle=handle, pool=self._codec_pool(f))
+                return
+            n, _ = self._headers[(pe.name, index)]
+            read_tiled(fp, f, handle, n, entries, destinations, verify=verify, request=knobs().read_request)
         finally:
-            if isinstance(verifier, _PipelinedVerifier):
-                verifier.abort()
             if own:
                 handle.close()
-
-    def _decode_file(
-        self,
-        f: FileEntry,
-        ordered: list[TensorEntry],
-        destinations: Callable[[TensorEntry], memoryview],
-        *,
-        verify: bool,
-        handle: ReadHandle,
-    ) -> None:
-        """Decode every span of a packed file in one pass over it: each piece is hashed
-        (on verify_file's second thread, while the next one is read) before it is decoded,
-        so every byte is read and hashed once. A span that does not decode is reported only
-        after the chunks are known good: damaged bytes are a checksum error, not a decoding
-        one."""
-        from collections import deque
-
-        from .format import bpz, dtypes
-
-        fp = self._fp(f)
-        # Blocks decode on the codec threads while this thread reads and the verify
-        # thread hashes: the plane merge and zstd are most of a packed load's time.
-        pool = bpz.shared_pool(knobs().bpz_threads)
-        spans = deque(
-            (t, bpz.SpanDecoder(destinations(t), dtypes.itemsize(t.dtype), t.stored_nbytes, path=fp, offset=t.offset, key=t.key,
-                                pool=pool))
-            for t in ordered
-        )
-        decoders = [dec for _, dec in spans]
-        failed: list[FormatError] = []
-
-        def observe(at: int, piece: memoryview) -> None:
-            end = at + len(piece)
-            while spans:
-                t, dec = spans[0]
-                lo, hi = t.offset, t.offset + t.stored_nbytes
-                if lo >= end:
-                    return
-                try:
-                    if not failed:
-                        a, b = max(lo, at), min(hi, end)
-                        if a < b:
-                            dec.feed(piece[a - at : b - at])
-                        if hi <= end:
-                            dec.finish()
-                except FormatError as e:
-                    failed.append(e)
-                if hi > end:
-                    return
-                spans.popleft()
-
-        try:
-            if verify:
-                self.verify_file(f, handle=handle, observe=observe)
-            else:
-                buf = memoryview(bytearray(min(f.size, _VERIFY_PIECE)))
-                for pos in range(0, f.size, len(buf) or 1):
-                    n = min(len(buf), f.size - pos)
-                    got = handle.pread_into(pos, buf[:n])
-                    if got != n:
-                        raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
-                    observe(pos, buf[:n])
-        finally:
-            for dec in decoders:
-                dec.wait()  # no block job writes a destination after this returns or raises
-        if failed:
-            raise failed[0]
-        if spans:
-            raise SizeMismatchError("file ended before the tensors its manifest lists", path=fp, key=spans[0][0].key)
 
     def open_data_file(self, pe: PartEntry, index: int, *, reread: bool = False) -> ReadHandle:
         """Check data file ``index``'s safetensors header (if it is one) and open it
@@ -813,7 +480,7 @@ class CheckpointReader:
         """Check content of file ``f``, already in memory, against its digests: the
         whole file, or (``first``) the chunks from number ``first`` on that ``data``
         covers, starting at that chunk's first byte (a share of a parallel check)."""
-        v = _ChunkVerifier(self._fp(f), f, first=first)
+        v = ChunkVerifier(self._fp(f), f, first=first)
         v.update(data)
         v.finish()
 
@@ -822,87 +489,11 @@ class CheckpointReader:
         f: FileEntry,
         *,
         handle: ReadHandle | None = None,
-        span: tuple[int, int] | None = None,
         progress: Callable[[int], None] | None = None,
-        observe: Callable[[int, memoryview], None] | None = None,
     ) -> int:
         """Re-hash every chunk of file ``f`` in bounded pieces; returns the bytes hashed.
-
-        ``span=(lo, hi)``: only the chunks that bytes ``lo..hi`` overlap. ``observe(offset,
-        piece)`` sees every piece, in file order, after it was hashed (verify checks tensor
-        digests with it in the same pass).
-        """
-        fp = self._fp(f)
-        cs = f.chunk_size
-        lo, hi = (0, f.size) if span is None else span
-        if hi <= lo:
-            return 0
-        first = lo // cs
-        pos, end = first * cs, min(((hi - 1) // cs + 1) * cs, f.size)
-        v = _ChunkVerifier(fp, f, first=first)
-        own = handle is None
-        if handle is None:
-            handle = self._open_handle(fp)
-        try:
-            # The buffer follows the bytes read, never the declared chunk size: a
-            # MANIFEST may declare 1 GiB chunks for a 4 KiB file (§12).
-            start = pos
-            if end - pos >= _PIPELINE_MIN_BYTES:
-                # Two half pieces: one is hashed on a second thread while the next is read
-                # (preadv and xxh3 release the GIL); memory stays one _VERIFY_PIECE.
-                step = _VERIFY_PIECE // 2
-                free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
-                for _ in range(2):
-                    free.put(memoryview(bytearray(step)))
-                failed: list[BaseException] = []
-
-                def consume(item: tuple[memoryview, int, int]) -> None:
-                    buf, n, at = item
-                    try:
-                        if not failed:
-                            v.update(buf[:n])
-                            if observe is not None:
-                                observe(at, buf[:n])
-                    except BaseException as e:  # re-raised on the reading thread
-                        failed.append(e)
-                    finally:
-                        free.put(buf)  # always returned, or the reader would wait forever
-
-                feeder = OrderedFeeder(consume, "ckpt-verify")
-                try:
-                    while pos < end and not failed:
-                        want = min(step, end - pos)
-                        mv = free.get()
-                        got = handle.pread_into(pos, mv[:want])
-                        if got != want:
-                            raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
-                        feeder.feed((mv, want, pos))
-                        pos += want
-                        if progress is not None:
-                            progress(want)
-                finally:
-                    feeder.finish()
-                if failed:
-                    raise failed[0]
-            else:
-                step = min(cs, end - pos, _VERIFY_PIECE) or 1
-                mv = memoryview(bytearray(step))
-                while pos < end:
-                    want = min(step, end - pos)
-                    got = handle.pread_into(pos, mv[:want])
-                    if got != want:
-                        raise SizeMismatchError("file shorter than its manifest size", path=fp, offset=pos + got)
-                    v.update(mv[:want])
-                    if observe is not None:
-                        observe(pos, mv[:want])
-                    pos += want
-                    if progress is not None:
-                        progress(want)
-            v.finish()
-        finally:
-            if own:
-                handle.close()
-        return pos - start
+        (A data file's tensors are checked with :meth:`check_file`, which hashes too.)"""
+        return self._walk(f, [], verify=True, handle=handle, whole=True, progress=progress)
 
     # -- verification ----------------------------------------------------------------------
     def verify(self, *, quick: bool = False, progress: Callable[[int], None] | None = None) -> VerifyReport:
@@ -919,11 +510,12 @@ class CheckpointReader:
                     report.shared += 1
                 if quick:
                     continue
-                # Format 2.0: tensor digests are checked against the values in the same
-                # pass (packed values decoded block by block, never held whole).
-                check = _DigestCheck(self._fp(f), [t for t in pe.tensors_in(i) if t.digest is not None])
-                report.bytes += self.verify_file(f, progress=progress, observe=check.observe if check else None)
-                check.finish()
+                if f.role in ("tensors", "packed"):
+                    # What a load reads, read the same way (ckpt._ranges): every packed span
+                    # decoded, every recorded tensor digest compared, in the hashing pass.
+                    report.bytes += self.check_file(pe, i, progress=progress)
+                else:
+                    report.bytes += self.verify_file(f, progress=progress)
                 report.chunks += chunk_count(f.size, f.chunk_size)
         return report
 
@@ -946,6 +538,7 @@ class CheckpointReader:
         map_location: Any = None,
         verify: bool = True,
         mmap: bool | None = None,
+        unsafe_mmap: bool = False,
     ) -> Any:
         """The saved state of a part as plain trees of fresh tensors: every entry, or one.
 
@@ -962,13 +555,19 @@ class CheckpointReader:
         lease can be taken (another user's file, NFS, the first load off the main
         thread), the bytes are read into fresh tensors instead.
 
-        ``mmap=False`` always reads into fresh tensors (resizable storages, nothing
-        shared with the page cache). ``mmap=True`` maps even where no lease can be
-        taken; then the one caveat is yours: do not truncate the file while the tensors
-        live (the process would get SIGBUS).
-        """
-        from ._materialize import materialize_entry, materialize_state
+        The lease also covers an in-place overwrite: opening the file for writing breaks
+        it the same way, so the tensors keep the verified bytes.
 
+        ``mmap=False`` always reads into fresh tensors (resizable storages, nothing
+        shared with the page cache). ``mmap=True`` insists on the protected mapping: where
+        no lease can be taken it raises ``UnprotectedMappingError`` instead of reading.
+        ``unsafe_mmap=True`` maps even where no lease can be taken; then the caveats are
+        yours: a write into the file in place changes the returned tensors silently, and
+        a truncation kills the process (SIGBUS) at its next access to them.
+        """
+        from ._materialize import check_mmap_options, materialize_entry, materialize_state
+
+        check_mmap_options(mmap, unsafe_mmap)
         if entry is not None and part is None:
             entry, part = self._entry_or_part(entry)
         if part is None and "sharded" in self.meta:  # sharded hook: global tensors (ckpt.dcp)
@@ -982,8 +581,8 @@ class CheckpointReader:
             return full[entry]
         pe = self.part(part)
         if entry is None:
-            return materialize_state(self, pe, map_location=map_location, verify=verify, mmap=mmap)
-        return materialize_entry(self, pe, entry, map_location=map_location, verify=verify, mmap=mmap)
+            return materialize_state(self, pe, map_location=map_location, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
+        return materialize_entry(self, pe, entry, map_location=map_location, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
 
     def _entry_or_part(self, name: str) -> tuple[str | None, str | None]:
         """``state(NAME)`` selects an entry. A part name there is the old signature

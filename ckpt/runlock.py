@@ -27,6 +27,7 @@ import socket
 import time
 import weakref
 
+from ._locks import unlock_and_close
 from .errors import CkptError, RunDirLockedError
 
 __all__ = ["RunLock", "LOCK_NAME"]
@@ -42,7 +43,9 @@ class RunLock:
         self.path = path
         self._fd = fd
         # If the owner is dropped without release(), the descriptor (and lock) goes too.
-        self._finalizer = weakref.finalize(self, os.close, fd)
+        # LOCK_UN, then close: the lock goes even where a child forked without our at-fork
+        # hook (which closes the child's copy) still holds the description (ckpt._locks).
+        self._finalizer = weakref.finalize(self, unlock_and_close, fd)
         _held.add(self)
 
     def _drop_in_child(self) -> None:
@@ -66,6 +69,8 @@ class RunLock:
                 raise RunDirLockedError("the writer lock file is a symbolic link; refusing to follow it", path=path) from None
             raise
         try:
+            # wait=True (set_writer(wait=True), a standby taking over) blocks on purpose for
+            # as long as the previous writer lives: on the caller's thread, never in a save.
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
@@ -107,7 +112,7 @@ class RunLock:
             os.ftruncate(self._fd, 0)
         except OSError:
             pass
-        self._finalizer()  # closes the descriptor: the kernel drops the lock
+        self._finalizer()  # unlocks and closes the descriptor
 
 
 _held: weakref.WeakSet[RunLock] = weakref.WeakSet()

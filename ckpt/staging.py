@@ -164,7 +164,7 @@ def _copy_all(jobs: list[tuple[int, int, int]]) -> None:
     try:
         _memmove_all(first)
     finally:
-        helper.join()
+        helper.join()  # a memmove of known bytes: nothing it could wait on
 
 
 def _numel(shape: tuple[int, ...]) -> int:

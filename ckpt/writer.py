@@ -33,12 +33,13 @@ import msgpack
 
 from . import __version__
 from ._gc import paused as gc_paused
+from ._locks import flock_bounded, unlock_and_close
 from .context.config import canonical_config, config_hash
 from .context.env import capture_env
 from .context.provenance import capture_commit
 from .context.rng import capture_rng, rng_kinds
 from .context.topology import capture_topology
-from .errors import CheckpointExistsError, CkptError, DistributedUsageError, UnsupportedValueError
+from .errors import CheckpointExistsError, CkptError, DistributedUsageError, SaveConflictError, UnsupportedValueError
 from .format import dtypes
 from .format.codec import packb, zstd_compress
 from .format.digest import digest_bytes
@@ -65,7 +66,7 @@ from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import PendingCheckpoint, Recovery, Storage, commits_by_manifest, resolve
-from . import _partfiles
+from . import _linkcheck, _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
 from ._tensorbytes import tensor_memoryview
 
@@ -261,9 +262,11 @@ def _type_name(obj: Any) -> str:
 
 def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: bool) -> int | None:
     """Lock the temporary directory of ``pending`` (``flock`` on the directory itself): part
-    writers hold it shared, the committer exclusively. Returns the descriptor (closing it
-    releases the lock; a dead process's lock goes with it), or None where there is no local
-    directory (an object store commits by MANIFEST and ignores unnamed objects).
+    writers hold it shared, the committer exclusively. Returns the descriptor, to be given
+    to ``unlock_and_close`` (a close alone would leave the lock to any DataLoader worker
+    forked while it was held: ckpt._locks; a dead process's lock goes with it), or None
+    where there is no local directory (an object store commits by MANIFEST and ignores
+    unnamed objects). The wait is bounded (``knobs().lock_timeout_s``, WaitTimeoutError).
 
     Why: a part's files are written through open descriptors, which follow the directory
     when the commit renames it. A writer still running when a commit went ahead without its
@@ -271,19 +274,24 @@ def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: 
     does not name, and the committed checkpoint would no longer open (UnexpectedFileError)."""
     if commits_by_manifest(storage) or getattr(storage, "scheme", "file") != "file":
         return None
-    import fcntl
-
-    gone = DistributedUsageError(
-        "the checkpoint's temporary directory is gone: it was committed or aborted before this "
-        "part was written (a part written after the commit is not part of it)", path=pending.final)
+    if exclusive:
+        gone: CkptError = SaveConflictError(
+            "the checkpoint's temporary directory is gone before its commit: another process removed it "
+            "(a cleanup of the run directory), or it was already committed or aborted; nothing was committed",
+            path=pending.tmp_dir)
+    else:
+        gone = DistributedUsageError(
+            "the checkpoint's temporary directory is gone: it was committed or aborted before this "
+            "part was written (a part written after the commit is not part of it), or another process's "
+            "cleanup removed it", path=pending.final)
     try:
-        fd = os.open(pending.tmp_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(pending.tmp_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        if exclusive:
-            return None  # commit reports the missing directory itself, as before
         raise gone from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        what = ("the temporary directory, for the part writers still in flight" if exclusive
+                else "the temporary directory, for the commit in progress")
+        flock_bounded(fd, exclusive=exclusive, timeout_s=knobs().lock_timeout_s, what=what, path=pending.tmp_dir)
         try:
             st = os.stat(pending.tmp_dir)
         except FileNotFoundError:
@@ -292,7 +300,7 @@ def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: 
         if st is None or (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
             raise gone
     except BaseException:
-        os.close(fd)
+        unlock_and_close(fd)
         raise
     return fd
 
@@ -322,7 +330,7 @@ def _holding_part_lock(fn: Callable[..., PartEntry]) -> Callable[..., PartEntry]
             return fn(pending, *args, storage=storage, **kw)
         finally:
             if fd is not None:
-                os.close(fd)
+                unlock_and_close(fd)
 
     return locked
 
@@ -405,7 +413,9 @@ def write_part(
     placed: list[tuple[str, TensorEntry]] = []  # (file name, entry): indices are set at the end
     layout = _partfiles.plan(name, collector.tensors, collector.tops, compress=compress, reuse=reuse, dedup=dedup,
                              storage=storage, file_name=pending.file_name)
-    # Shared files first (format-2.md §V.4): a file that cannot be linked is written below.
+    recording = layout.dedup
+    # Shared files first (format-2.md §V.4): a file that cannot be linked, or whose bytes
+    # are not what its MANIFEST says (§V.4.6), is written below.
     for fe, entries in _partfiles.link_shared(name, layout, pending.tmp_dir, storage, file_name=pending.file_name):
         files.append(fe)
         placed.extend((fe.name, e) for e in entries)
@@ -466,6 +476,12 @@ def write_part(
     if closing is not None:
         i = next(i for i, f in enumerate(files) if f.name == fname)
         files[i] = FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests)
+    if recording:
+        # Their digests were computed from the bytes written: a later dedup save may share
+        # them on the budget of format-2.md §V.4.6, not after a full re-hash.
+        for f in files:
+            if f.origin is None:
+                _linkcheck.record_written(storage, os.path.join(pending.tmp_dir, f.name))
     # The state file comes first so readers can find the structure without scanning.
     files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
     index = {f.name: i for i, f in enumerate(files)}
@@ -569,11 +585,28 @@ def commit(
     try:
         if fd is not None:
             _drop_unnamed(pending, storage, ordered)
+        _check_named(pending, storage, ordered)
         _write_manifest_and_publish(pending, storage, blob)
     finally:
         if fd is not None:
-            os.close(fd)
+            unlock_and_close(fd)
     return manifest
+
+
+def _check_named(pending: PendingCheckpoint, storage: Storage, parts: Sequence[PartEntry | PartRef]) -> None:
+    """Before a local commit: every file the MANIFEST will name is a regular file of its
+    declared size (one lstat each). Another process may have removed a file of this save
+    (a cleanup of the run directory); committing would name a file that is not there."""
+    for fname, fsize, _ in PartList(parts).file_sizes():
+        path = os.path.join(pending.tmp_dir, fname)
+        try:
+            st = storage.lstat(path)
+        except FileNotFoundError:
+            raise SaveConflictError("a file of this save was removed before its commit (another process "
+                                    "cleaned the run directory?); nothing was committed", path=path) from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != fsize:
+            raise SaveConflictError(f"a file of this save is not the regular file of {fsize} bytes it was written "
+                                    "as (another process replaced it); nothing was committed", path=path)
 
 
 def _write_manifest_and_publish(pending: PendingCheckpoint, storage: Storage, blob: bytes) -> None:
@@ -624,6 +657,8 @@ class _Background:
             self.error = e
 
     def join(self) -> Any:
+        # Unbounded on purpose: the thread runs one local fsync/close, which the calling
+        # thread would otherwise run itself; it takes no lock and waits on no process.
         self._thread.join()
         if self.error is not None:
             raise self.error
@@ -706,10 +741,15 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     committed checkpoint (no MANIFEST) but has a complete temporary copy, the copy is
     renamed back: the new one of an interrupted save (``.tmp-<name>-<hex>``) first, else
     the old one of an interrupted overwrite (``.tmp-<name>-<hex>.old``). Then every
-    ``.tmp-*`` entry is removed, except copies of a name whose restore failed. Only the
-    process that owns the directory may call this (the manager holds the run lock):
-    another writer's save in progress would be removed. On an object store the same
-    rules are applied to prefixes (spec/object-storage.md).
+    ``.tmp-*`` entry is removed, except copies of a name whose restore failed.
+
+    A temporary directory a live writer may still commit is left alone (spec §10.4): one
+    whose ``flock`` is held (a part being written, a commit in progress: the kernel drops
+    it when its holder dies) is neither restored nor removed, and one that changed within
+    ``orphan_grace_s`` is not removed (a save between its steps holds no lock). The
+    directories acted on are held locked meanwhile, so a writer that comes back finds
+    them gone and fails with a documented error. On an object store the same rules are
+    applied to prefixes (spec/object-storage.md §O.6).
     """
     storage, root = resolve(parent, storage)
     if commits_by_manifest(storage):
@@ -718,7 +758,49 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
         entries = sorted(storage.listdir(root))
     except FileNotFoundError:
         return Recovery((), ())
-    tmps = [n for n in entries if n.startswith(TMP_PREFIX)]
+    held: dict[str, int] = {}  # temporary directories this call locked (none is in use)
+    try:
+        return _recover_local(storage, root, entries, names, held)
+    finally:
+        for fd in held.values():
+            unlock_and_close(fd)  # explicit unlock: a worker forked meanwhile shares the lock
+
+
+def _claim(path: str) -> tuple[int | None, float]:
+    """Lock a temporary directory exclusively without waiting: (descriptor, mtime), or
+    (None, 0) while a writer holds it (or it is not a directory we can lock)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None, 0.0
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, os.fstat(fd).st_mtime
+    except OSError:
+        os.close(fd)  # never locked by us: nothing to release
+        return None, 0.0
+
+
+def _recover_local(storage: Storage, root: str, entries: list[str], names: Callable[[str], bool] | None,
+                   held: dict[str, int]) -> Recovery:
+    cutoff = time.time() - knobs().orphan_grace_s
+    tmps: list[str] = []
+    young: set[str] = set()
+    for t in (n for n in entries if n.startswith(TMP_PREFIX)):
+        path = os.path.join(root, t)
+        if not os.path.isdir(path) or os.path.islink(path):
+            tmps.append(t)  # not a directory: nothing writes into it
+            continue
+        fd, mtime = _claim(path)
+        if fd is None:
+            continue  # a live writer's: not ours to touch
+        held[t] = fd
+        tmps.append(t)
+        if mtime >= cutoff:
+            young.add(t)
     by_name: dict[str, list[tuple[int, str]]] = {}
     for t in tmps:
         m = _TMP_RE.match(t)
@@ -754,7 +836,7 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     removed = []
     done = {t for t, _ in restored}
     for t in tmps:
-        if t in done or t in keep:
+        if t in done or t in keep or t in young:
             continue
         storage.remove_tree(os.path.join(root, t))
         removed.append(t)

@@ -57,6 +57,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "check-resume": ("ckpt_cli.resume_cmd:check_resume_cmd", "Kill and resume a training entry point; compare bits."),
     "import": ("ckpt_cli.dcp_cmd:import_group", "Convert another format into a checkpoint (import dcp SRC DST)."),
     "export": ("ckpt_cli.dcp_cmd:export_group", "Convert a checkpoint into another format (export dcp|hf SRC DST)."),
+    "ledger": ("ckpt_cli.bisect_cmd:ledger_group", "Compare two runs' step ledgers: the first differing step (ledger diff)."),
+    "bisect": ("ckpt_cli.bisect_cmd:bisect_group", "Name the first operation (module, phase) where two runs differ."),
+    "check-determinism": ("ckpt_cli.bisect_cmd:check_determinism_cmd", "Run a script twice; the first nondeterministic step, operation and fix."),
     "completion": ("ckpt_cli.completion_cmd:completion_cmd", "Print the shell completion script (bash, zsh, fish)."),
 }
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import threading
 from typing import Any, Mapping
 
-__all__ = ["capture_env", "env_diff", "env_differences", "EXACTNESS_KEYS"]
+__all__ = ["capture_env", "env_diff", "env_differences", "EXACTNESS_KEYS", "prime"]
 
 _ENV_VARS = (
     "CUBLAS_WORKSPACE_CONFIG",
@@ -42,6 +43,26 @@ EXACTNESS_KEYS = (
 )
 
 
+def prime() -> None:
+    """Compute, on the calling thread, what ``capture_env`` may otherwise compute on a
+    save thread by starting a process: ``platform.platform()`` runs ``uname -p`` the first
+    time (``platform.uname().processor``; cached by the platform module afterwards). A
+    process started on a background thread can deadlock with a DataLoader forking
+    workers meanwhile (see ckpt.context.provenance)."""
+    platform.platform()
+
+
+def _platform() -> str:
+    u = platform.uname()
+    if "processor" in vars(u) or threading.current_thread() is threading.main_thread():
+        return platform.platform()
+    # Not primed, on a background thread: the same string without asking ``uname -p``.
+    # On Linux that answer ("unknown", or the machine name) never shows in the string.
+    libc = "".join(platform.libc_ver()) if u.system == "Linux" else ""
+    fields = [u.system, u.release, u.machine] + (["with", libc] if libc else [])
+    return "-".join(f.strip().replace(" ", "_").replace("/", "-") for f in fields if f)
+
+
 def capture_env() -> dict[str, Any]:
     import torch
 
@@ -57,7 +78,7 @@ def capture_env() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "implementation": sys.implementation.name,
-        "platform": platform.platform(),
+        "platform": _platform(),
         "machine": platform.machine(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

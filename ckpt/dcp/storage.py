@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..context import prime as prime_context
 from ..errors import CkptError, FormatError, StateMismatchError
 from ..format import dtypes
 from ..format.manifest import PartEntry
@@ -127,6 +128,9 @@ class StorageWriter(_DcpWriter):
         self._opts = dict(step=step, config=config, data=data, generators=generators, rng=rng, extra=extra, lineage=lineage, code_dir=code_dir)
         self._meta = dict(meta or {})
         self._overwrite = overwrite
+        # DCP's async_save writes on a thread of its own: git runs here, on the caller's
+        # thread, not there (ckpt.context.provenance).
+        prime_context(code_dir)
         self.is_coordinator = False
         self.rank = 0
         self.pending: PendingCheckpoint | None = None  # set on the coordinator once planning opened it

@@ -388,8 +388,10 @@ def shared_pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _forget_pool() -> None:
-    global _pools, _pool_lock
+    global _pools, _pool_lock, _shared, _shared_lock
     _pools, _pool_lock = {}, threading.Lock()  # a forked child has none of the parent's threads
+    # nor their locks: one held by an encoder thread at the fork would stay held for ever
+    _shared, _shared_lock = {}, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -446,10 +448,13 @@ class SpanDecoder:
     ) -> None:
         """``dst``: where the values go. Or ``sink`` (with ``nbytes``): each decoded block's
         values are handed to it in order, from one reused block buffer (verification
-        hashes values without holding them)."""
+        hashes values without holding them). Or neither (with ``nbytes``): every rule of
+        §V.3.3 is checked and every zstd frame decompressed, but the planes are not
+        merged into values (the merge cannot fail once the lengths are checked), so a
+        span that passes decodes into any destination (verify, pass 1 of a load)."""
         if dst is None:
-            if sink is None or nbytes is None:
-                raise ValueError("a SpanDecoder needs dst, or sink and nbytes")
+            if nbytes is None:
+                raise ValueError("a SpanDecoder needs dst, or nbytes (with a sink, or to check only)")
             self._dst = memoryview(b"")
             self.nbytes = nbytes
         else:
@@ -565,24 +570,50 @@ class SpanDecoder:
         lo = self._b * self._block
         raw_len = min(self._block, self.nbytes - lo)
         at = 0 if self._sink is not None else lo
-        target = self._dst[at : at + raw_len]
+        target: memoryview | int = self._dst[at : at + raw_len] if len(self._dst) else raw_len  # int: check only
         if self._pool is not None:
-            data = unit if isinstance(unit.obj, bytes) else memoryview(bytes(unit))  # the caller reuses its piece
-            self._jobs.append(self._pool.submit(self._decode_block, data, target, self._b, self._pos))
+            if isinstance(target, int):
+                # Checking reads only the zstd frames (the block header was checked in
+                # _want): copy those, not the stored planes (most of a float block).
+                job = self._pool.submit(self._check_frames, self._frames_only(unit), target, self._b, self._pos)
+            else:
+                data = unit if isinstance(unit.obj, bytes) else memoryview(bytes(unit))  # the caller reuses its piece
+                job = self._pool.submit(self._decode_block, data, target, self._b, self._pos)
+            self._jobs.append(job)
             while len(self._jobs) > self._window:
                 self._jobs.popleft().result()
         else:
             self._decode_block(unit, target, self._b, self._pos)
             if self._sink is not None:
-                self._sink(target)
+                self._sink(target)  # type: ignore[arg-type]  # a sink always has its block buffer
         self._pos += len(unit)
         self._b += 1
 
-    def _decode_block(self, unit: memoryview, target: memoryview, b: int, at: int) -> None:
-        """Block ``b`` (its stored bytes ``unit``, at span byte ``at``; header already
-        checked by ``_want``) into ``target``. Runs on any thread."""
+    def _frames_only(self, unit: memoryview) -> list[tuple[int, int, bytes]]:
+        """The zstd frames of block ``unit`` as ``(plane, offset in the block, bytes)``,
+        copied out of the caller's piece (checking reads nothing else)."""
         e = self.itemsize
-        plane_len = len(target) // e
+        codecs = bytes(unit[:e])
+        lengths = struct.unpack_from(f"<{e}I", unit, e)
+        out = []
+        pos = 5 * e
+        for p, (c, n) in enumerate(zip(codecs, lengths)):
+            if c == _ZSTD:
+                out.append((p, pos, bytes(unit[pos : pos + n])))
+            pos += n
+        return out
+
+    def _check_frames(self, frames: list[tuple[int, int, bytes]], raw_len: int, b: int, at: int) -> None:
+        """Decompress (and drop) each zstd frame of block ``b`` (a check-only job)."""
+        for p, pos, frame in frames:
+            self._inflate(memoryview(frame), raw_len // self.itemsize, at + pos, b, p)
+
+    def _decode_block(self, unit: memoryview, target: memoryview | int, b: int, at: int) -> None:
+        """Block ``b`` (its stored bytes ``unit``, at span byte ``at``; header already
+        checked by ``_want``) into ``target``, or (an int: its raw length) only checked.
+        Runs on any thread."""
+        e = self.itemsize
+        plane_len = (target if isinstance(target, int) else len(target)) // e
         codecs = bytes(unit[:e])
         lengths = struct.unpack_from(f"<{e}I", unit, e)
         planes: list[Any] = []
@@ -591,7 +622,8 @@ class SpanDecoder:
             piece = unit[pos : pos + n]
             planes.append(piece if c == _STORED else self._inflate(piece, plane_len, at + pos, b, p))
             pos += n
-        _merge(planes, e, target)
+        if not isinstance(target, int):
+            _merge(planes, e, target)
 
     def _inflate(self, frame: memoryview, plane_len: int, at: int, b: int, p: int) -> bytes:
         w = self._where

@@ -27,6 +27,12 @@ checkpoint holding:
 * ``accelerator.step`` (the gradient-accumulation counter), RNG (Python, numpy, torch
   CPU, CUDA), config hash, environment, as every ckpt checkpoint.
 
+A checkpoint that does not fit the prepared objects (a model of another shape, a missing
+entry) is refused by ``load_state`` with ``ResumeMismatchError`` (key, both shapes,
+checkpoint) before anything is written; ``save_state`` never replaces a checkpoint unless
+``overwrite=True``. Pass the run's config to both (``config=``): ``load_state`` names what
+changed in one ``ConfigChangedWarning``.
+
 Not supported yet: more than one process (``num_processes > 1``), DeepSpeed/FSDP/Megatron
 plugins, XLA/NPU/MPS RNG.
 """
@@ -38,7 +44,7 @@ from typing import Any, Iterator
 
 from accelerate import Accelerator
 
-from ..errors import UnsupportedValueError
+from ..errors import ResumeMismatchError, StateMismatchError, UnsupportedValueError
 from ..reader import CheckpointReader
 
 __all__ = ["CkptAccelerator", "save_state", "load_state", "restore_rng", "resumed_iter"]
@@ -93,19 +99,33 @@ def save_state(accelerator: Accelerator, path: str | os.PathLike[str], *, step: 
 
 
 def load_state(accelerator: Accelerator, path: str | os.PathLike[str], *, defer_rng: bool = False,
-               exactness: str = "warn") -> Any:
+               exactness: str = "warn", config: Any = None) -> Any:
     """Load a checkpoint written by :func:`save_state` into the prepared objects, in place.
 
     RNG streams are restored last; with ``defer_rng=True`` they are not, and
     :func:`restore_rng` puts them back (call it right after creating the dataloader
-    iterator, which draws from the RNG). Returns the ``LoadResult``.
+    iterator, which draws from the RNG). Returns the ``LoadResult``. A checkpoint that
+    does not fit the prepared objects raises ``ResumeMismatchError`` (nothing written);
+    ``config``, the resuming run's, is compared with the saved one (``ConfigChangedWarning``).
     """
     from .._torchio import load_into
+    from ..manager import warn_config_changed
 
     state = _state(accelerator)
     counters = state["accelerator"]
-    result = load_into(CheckpointReader(path), state, restore_rng_state=not defer_rng, exactness=exactness)
+    reader = CheckpointReader(path)
+    try:
+        result = load_into(reader, state, restore_rng_state=not defer_rng, exactness=exactness)
+    except StateMismatchError as e:
+        if isinstance(e, ResumeMismatchError):
+            raise
+        raise ResumeMismatchError(
+            f"cannot resume from {reader.path}: the prepared objects do not fit this checkpoint: {e.message}. "
+            "Nothing was loaded; build the model the run was saved with, or save the new one elsewhere",
+            path=e.path or reader.path, key=e.key, **e.context,
+        ) from e
     accelerator.step = int(counters["step"])
+    warn_config_changed(result.path, result.context, config, stacklevel=3)
     return result
 
 
@@ -155,12 +175,12 @@ class CkptAccelerator(Accelerator):
         return str(save_state(self, output_dir, step=step, config=config, overwrite=overwrite).path)
 
     def load_state(self, input_dir: str | None = None, *, defer_rng: bool = False, exactness: str = "warn",  # type: ignore[override]
-                   **kwargs: Any) -> Any:
+                   config: Any = None, **kwargs: Any) -> Any:
         if input_dir is None:
             raise ValueError("CkptAccelerator.load_state needs input_dir")
         if kwargs:
             raise TypeError(f"unsupported load_state options for the ckpt format: {sorted(kwargs)}")
-        return load_state(self, input_dir, defer_rng=defer_rng, exactness=exactness)
+        return load_state(self, input_dir, defer_rng=defer_rng, exactness=exactness, config=config)
 
     @staticmethod
     def restore_rng(result: Any) -> list[str]:

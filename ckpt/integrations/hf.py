@@ -29,6 +29,13 @@ points (``save_strategy``/``save_steps``) and on SIGTERM/SIGUSR1:
   ``skip_first_batches`` (which re-reads the skipped batches and, with a shuffled sampler,
   is not exact) is bypassed for this loader.
 
+Resume refusals: a run directory whose checkpoint does not fit (a model of another shape,
+another world size) stops ``train()`` with ``ResumeMismatchError`` (key, both shapes,
+checkpoint) before a step is taken; nothing in the run directory is saved, replaced or
+deleted. Only damaged checkpoints are fallen back past. A config other than the
+checkpoint's (the model config, or a training argument such as the learning rate) is named
+in one ``ConfigChangedWarning``.
+
 Not supported (refused or documented): DeepSpeed, FSDP, ``IterableDataset`` training data,
 ``load_best_model_at_end`` (Trainer looks for its own checkpoint folders), resuming with a
 ``resume_from_checkpoint=`` argument (the run directory decides), hyper-parameter search.
@@ -50,6 +57,31 @@ __all__ = ["CkptTrainer"]
 
 # TrainerState fields that describe this process, not the run: never restored.
 _PER_PROCESS = ("is_local_process_zero", "is_world_process_zero")
+
+# TrainingArguments that name places, this process or reporting, not the training itself:
+# left out of the recorded config, so that a resume does not warn about them.
+_NOT_CONFIG = ("output_dir", "logging_dir", "run_name", "local_rank", "resume_from_checkpoint", "report_to",
+               "disable_tqdm", "log_level", "log_level_replica", "log_on_each_node", "project", "push_to_hub",
+               "overwrite_output_dir")
+_NOT_CONFIG_PREFIXES = ("hub_", "trackio_")
+
+
+def _training_config(args: Any) -> dict[str, Any]:
+    """The training arguments a resume must not change silently (learning rate, schedule,
+    batch sizes, seeds, precision...), as recorded in the checkpoint's config."""
+    from ..context.config import canonicalize
+    from ..errors import UnsupportedValueError
+
+    out = {}
+    for k, v in args.to_dict().items():
+        if k in _NOT_CONFIG or k.startswith(_NOT_CONFIG_PREFIXES):
+            continue
+        try:
+            canonicalize(v)
+        except UnsupportedValueError:
+            continue  # no canonical form (an object passed through): not comparable
+        out[k] = v
+    return out
 
 
 class _Live:
@@ -121,7 +153,8 @@ class CkptTrainer(Trainer):
 
     Options (keyword-only, besides Trainer's own): ``ckpt_dir`` (the run directory);
     ``ckpt_async`` (default True); ``ckpt_config`` (recorded and hashed; default: the
-    model's ``config.to_dict()``); ``ckpt_exactness`` (``"warn"``, ``"strict"``, ``"off"``).
+    model's ``config.to_dict()`` under ``"model"`` and the training arguments, less paths
+    and reporting, under ``"training"``); ``ckpt_exactness`` (``"warn"``, ``"strict"``, ``"off"``).
     ``args.save_total_limit`` becomes ``RetentionPolicy(keep_last=...)``.
     """
 
@@ -218,8 +251,10 @@ class CkptTrainer(Trainer):
             state["scaler"] = scaler
         state["trainer"] = self._ckpt_trainer_state
         config = self._ckpt_config
-        if config is None and hasattr(getattr(self.model, "config", None), "to_dict"):
-            config = {"model": self.model.config.to_dict()}
+        if config is None:
+            config = {"training": _training_config(self.args)}
+            if hasattr(getattr(self.model, "config", None), "to_dict"):
+                config["model"] = self.model.config.to_dict()
         return CheckpointManager(
             self.ckpt_dir,
             state,

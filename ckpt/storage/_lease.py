@@ -250,5 +250,5 @@ def map_leased(fd: int, size: int, path: str) -> mmap.mmap:
 
 
 def map_private(fd: int, size: int) -> mmap.mmap:
-    """An unprotected private mapping (``state(mmap=True)`` where no lease can be had)."""
+    """An unprotected private mapping (``state(unsafe_mmap=True)`` where no lease can be had)."""
     return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)

@@ -92,6 +92,25 @@ def replace_file(ck: Path, name: str, data: bytes, *, edit_tensors: Callable[[li
     sign_v2(ck, body)
 
 
+def replace_span(ck: Path, key: str, span: bytes) -> None:
+    """Put ``span`` in place of packed tensor ``key``'s (first part) and re-sign: its stored
+    length, the offsets of the spans after it, the packed file's size and chunk digests,
+    the content id."""
+    pf = _packed_file(ck)
+    e = _first_packed(raw_body_v2(ck), key)
+    data = (ck / pf).read_bytes()
+    delta = len(span) - e[7][1]
+
+    def edit(ts: list[Any]) -> None:
+        for t in ts:
+            if t[0] == key:
+                t[7][1] = len(span)
+            elif t[7] is not None and t[4] > e[4]:
+                t[4] += delta
+
+    replace_file(ck, pf, data[: e[4]] + span + data[e[4] + e[7][1] :], edit_tensors=edit)
+
+
 def _part_body(ck: Path, mname: str) -> dict[str, Any]:
     data = (ck / mname).read_bytes()
     (n,) = struct.unpack_from("<Q", data, 16)
@@ -249,23 +268,7 @@ def build(out: Path) -> list[str]:
     def with_span(make: Callable[[bytes], bytes]) -> Callable[[Path], None]:
         """Replace w32's span by ``make(values)``; the span is first in the packed file."""
         def f(ck: Path) -> None:
-            pf = _packed_file(ck)
-            body = raw_body_v2(ck)
-            e = _first_packed(body, W32)
-            data = (ck / pf).read_bytes()
-            values = _pattern(torch.float32, 1024, 1).numpy().tobytes()
-            span = make(values)
-            new = data[: e[4]] + span + data[e[4] + e[7][1] :]
-            delta = len(span) - e[7][1]
-
-            def edit(ts: list[Any]) -> None:
-                for t in ts:
-                    if t[0] == W32:
-                        t[7][1] = len(span)
-                    elif t[7] is not None and t[4] > e[4]:
-                        t[4] += delta
-
-            replace_file(ck, pf, new, edit_tensors=edit)
+            replace_span(ck, W32, make(_pattern(torch.float32, 1024, 1).numpy().tobytes()))
         return f
 
     def planes_of(values: bytes) -> list[tuple[int, bytes]]:
@@ -278,22 +281,22 @@ def build(out: Path) -> list[str]:
             return _span(values, 4, pl)
         return make
 
-    bad("invalid-zstd-plane-claims-1-gib", with_span(top_plane(lambda p: _zstd_with_size(p, 1 << 30))), "FormatError", "state",
+    bad("invalid-zstd-plane-claims-1-gib", with_span(top_plane(lambda p: _zstd_with_size(p, 1 << 30))), "FormatError", "verify",
         "The exponent plane's zstd frame declares 1 GiB for a 1024-byte plane: refused before decompressing.")
-    bad("invalid-zstd-plane-inflates", with_span(top_plane(lambda p: _zstd_with_size(p + p, len(p)))), "FormatError", "state",
+    bad("invalid-zstd-plane-inflates", with_span(top_plane(lambda p: _zstd_with_size(p + p, len(p)))), "FormatError", "verify",
         "A frame that declares its plane's 1024 bytes but holds 2048: refused, never written past the plane.")
     bad("invalid-zstd-plane-no-content-size", with_span(top_plane(lambda p: _zstd_with_size(p, None))), "FormatError",
-        "state", "A zstd plane whose frame has no Frame_Content_Size.")
+        "verify", "A zstd plane whose frame has no Frame_Content_Size.")
     bad("invalid-plane-reserved-codec", with_span(lambda v: _span(v, 4, [(0, bytes(v[0::4])), (0, bytes(v[1::4])),
                                                                           (2, bytes(v[2::4])), (0, bytes(v[3::4]))])),
-        "FormatError", "state", "Plane codec 2 (reserved).")
+        "FormatError", "verify", "Plane codec 2 (reserved).")
 
     def not_zstd(values: bytes) -> bytes:
         pl = planes_of(values)
         pl[3] = (1, b"\x28\xb5\x2f\xfe")
         return _span(values, 4, pl)
 
-    bad("invalid-plane-not-zstd", with_span(not_zstd), "FormatError", "state",
+    bad("invalid-plane-not-zstd", with_span(not_zstd), "FormatError", "verify",
         "A plane marked zstd whose 4 stored bytes are not a zstd frame.")
 
     def zeros_base(ck: Path) -> None:
@@ -308,10 +311,10 @@ def build(out: Path) -> list[str]:
 
         replace_file(ck, pf, span, edit_tensors=edit)
 
-    bad("invalid-plane-expansion-bound", expansion, "FormatError", "state",
+    bad("invalid-plane-expansion-bound", expansion, "FormatError", "verify",
         "A 40000-byte plane (uint8 zeros) stored in 1 byte: above the 32768x expansion bound, refused before any "
         "decompression.", base=zeros_base)
-    bad("invalid-span-bad-magic", with_span(lambda v: _span(v, 4, magic=b"BPZ2")), "FormatError", "state",
+    bad("invalid-span-bad-magic", with_span(lambda v: _span(v, 4, magic=b"BPZ2")), "FormatError", "verify",
         "A span whose magic is BPZ2.")
 
     def short(ck: Path) -> None:
@@ -331,7 +334,7 @@ def build(out: Path) -> list[str]:
 
         replace_file(ck, pf, new, edit_tensors=edit)
 
-    bad("invalid-span-one-byte-short", short, "FormatError", "state",
+    bad("invalid-span-one-byte-short", short, "FormatError", "verify",
         "The span's last byte removed (stored length and later offsets re-signed): the last block ends past the span.")
 
     def flip_packed(ck: Path) -> None:

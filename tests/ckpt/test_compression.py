@@ -133,7 +133,7 @@ def test_a_compressed_save_loads_exactly_every_way(tmp_path: Path) -> None:
         top, name = key.split("/")
         _same(r.tensor(key), state[top][name])
     _same(r.state(), state)
-    _same(r.state(mmap=True), state)
+    _same(r.state(unsafe_mmap=True), state)
     target = {k: {n: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for n, v in d.items()} for k, d in state.items()}
     ptrs = {n: v.data_ptr() for n, v in target["model"].items()}
     ckpt.load(info.path, target, exactness="off")

@@ -818,9 +818,9 @@ def test_fsync_or_rename_failure_mid_commit(tmp_path: Path, monkeypatch: pytest.
 
 def test_pipelined_verification_reports_the_bad_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Large parts hash on a second thread; a flipped bit still fails the load, naming the chunk."""
-    import ckpt.reader as reader_mod
+    import ckpt._ranges as reader_mod
 
-    monkeypatch.setattr(reader_mod, "_PIPELINE_MIN_BYTES", 0)
+    monkeypatch.setattr(reader_mod, "PIPELINE_MIN_BYTES", 0)
     import torch
 
     with ckpt.knobs.override(chunk_size=4096):

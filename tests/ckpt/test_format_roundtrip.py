@@ -800,7 +800,7 @@ def test_mmap_fresh_load_is_exact_private_and_verified(tmp_path):
     tensors["empty"] = torch.empty(0, 4)
     ckpt.save(tmp_path / "c", {"s": tensors}, step=0)
     before = (tmp_path / "c" / "rank-00000.safetensors").read_bytes()
-    got = ckpt.open(tmp_path / "c").state(mmap=True)["s"]
+    got = ckpt.open(tmp_path / "c").state(unsafe_mmap=True)["s"]
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
     got["float32"].add_(1)  # copy-on-write: the file must not change
@@ -810,14 +810,14 @@ def test_mmap_fresh_load_is_exact_private_and_verified(tmp_path):
     raw[-2] ^= 1
     (tmp_path / "c" / "rank-00000.safetensors").write_bytes(bytes(raw))
     with pytest.raises(ChecksumMismatchError):
-        ckpt.open(tmp_path / "c").state(mmap=True)
+        ckpt.open(tmp_path / "c").state(unsafe_mmap=True)
 
 
 def test_parallel_unverified_reads_are_exact(tmp_path, monkeypatch):
     """Large parts read without verification split reads over two threads; bits unchanged."""
-    import ckpt.reader as reader_mod
+    import ckpt._ranges as reader_mod
 
-    monkeypatch.setattr(reader_mod, "_PIPELINE_MIN_BYTES", 0)
+    monkeypatch.setattr(reader_mod, "PIPELINE_MIN_BYTES", 0)
     with ckpt.knobs.override(read_request=4096):
         ts = {"a": torch.randn(10_001, dtype=torch.float64), "b": torch.arange(7777, dtype=torch.int16), "c": torch.randn(3, 5)}
         ckpt.save(tmp_path / "c", {"w": ts}, step=0)

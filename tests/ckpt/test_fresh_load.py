@@ -219,33 +219,92 @@ def test_a_corrupt_chunk_in_either_half_is_refused_before_anything_is_returned(t
     assert torch.equal(got["t5"], _state()["t5"])
 
 
-def test_the_first_load_off_the_main_thread_reads_and_mmap_true_maps_without_a_lease(tmp_path: Path) -> None:
+def test_the_first_load_off_the_main_thread_reads_mmap_true_refuses_and_unsafe_mmap_maps(tmp_path: Path) -> None:
     _save(tmp_path / "c")
     code = CHILD_COMMON + """
 import threading
+from ckpt.errors import UnprotectedMappingError
 res = {}
 def load():
     res["s"] = ckpt.open(path).state()["s"]          # no handler can be installed here
-    res["m"] = ckpt.open(path).state(mmap=True)["s"]  # the old opt-in: mapped, unprotected
+    try:
+        ckpt.open(path).state(mmap=True)             # a mapping is asked for: never an unprotected one
+    except UnprotectedMappingError as e:
+        res["refused"] = os.path.basename(e.path)
+    res["m"] = ckpt.open(path).state(unsafe_mmap=True)["s"]  # the explicit opt-in: mapped, unprotected
 th = threading.Thread(target=load); th.start(); th.join()
 s, m = res["s"], res["m"]
 assert all(torch.equal(s[k], want[k]) and torch.equal(m[k], want[k]) for k in want)
-print(all(t.untyped_storage().resizable() for t in s.values()), any(t.untyped_storage().resizable() for t in m.values()),
-      len(_lease._LIVE))
+print(res.get("refused"), all(t.untyped_storage().resizable() for t in s.values()),
+      any(t.untyped_storage().resizable() for t in m.values()), len(_lease._LIVE))
 """
     p = _run(code, str(tmp_path / "c"))
     assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
-    assert p.stdout.split() == ["True", "False", "0"]
+    assert p.stdout.split() == ["rank-00000.safetensors", "True", "False", "0"]
+
+
+OVERWRITE = """
+OVERWRITE = [sys.executable, "-c",
+             "import sys; f = open(sys.argv[1], 'r+b'); f.seek(int(sys.argv[2])); f.write(bytes(64)); f.close(); print('written')",
+             tensor_file]
+offset = next(t.offset for t in ckpt.open(path).tensor_entries() if t.key == "s/t3")
+"""
+
+
+def test_mmap_true_without_a_lease_is_refused_where_an_overwrite_would_change_the_tensors(tmp_path: Path) -> None:
+    """Issue 22 item 11: no lease (the program owns the lease signal), a file overwritten in
+    place. ``mmap=True`` refuses; the default reads fresh memory the write cannot reach; only
+    ``unsafe_mmap=True`` maps, and its tensors change silently (the hazard it names)."""
+    _save(tmp_path / "c")
+    code = CHILD_COMMON + OVERWRITE + """
+import signal
+from ckpt.errors import UnprotectedMappingError
+signal.signal(_lease.lease_signal(), lambda *a: None)  # the program uses the signal: no lease
+try:
+    ckpt.open(path).state(mmap=True)
+    print("mapped")
+except UnprotectedMappingError as e:
+    print("refused", os.path.basename(e.path), "unsafe_mmap=True" in str(e))
+fresh = ckpt.open(path).state()["s"]
+unsafe = ckpt.open(path).state(unsafe_mmap=True)["s"]
+print(subprocess.run(OVERWRITE + [str(offset)], capture_output=True, text=True, timeout=120).stdout.strip())
+print(torch.equal(fresh["t3"], want["t3"]), torch.equal(unsafe["t3"], want["t3"]))
+"""
+    p = _run(code, str(tmp_path / "c"))
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    assert p.stdout.split() == ["refused", "rank-00000.safetensors", "True", "written", "True", "False"], p.stdout
+
+
+def test_an_in_place_overwrite_after_a_leased_mmap_load_leaves_the_tensors_as_verified(tmp_path: Path, leases: None) -> None:
+    """With the lease, ``mmap=True`` maps, and a writer opening the file breaks the lease
+    first: the bytes are moved away before the write, which the tensors never see."""
+    _save(tmp_path / "c")
+    code = CHILD_COMMON + OVERWRITE + """
+got = ckpt.open(path).state(mmap=True)["s"]
+assert not got["t3"].untyped_storage().resizable()  # mapped
+print(subprocess.run(OVERWRITE + [str(offset)], capture_output=True, text=True, timeout=120).stdout.strip())
+assert _lease.migrations() == (tensor_file,), _lease.migrations()
+print(all(torch.equal(got[k], want[k]) for k in want), torch.equal(ckpt.open(path).state(mmap=False, verify=False)["s"]["t3"], want["t3"]))
+"""
+    p = _run(code, str(tmp_path / "c"))
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    assert p.stdout.split() == ["written", "True", "False"], p.stdout
+
+
+def test_unsafe_mmap_contradicts_mmap_false(tmp_path: Path) -> None:
+    _save(tmp_path / "c")
+    with pytest.raises(ValueError, match="contradicts mmap=False"):
+        ckpt.open(tmp_path / "c").state(mmap=False, unsafe_mmap=True)
 
 
 def test_an_unprotected_mapping_is_what_would_fault(tmp_path: Path) -> None:
-    """The control: what the lease prevents. mmap=True on a file with no lease possible
+    """The control: what the lease prevents. unsafe_mmap=True on a file with no lease possible
     (its signal is taken by the program), then a truncation: the child dies of SIGBUS."""
     _save(tmp_path / "c")
     code = CHILD_COMMON + """
 import signal
 signal.signal(_lease.lease_signal(), lambda *a: None)  # the program uses the signal: no lease
-got = ckpt.open(path).state(mmap=True)["s"]
+got = ckpt.open(path).state(unsafe_mmap=True)["s"]
 subprocess.run(TRUNCATE, check=True, capture_output=True, timeout=120)
 print("touching", flush=True)
 float(got["t3"].sum())

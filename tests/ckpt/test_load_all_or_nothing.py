@@ -22,6 +22,7 @@ from ckpt.errors import (
     ChecksumMismatchError,
     FormatError,
     MissingFileError,
+    ResumeMismatchError,
     StateMismatchError,
 )
 from ckpt.format.codec import zstd_compress, zstd_decompress
@@ -384,8 +385,9 @@ def test_resume_falls_back_past_a_resigned_checkpoint_and_names_it(tmp_path: Pat
     mgr.close()
 
 
-def test_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path: Path) -> None:
-    """Any reason: here the newest holds a float64 tensor the live float32 module cannot take."""
+def test_resume_stops_at_a_checkpoint_whose_state_does_not_fit(tmp_path: Path) -> None:
+    """The newest holds a float64 tensor the live float32 module cannot take: not damage,
+    so no fallback (issue 22: falling back past a misfit restarts and overwrites the run)."""
     with override(chunk_size=CS):
         torch.manual_seed(0)
         m = torch.nn.Linear(3, 2)
@@ -395,7 +397,59 @@ def test_resume_falls_back_past_a_checkpoint_whose_state_does_not_fit(tmp_path: 
         ckpt.save(tmp_path / "step-00000002", {"model": torch.nn.Linear(3, 2).double()}, step=2, code_dir=str(tmp_path))
     live = torch.nn.Linear(3, 2)
     mgr = CheckpointManager(tmp_path, {"model": live}, signals=())
-    with pytest.warns(ResumeFallbackWarning, match=r"step-00000002: StateMismatchError.*float64"):
-        res = mgr.resume(exactness="off")
-    assert res.step == 1 and torch.equal(live.weight, m.weight)
+    before = live.weight.detach().clone()
+    with pytest.raises(ResumeMismatchError, match=r"step-00000002.*float64"):
+        mgr.resume(exactness="off")
+    assert torch.equal(live.weight, before) and mgr.start_step == 0
     mgr.close()
+
+
+# --- packed tensors (format 2.0): a span that does not decode is found before any target is written ---
+
+
+def _packed(tmp_path: Path) -> Path:
+    m, o = _model_opt(1, width=256)
+    with override(chunk_size=4096, bpz_block=4096):
+        return _save(tmp_path / "c", {"model": m, "optim": o}, compress=lambda key, dtype, nbytes: dtype == "float32")
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("defect", ["bad-magic", "reserved-codec", "wrong-plane-length", "lying-zstd-frame"])
+def test_a_resigned_span_that_does_not_decode_changes_no_target(tmp_path: Path, defect: str, verify: bool) -> None:
+    """On 3930a40 ``load`` wrote the other tensors, then failed on the span and called it a
+    file change (CheckpointChangedError), with verification on or off."""
+    from tests.ckpt.test_verify_agrees_with_load import FIXED, _span_of, replace_span
+
+    p = _packed(tmp_path)
+    key = max((t for t in ckpt.open(p).tensor_entries() if t.encoding), key=lambda t: t.nbytes).key
+    span, e, n = _span_of(p, key)
+    replace_span(p, key, FIXED[defect](span, e, n))
+    m2, o2 = _model_opt(2, width=256)
+    before = _snapshot(m2, o2)
+    with pytest.raises(FormatError, match="BPZ1 span") as ei:
+        ckpt.load(p, {"model": m2, "optim": o2}, exactness="off", verify=verify)
+    assert not isinstance(ei.value, CheckpointChangedError)
+    assert ei.value.path.endswith(".bpz") and ei.value.key == key and ei.value.offset is not None
+    _assert_same(before, m2, o2)
+    with pytest.raises(FormatError, match="BPZ1 span"):
+        ckpt.open(p).verify()
+
+
+def test_a_packed_file_changed_between_the_passes_is_still_detected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one error pass 2 may still raise: the packed file modified in place after pass 1."""
+    p = _packed(tmp_path)
+    orig = CheckpointReader.stream_file_into
+    flipped: list[str] = []
+
+    def stream(self: CheckpointReader, pe: Any, index: int, dest: Any, **kw: Any) -> None:
+        f = pe.files[index]
+        if f.role == "packed" and not flipped:
+            flipped.append(f.name)
+            flip(p / f.name, f.size // 2)
+        return orig(self, pe, index, dest, **kw)
+
+    monkeypatch.setattr(CheckpointReader, "stream_file_into", stream)
+    m2, o2 = _model_opt(2, width=256)
+    with pytest.raises(CheckpointChangedError, match="changed after it was verified") as ei:
+        ckpt.load(p, {"model": m2, "optim": o2}, exactness="off")
+    assert flipped and isinstance(ei.value.__cause__, ChecksumMismatchError)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt import knobs
 from ckpt.errors import RunDirLockedError
 from ckpt.manager import CheckpointManager, RetentionPolicy, list_checkpoints
 from ckpt.runlock import LOCK_NAME
@@ -323,8 +324,10 @@ def test_a_kill_at_any_step_of_the_commit_leaves_a_complete_copy_that_cleanup_ke
         assert p.returncode == -signal.SIGKILL, p.stderr
         killed_at.append(k)
         # At least one complete copy, whatever its name; then the manager's cleanup
-        # (it runs at start, under the lock) must put one under the final name.
-        mgr = CheckpointManager(run, {"w": torch.zeros(64)}, signals=())
+        # (it runs at start, under the lock) must put one under the final name. (The
+        # leftovers are aged: a young one might be a live lock-less writer's, and stays.)
+        with knobs.override(orphan_grace_s=0):
+            mgr = CheckpointManager(run, {"w": torch.zeros(64)}, signals=())
         res = mgr.resume()
         assert res is not None and res.step == 5, (k, os.listdir(run))
         w = mgr.state["w"]
@@ -351,6 +354,10 @@ def test_recover_restores_only_complete_copies_and_prefers_the_new_one(tmp_path)
     (run / ".tmp-step-00000003-dddddddddddd.del").mkdir()  # retention mid-delete
     rec = recover(run)
     assert rec.restored == ((".tmp-step-00000001-bbbbbbbbbbbb", "step-00000001"),)
+    assert rec.removed == ()  # young: a writer holding no lock may be between two of its steps
+    with knobs.override(orphan_grace_s=0):
+        assert sorted(recover(run).removed) == [".tmp-step-00000001-aaaaaaaaaaaa.old", ".tmp-step-00000002-cccccccccccc",
+                                                ".tmp-step-00000003-dddddddddddd.del"]
     assert sorted(os.listdir(run)) == ["step-00000001"]
     assert ckpt.open(run / "step-00000001").state()["v"].tolist() == [2]
 

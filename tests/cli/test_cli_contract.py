@@ -319,6 +319,43 @@ def test_json_reports_match_the_spec(world: dict[str, Path], tmp_path: Path) -> 
     finally:
         mp.undo()
     assert c["mode"] == "entry" and c["verdict"] == "DIFFERENT" and c["divergences"][0]["key"] == "sched/last_epoch"
+    # two short runs with step ledgers, one with a changed learning rate from its third step
+    def tiny_run(where: Path, lr_at_3: float) -> Path:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 2)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        mgr = ckpt.CheckpointManager(where, {"model": m, "optim": o}, every_steps=2, ledger_params_every=1)
+        for step in range(1, 5):
+            if step == 3:
+                o.param_groups[0]["lr"] = lr_at_3
+            x = torch.ones(3, 4) * step
+            loss = m(x).pow(2).mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            mgr.after_step(step, batch=x, loss=loss)
+        mgr.close()
+        return where
+
+    ra, rb = tiny_run(tmp_path / "ra", 0.1), tiny_run(tmp_path / "rb", 0.2)
+    ld = report("ckpt ledger diff", ra, rb, code=6)
+    assert ld["first_difference"]["step"] == 3 and ld["equal_through"] == 2
+    from ckpt.bisect import StepTracer, save_trace
+
+    def trace(path: Path, scale: float) -> Path:
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        with StepTracer(m, o) as t:
+            loss = m(torch.ones(2, 4) * scale).sum()
+            loss.backward()
+            o.step()
+            t.loss(loss)
+        save_trace(t.trace(meta={"step": 1, "capsule": "x"}), path)
+        return path
+
+    bc = report("ckpt bisect compare", trace(tmp_path / "a.trace", 1.0), trace(tmp_path / "b.trace", 1.5), code=6)
+    assert bc["first"]["module"] == "0" and bc["first"]["phase"] == "forward"
     demo = report("ckpt demo", "basic", "--out", tmp_path / "demo", "--steps", "12")
     assert demo["passed"] and [c["name"] for c in demo["checks"]][0] == "checkpoints valid"
     report("ckpt demo", "--list")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt import knobs
 from ckpt.errors import (
     ChecksumMismatchError,
     CheckpointExistsError,
@@ -189,8 +190,12 @@ def test_sigkill_during_a_save_never_leaves_a_committed_checkpoint(s3, where: st
     if where == "before-manifest":
         assert isinstance(ei.value, IncompleteCheckpointError)  # parts uploaded, never committed
         assert _objects(s3, "run/step-00000002")
-    # The run's owner cleans what the dead writer left.
-    rec = ckpt.writer.recover(s3.url("run"))
+    # Cleanup leaves a save's objects alone while they are young (a writer without the
+    # run's lock may still commit them), and removes them once older than the grace.
+    left = _objects(s3, "run")
+    assert ckpt.writer.recover(s3.url("run")).removed == () and _objects(s3, "run") == left
+    with knobs.override(orphan_grace_s=0):
+        rec = ckpt.writer.recover(s3.url("run"))
     assert _objects(s3, "run") == []
     assert bool(rec.removed) == (where == "before-manifest")
 
@@ -204,7 +209,8 @@ def test_sigkill_while_replacing_keeps_the_old_checkpoint(s3) -> None:
         r = ckpt.open(url)  # leftovers of the dead save are ignored by readers...
         assert torch.equal(r.state()["w"], torch.full((16,), 1.0))
         r.verify()
-    ckpt.writer.recover(s3.url("run"))  # ...and removed by cleanup, the committed files kept
+    with knobs.override(orphan_grace_s=0):  # (aged: see the test above)
+        ckpt.writer.recover(s3.url("run"))  # ...and removed by cleanup, the committed files kept
     assert len(_objects(s3, "run")) == 3
     ckpt.open(url).verify()
 
@@ -309,12 +315,23 @@ def test_manager_retention_and_latest_valid_resume(s3) -> None:
     data = bytearray(st.read_all(obj))
     data[-1] ^= 0xFF
     st.put(obj, bytes(data))
+    found = ckpt.latest(run)  # what resume() will pick, from the object store, loading nothing
+    assert (found.step, found.skipped[0][0]) == (3, "step-00000004")
     m2 = _model(4)
     with pytest.warns(ckpt.manager.ResumeFallbackWarning, match="step-00000004.*ChecksumMismatchError"):
         with CheckpointManager(run, {"model": m2}, signals=()) as mgr2:
             res = mgr2.resume()
     assert res.step == 3
     assert torch.equal(m2.state_dict()["0.weight"], at[3])
+    # A model that does not fit stops the resume; nothing of the run is deleted or replaced.
+    before = _objects(s3, "mgr")
+    wide = torch.nn.Sequential(torch.nn.Linear(32, 65), torch.nn.ReLU(), torch.nn.Linear(65, 8))
+    with CheckpointManager(run, {"model": wide}, every_steps=1, signals=()) as mgr3:
+        with pytest.raises(ckpt.errors.ResumeMismatchError, match="does not fit"):
+            mgr3.resume()
+        with pytest.raises(ckpt.errors.ResumeMismatchError):
+            mgr3.after_step(5)
+    assert _objects(s3, "mgr") == before
 
 
 def test_async_manager_saves_to_s3_in_the_background(s3) -> None:

@@ -1,0 +1,99 @@
+"""The simulator's own rules: faults fire where the plan says, and a power loss keeps
+exactly what was made durable."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+
+import pytest
+
+from ckpt.storage import LocalStorage
+from tests.sim.faultfs import FaultPlan, FaultyStorage, SimCrash, flip_bit
+
+
+def _write(fs: FaultyStorage, path: str, data: bytes, *, durable: bool = True) -> None:
+    s = fs.create(path, 4096, durable=durable)
+    s.write(data)
+    s.close()
+
+
+def test_io_faults_fire_at_their_operation(tmp_path) -> None:
+    fs = FaultyStorage(LocalStorage(), FaultPlan({1: "eio", 3: "enospc"}))
+    p = str(tmp_path / "f")
+    s = fs.create(p, 4096)  # op 0
+    with pytest.raises(OSError) as e:
+        s.write(b"x")  # op 1
+    assert e.value.errno == errno.EIO
+    s.write(b"y")  # op 2
+    with pytest.raises(OSError) as e:
+        s.close()  # op 3
+    assert e.value.errno == errno.ENOSPC
+    assert [i for i, *_ in fs.injected] == [1, 3]
+
+
+def test_a_crash_kills_every_later_operation(tmp_path) -> None:
+    fs = FaultyStorage(LocalStorage(), FaultPlan.one(1, "crash"))
+    fs.mkdir(str(tmp_path / "a"))
+    with pytest.raises(SimCrash):
+        fs.mkdir(str(tmp_path / "b"))
+    with pytest.raises(SimCrash):
+        fs.mkdir(str(tmp_path / "c"))  # a dead process does nothing more
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_power_loss_keeps_what_was_fsynced(tmp_path) -> None:
+    inner = LocalStorage()
+    for seed in range(20):
+        root = tmp_path / f"r{seed}"
+        root.mkdir()
+        fs = FaultyStorage(inner, seed=seed, trash=str(root / ".simtrash"))
+        d = str(root / "d")
+        fs.mkdir(d)
+        _write(fs, os.path.join(d, "durable"), b"a" * 100)
+        fs.fsync_dir(d)
+        fs.fsync_dir(str(root))
+        _write(fs, os.path.join(d, "late"), b"b" * 100, durable=False)
+        fs.rename_noreplace(d, str(root / "e"))  # never fsynced
+        fs.power_loss(random.Random(seed))
+        # the durable file survives whole, under one of its two possible names
+        where = [p for p in (root / "d" / "durable", root / "e" / "durable") if p.exists()]
+        assert len(where) == 1 and where[0].read_bytes() == b"a" * 100
+        late = where[0].parent / "late"
+        if late.exists():
+            assert late.read_bytes() == b"b" * len(late.read_bytes())  # a prefix, never other bytes
+
+
+def test_an_unsynced_removal_can_come_back(tmp_path) -> None:
+    inner = LocalStorage()
+    came_back = gone = 0
+    for seed in range(16):
+        root = tmp_path / f"r{seed}"
+        root.mkdir()
+        fs = FaultyStorage(inner, seed=seed, trash=str(root / ".simtrash"))
+        d = str(root / "d")
+        fs.mkdir(d)
+        _write(fs, os.path.join(d, "f"), b"z" * 10)
+        fs.fsync_dir(d)
+        fs.fsync_dir(str(root))
+        fs.remove_tree(d)
+        assert not os.path.exists(d)
+        assert fs.listdir(str(root)) == []  # the trash is invisible
+        fs.power_loss(random.Random(seed))
+        if os.path.exists(d):
+            came_back += 1
+            assert open(os.path.join(d, "f"), "rb").read() == b"z" * 10
+        else:
+            gone += 1
+    assert came_back and gone  # both outcomes are reachable
+
+
+def test_flip_bit_keeps_size_and_mtime(tmp_path) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(bytes(64))
+    st = os.stat(p)
+    off, bit = flip_bit(str(p), random.Random(3))
+    st2 = os.stat(p)
+    assert st2.st_size == st.st_size and st2.st_mtime_ns == st.st_mtime_ns
+    assert p.read_bytes()[off] == 1 << bit
