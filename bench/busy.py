@@ -16,6 +16,7 @@ import argparse
 import datetime
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     label = f"ckpt demo {a.demo}{' --quick' if a.quick else ''}" if a.demo else shlex.join(cmd)
     print(f"busy: {label} x{a.runs} beside {a.hogs} CPU hogs on {os.cpu_count()} cores, "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load {_load():.1f}", flush=True)
+    # SIGTERM ends this script the way Ctrl-C does: through the `finally` that stops the hogs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(a.hogs)]
     results: list[tuple[bool, float, float]] = []
     try:
