@@ -32,22 +32,25 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _scale_timeouts(config, items) -> None:
-    """pytest-timeout's bounds are hang detectors (tests/hangs.py): each one, the ini
-    default and every ``@pytest.mark.timeout(S)``, is multiplied by CKPT_TIMEOUT_SCALE."""
+    """pytest-timeout's bounds are hang detectors (tests/hangs.py), never speed verdicts:
+    a test's ``@pytest.mark.timeout(S)`` can only widen the suite's default (a tighter mark
+    failed multi-process tests that were merely slow on a loaded machine), and every bound
+    is multiplied by CKPT_TIMEOUT_SCALE."""
     from hangs import scale
 
     factor = scale()
-    if factor == 1.0:
-        return
     try:
         default = float(config.getini("timeout") or 0)
     except ValueError:  # pytest-timeout not installed: nothing to scale
         return
+    if default <= 0:
+        return
     for item in items:
         marker = item.get_closest_marker("timeout")
         base = float(marker.args[0]) if marker is not None and marker.args else default
-        if base > 0:
-            item.add_marker(pytest.mark.timeout(base * factor), append=False)
+        bound = max(base, default) * factor
+        if bound != base:
+            item.add_marker(pytest.mark.timeout(bound), append=False)
 
 
 @pytest.fixture
