@@ -95,6 +95,14 @@ class Knobs:
     max_tensor_rank: int = 64
     max_container_len: int = 1 << 24
     max_nesting: int = 256
+    #: arrays and maps one decoded msgpack document may build (spec/checkpoint-format.md
+    #: §14): what bounds a document's decoded size, since one input byte is one container.
+    max_containers: int = 1 << 21
+    #: a str/bin/ext value in a structure file is at most value_ratio times the file on
+    #: disk, or value_floor (spec/checkpoint-format.md §7.1): decoding copies each one out
+    #: of the decompressed document, so this bounds the copy by the file, not the frame.
+    value_ratio: int = 64
+    value_floor: int = 64 * MiB
     min_chunk_size: int = 4096
     max_chunk_size: int = 1 * GiB
 

@@ -189,7 +189,9 @@ class S3Storage:
         if isinstance(e, PreconditionError):
             # A pinned read whose object changed: for a reader it is gone (replaced).
             return FileNotFoundError(2, f"the object changed since it was opened ({what})", path)
-        return StorageError(f"{what} failed: {type(e).__name__}: {e}", path=path)
+        if "<Code>NoSuchBucket</Code>" in str(e):
+            return StorageError(f"{what} failed: the bucket {self.bucket!r} does not exist (S3 NoSuchBucket)", path=path)
+        return StorageError(f"{what} failed: {type(e).__name__}: {_first_line(e)}", path=path)
 
     # -- metadata ----------------------------------------------------------------------
     def _head(self, key: str) -> dict[str, Any] | None:
@@ -787,3 +789,10 @@ class S3Sink:
             self._done = True
             self._q.put(_ABORT)
             self._thread.join()
+
+
+def _first_line(e: BaseException) -> str:
+    """An obstore error's own sentence, without the multi-line debug dump it appends
+    ("Debug source: Generic { ... }"): an error is one line (spec/cli.md §1)."""
+    text = str(e).split("\n\nDebug source:", 1)[0].split("<?xml", 1)[0].strip()
+    return " ".join(text.split()) if text else type(e).__name__

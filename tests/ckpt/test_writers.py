@@ -153,6 +153,21 @@ def test_lock_file_symlink_is_not_followed(tmp_path):
     assert victim.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("planted", ["fifo", "directory"])
+def test_lock_file_of_another_kind_is_refused_by_name(tmp_path, planted):
+    """A FIFO would block a plain open (and fail ftruncate), a directory fails open with
+    EISDIR: both were raw OSErrors; now RunDirLockedError naming the lock file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if planted == "fifo":
+        os.mkfifo(run / LOCK_NAME)
+    else:
+        (run / LOCK_NAME).mkdir()
+    with pytest.raises(RunDirLockedError, match="lock file is (not a regular file|a directory)") as ei:
+        CheckpointManager(run, {"c": {}}, signals=())
+    assert ei.value.path == str(run / LOCK_NAME)
+
+
 # --- 10. ckpt.save under a process group; overwrite=False is atomic -------------------
 
 RANK = """
