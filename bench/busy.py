@@ -12,22 +12,16 @@ The hogs are this script's children: they are killed on any exit, Ctrl-C include
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import os
+import shlex
+import signal
+import subprocess
 import sys
-
-# This script needs nothing from its own folder, and bench/ holds modules named like the
-# standard library's (bench/bisect.py shadows `bisect`, which `random` and `tempfile` import).
-if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import shlex  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import tempfile
+import time
+from pathlib import Path
 
 HOG = "while True: pass"
 
