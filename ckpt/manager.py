@@ -178,9 +178,8 @@ from .errors import (
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .knobs import knobs
 from .reader import CheckpointReader
-from .runlock import RunLock
-from .storage import Storage, commits_by_manifest, is_space_error, resolve
-from .writer import DEL_SUFFIX, recover, tmp_name
+from .storage import Storage, is_space_error, resolve
+from .writer import recover
 
 __all__ = [
     "CheckpointManager",
@@ -282,8 +281,7 @@ def list_checkpoints(
 ) -> list[CheckpointRecord]:
     """``step-*`` directories of a run, oldest first. Temporary dirs are never listed."""
     storage, root = resolve(run_dir, storage)
-    if not commits_by_manifest(storage):
-        root = os.fspath(run_dir)  # as given: records name paths the way the caller did
+    root = storage.commit.record_path(os.fspath(run_dir), root)
     try:
         names = storage.listdir(root)
     except FileNotFoundError:
@@ -606,7 +604,7 @@ class CheckpointManager:
 
         # One writer per run directory: rank 0 holds the lock for the whole job, taken
         # before orphan cleanup (which would otherwise delete a live writer's saves).
-        self._lock: Any = None  # RunLock, or an object store's lock object
+        self._lock: Any = None  # what storage.commit.run_lock returned (an flock, a lock object)
         self.removed_orphans: tuple[str, ...] = ()
         #: (temporary name, step name) of complete copies put back after a crash
         self.restored_orphans: tuple[tuple[str, str], ...] = ()
@@ -726,10 +724,8 @@ class CheckpointManager:
         root = os.environ.get(ENV_DIR)
         if root:
             directory = os.path.join(root, os.path.basename(self.run_dir))
-        elif commits_by_manifest(self._storage):  # an append-only tape needs a local file
-            directory = self._storage.ledger_dir(self.run_dir)  # type: ignore[attr-defined]
-        else:
-            directory = os.path.join(self.run_dir, "ledger")
+        else:  # an append-only tape: a local file, beside the run where it is local
+            directory = self._storage.commit.ledger_dir(self.run_dir)
         if self.world_size > 1:
             directory = os.path.join(directory, f"rank-{self.rank:05d}")
         modules = {k: v for k, v in self.state.items() if hasattr(v, "named_parameters")}
@@ -820,13 +816,8 @@ class CheckpointManager:
     def _take_lock(self, *, wait: bool) -> None:
         self._storage.makedirs(self.run_dir)
         owner = {"run_id": self.run_id, "world_size": self.world_size}
-        if commits_by_manifest(self._storage):  # an object store: a lock object (§O.6)
-            if wait:
-                raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
-                                "object cannot be waited for)", path=self.run_dir)
-            self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
-        else:
-            self._lock = RunLock.acquire(self.run_dir, owner=owner, wait=wait)
+        # an flock on a filesystem, a lock object on an object store (§O.6)
+        self._lock = self._storage.commit.run_lock(self.run_dir, owner=owner, wait=wait)
         rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
         self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
 
@@ -1556,8 +1547,7 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
     checkpoint is deleted MANIFEST first (it is uncommitted from that instant), then
     its objects (spec/object-storage.md)."""
     storage, normal = resolve(run_dir, storage)
-    by_manifest = commits_by_manifest(storage)
-    run_dir = normal if by_manifest else os.fspath(run_dir)
+    run_dir = storage.commit.record_path(os.fspath(run_dir), normal)
     protected = set(protect)
     records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best), storage=storage)
     if upcoming is not None and not any(r.step == upcoming for r in records):
@@ -1574,10 +1564,11 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
 def delete_checkpoints(run_dir: str | os.PathLike[str], records: Iterable[CheckpointRecord], *,
                        storage: Storage | None = None, durable: bool = True) -> tuple[str, ...]:
     """Delete these checkpoints of ``run_dir`` (the one deletion routine: retention's and
-    a rewind's); returns the names deleted. On a filesystem each is renamed into a
-    ``.tmp-`` name first, so a crash mid-delete leaves a directory no reader accepts,
-    never a torn ``step-*``; on an object store its MANIFEST goes first (it is
-    uncommitted from that instant), then its objects (spec/object-storage.md).
+    a rewind's) through ``storage.commit.remove_checkpoints``; returns the names deleted.
+    On a filesystem each is renamed into a ``.tmp-`` name first, so a crash mid-delete
+    leaves a directory no reader accepts, never a torn ``step-*``; on an object store its
+    MANIFEST goes first (it is uncommitted from that instant), then its objects
+    (spec/object-storage.md).
 
     ``durable``: fsync the directory once the renames are done, before anything is
     removed, so that no crash can bring a deleted checkpoint back. A rewind needs that
@@ -1585,27 +1576,10 @@ def delete_checkpoints(run_dir: str | os.PathLike[str], records: Iterable[Checkp
     retention does not (spec/checkpoint-format.md §10.7: what it deletes is older than
     what it keeps, and the next retention deletes it again), so it passes False."""
     storage, normal = resolve(run_dir, storage)
-    by_manifest = commits_by_manifest(storage)
-    run_dir = normal if by_manifest else os.fspath(run_dir)
-    deleted = []
-    trashed: list[str] = []
-    for r in records:
-        if by_manifest:
-            if storage.remove_checkpoint(r.path):  # type: ignore[attr-defined]
-                deleted.append(r.name)
-            continue
-        trash = os.path.join(run_dir, tmp_name(r.name, DEL_SUFFIX))
-        try:
-            storage.rename_dir(r.path, trash)
-        except FileNotFoundError:
-            continue
-        trashed.append(trash)
-        deleted.append(r.name)
-    if durable and trashed:
-        storage.fsync_dir(run_dir)  # the renames: the removals below need no durability
-    for trash in trashed:
-        storage.remove_tree(trash)
-    return tuple(deleted)
+    run_dir = storage.commit.record_path(os.fspath(run_dir), normal)
+    records = list(records)
+    gone = set(storage.commit.remove_checkpoints(run_dir, [r.path for r in records], durable=durable))
+    return tuple(r.name for r in records if r.path in gone)
 
 
 def _check_data_source(data: Any) -> None:

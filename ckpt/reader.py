@@ -163,7 +163,7 @@ class CheckpointReader:
                 raise SizeMismatchError(
                     f"file is {st.st_size} bytes, manifest says {f.size}", path=fp, offset=min(st.st_size, f.size)
                 )
-        if not getattr(self._storage, "strict_listing", True):
+        if not self._storage.strict_listing:
             # An object store: objects a committed MANIFEST does not name are leftovers
             # of other saves (a lost race, a crash, a replaced checkpoint); they are
             # never read, and orphan cleanup removes them (spec/object-storage.md §O.4).
