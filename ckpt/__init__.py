@@ -21,11 +21,13 @@ __version__ = "0.1.0"
 from .errors import CkptError  # noqa: E402
 from .format.manifest import TMP_PREFIX  # noqa: E402
 from .reader import CheckpointReader  # noqa: E402
+from .save_options import SaveOptions  # noqa: E402
 from .stateful import Stateful  # noqa: E402
 
 __all__ = [
     "__version__",
     "save",
+    "SaveOptions",
     "load",
     "open",
     "begin",
@@ -59,22 +61,26 @@ if TYPE_CHECKING:  # pragma: no cover
     from .writer import CheckpointInfo, PendingCheckpoint, abort, begin, commit, write_part
 
 
-def save(path: Any, state: Any, **kwargs: Any) -> "CheckpointInfo":
+def save(path: Any, state: Any, *, options: "SaveOptions | None" = None, **kwargs: Any) -> "CheckpointInfo":
     """Save all seven fields of the training state, atomically (``ckpt.writer.save``).
 
     A state whose modules, optimizers or tensors are DTensors (FSDP2, tensor parallel)
     is sharded: every rank calls ``save`` with its own shards and the checkpoint is
     written through DCP, one part per rank (``ckpt.dcp``, spec/sharded-format.md).
+
+    ``options`` (:class:`SaveOptions`, or its fields as keywords: ``compress=``,
+    ``dedup=``, ...) is passed on unchanged; an option the chosen path does not support
+    (``compress`` for sharded state) raises ``SaveOptionError`` naming it.
     """
     from .dcp.integration_probe import holds_dtensor
 
     if holds_dtensor(state):  # --- sharded state hook (ckpt.dcp) ---
         from .dcp.integration import save_sharded
 
-        return save_sharded(path, state, **kwargs)
+        return save_sharded(path, state, options=options, **kwargs)
     from .writer import save as _save
 
-    return _save(path, state, **kwargs)
+    return _save(path, state, options=options, **kwargs)
 
 
 def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001 - mirrors the builtin on purpose

@@ -28,13 +28,11 @@ from ._linkcheck import SharedFileDamagedWarning, check_linked
 from ._tensorbytes import tensor_memoryview
 from .errors import CkptError
 from .knobs import knobs
+from .save_options import Compress
 from .storage import Storage
 
 __all__ = ["Compress", "Reuse", "Layout", "plan", "write_packed", "link_shared", "compress_policy", "reuse_from"]
 
-#: ``compress=`` of a save: off, every float tensor, the tensors under these top-level
-#: entries, or a callable ``(key, dtype name, nbytes) -> bool``
-Compress = bool | Sequence[str] | Callable[[str, str, int], bool] | None
 
 _FLOATS = frozenset(("float16", "bfloat16", "float32", "float64"))
 

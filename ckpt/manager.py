@@ -147,6 +147,7 @@ resumable mid-epoch; use ``ckpt.data``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import re
@@ -178,6 +179,7 @@ from .errors import (
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .knobs import knobs
 from .reader import CheckpointReader
+from .save_options import SaveOptions
 from .storage import Storage, is_space_error, resolve
 from .writer import recover
 
@@ -538,6 +540,9 @@ class CheckpointManager:
         #: did not change (hard links); every ``dedup_full_every``-th save writes everything
         self.compress = compress
         self.dedup = dedup
+        #: how every save of this manager is written, passed on unchanged (``overwrite``: a
+        #: step re-run after falling back past a corrupt checkpoint replaces it)
+        self.save_options = SaveOptions(overwrite=True, compress=compress, dedup=dedup)
         self.dedup_full_every = dedup_full_every
         self._dedup_source: str | None = None  # the checkpoint the next save may share files of
         self._dedup_saves = 0
@@ -599,6 +604,10 @@ class CheckpointManager:
 
         #: DTensor state (FSDP2/TP): saved and resumed through ckpt.dcp (sharded hook)
         self.sharded = holds_dtensor(self.state)
+        if self.sharded:
+            from .dcp.integration import refuse_sharded_options
+
+            refuse_sharded_options(self.save_options, self.run_dir, where="CheckpointManager on sharded (DTensor) state")
         if missing := [k for k in self.replicated if k not in self.state]:
             raise ValueError(f"replicated entries {missing} are not in the state")
 
@@ -1256,7 +1265,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         freed: tuple[str, ...] = ()
         try:
-            reuse = self._reuse()
+            options = dataclasses.replace(self.save_options, reuse=self._reuse())
             if self._space_short and self.rank == 0:
                 # The disk filled up before: retention after a commit can never run
                 # again if no commit fits, so delete now what the commit would delete.
@@ -1272,17 +1281,12 @@ class CheckpointManager:
                     extra=job.extra,
                     lineage=job.lineage,
                     meta=job.meta,
-                    overwrite=True,
                     code_dir=self.code_dir,
                     storage=self._storage,
-                    compress=self.compress,
-                    reuse=reuse,
-                    dedup=self.dedup,
+                    options=options,
                 )
             else:
-                # overwrite: a step re-run after falling back past a corrupt checkpoint
-                # replaces it (commit moves the old one aside first).
-                pending = begin(job.path, overwrite=True, storage=self._storage)
+                pending = begin(job.path, overwrite=options.overwrite, storage=self._storage)
                 try:
                     part = write_part(
                         pending,
@@ -1296,9 +1300,7 @@ class CheckpointManager:
                         lineage=job.lineage,
                         code_dir=self.code_dir,
                         storage=self._storage,
-                        compress=self.compress,
-                        reuse=reuse,
-                        dedup=self.dedup,
+                        options=options,
                     )
                     commit(pending, [part], step=job.step, meta=job.meta, storage=self._storage)
                 except BaseException:
@@ -1351,7 +1353,8 @@ class CheckpointManager:
         self._last_save_time = self._clock()
         info = save_sharded(
             path, self.state, config=self.config, data=self.data, step=step, generators=self.generators or None,
-            extra=extra, lineage=lineage, code_dir=self.code_dir, overwrite=True, meta=meta, storage=self._storage,
+            extra=extra, lineage=lineage, code_dir=self.code_dir, meta=meta, storage=self._storage,
+            options=self.save_options,
         )
         deleted = self._apply_retention() if self.rank == 0 else ()
         stall = time.perf_counter() - t0

@@ -52,6 +52,7 @@ from .storage import PendingCheckpoint, Recovery, Storage, resolve
 from .storage.commit import is_complete as _is_complete
 from . import _linkcheck, _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
+from .save_options import SaveOptions, options_from
 from ._tensorbytes import tensor_memoryview
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "Recovery",
     "Reuse",
     "reuse_from",
+    "SaveOptions",
 ]
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +237,22 @@ def _holding_part_lock(fn: Callable[..., PartEntry]) -> Callable[..., PartEntry]
     return locked
 
 
+#: the options a part's writer uses; ``this_rank_only`` is its caller's (``ckpt.save``
+#: checked it), and ``overwrite``/``part_manifests`` are the pending save's (see _part_supports)
+WRITE_PART_SUPPORTS = frozenset({"compress", "dedup", "dedup_from", "reuse", "this_rank_only"})
+
+
+def _part_supports(opts: SaveOptions, pending: PendingCheckpoint) -> frozenset[str]:
+    ok = set(WRITE_PART_SUPPORTS)
+    if opts.reuse is not None and opts.dedup_from is not None:
+        ok -= {"reuse", "dedup_from"}
+    if opts.overwrite == pending.overwrite:
+        ok.add("overwrite")
+    if opts.part_manifests in (None, pending.part_manifests):
+        ok.add("part_manifests")
+    return frozenset(ok)
+
+
 @_holding_part_lock
 def write_part(
     pending: PendingCheckpoint,
@@ -253,18 +271,33 @@ def write_part(
     compress: Compress = None,
     reuse: Reuse | None = None,
     dedup: bool = False,
+    options: SaveOptions | None = None,
 ) -> PartEntry:
     """Write one part (a process's share) into ``pending.tmp_dir``; durable on return.
 
-    ``compress``: encode tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
+    ``options`` (or the keywords ``compress``, ``reuse``, ``dedup``; ``ckpt.SaveOptions``):
+    ``compress`` encodes tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
     float tensor of at least 64 KiB, a list of top-level entry names, or a callable
     ``(key, dtype name, nbytes) -> bool``. ``reuse``: the same part of the previous
     checkpoint of the run, whose unchanged files are shared by hard link instead of written
-    (format 2.0 dedup; implies ``dedup``). ``dedup``: record a digest of every tensor so a
-    later save can share this one's files. Raises ``DistributedUsageError`` when the
-    checkpoint was committed or aborted before the part could be written.
+    (format 2.0 dedup; implies ``dedup``); ``dedup_from``: that checkpoint's directory
+    instead. ``dedup``: record a digest of every tensor so a later save can share this
+    one's files. ``overwrite`` and ``part_manifests`` belong to the save (``begin``): given
+    here they must agree with ``pending``. Raises ``SaveOptionError`` for any other option,
+    and ``DistributedUsageError`` when the checkpoint was committed or aborted before the
+    part could be written.
     """
     storage, _ = resolve(pending.final, storage)
+    opts = options_from(options, where="ckpt.write_part", path=pending.final, compress=compress, reuse=reuse, dedup=dedup)
+    opts.refuse_unsupported(
+        _part_supports(opts, pending), "ckpt.write_part",
+        "overwrite and part_manifests are the save's, given to ckpt.begin (this one's differ); reuse and "
+        "dedup_from name one source, give one", path=pending.final)
+    compress = opts.compress
+    reuse = opts.reuse
+    if opts.dedup_from is not None:
+        reuse = reuse_from(opts.dedup_from, name, storage=storage)
+    dedup = opts.dedup or opts.dedup_from is not None
     check_name(name, what="part")
     if not isinstance(state, Mapping):
         raise UnsupportedValueError("state must be a mapping of name -> Stateful or tree", key="<root>")
@@ -507,6 +540,10 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     return storage.commit.recover(root, names=names)
 
 
+#: the options of a one-process save (``ckpt.save``)
+SAVE_SUPPORTS = frozenset({"overwrite", "compress", "dedup", "dedup_from", "this_rank_only"})
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
     """A committed checkpoint (what ``save`` returns); the manifest is left out of its repr."""
@@ -537,6 +574,7 @@ def save(
     compress: Compress = None,
     dedup_from: str | os.PathLike[str] | None = None,
     dedup: bool = False,
+    options: SaveOptions | None = None,
 ) -> CheckpointInfo:
     """Save all seven fields of one process's training state, atomically.
 
@@ -546,25 +584,28 @@ def save(
     (every rank calls it) or ``CheckpointManager``; a deliberate single-writer save
     from one rank passes ``this_rank_only=True``.
 
-    ``compress``: store tensors encoded (format 2.0; see :func:`write_part`). Stock
-    safetensors cannot read encoded tensors; uncompressed is the default.
-    ``dedup_from``: an earlier checkpoint of the same run directory: files whose tensors
-    are unchanged are shared by hard link, not written (format 2.0 §V.4). ``dedup``:
-    record tensor digests so that a later save can share this one's files.
+    ``options`` (``ckpt.SaveOptions``, or the same as keywords): ``compress`` stores
+    tensors encoded (format 2.0; see :func:`write_part`). Stock safetensors cannot read
+    encoded tensors; uncompressed is the default. ``dedup_from``: an earlier checkpoint of
+    the same run directory: files whose tensors are unchanged are shared by hard link, not
+    written (format 2.0 §V.4). ``dedup``: record tensor digests so that a later save can
+    share this one's files. ``reuse`` and ``part_manifests`` are refused
+    (``SaveOptionError``): this save writes one part, listed inline.
     """
-    if not this_rank_only:
+    opts = options_from(options, where="ckpt.save", path=os.fspath(path), overwrite=overwrite,
+                        this_rank_only=this_rank_only, compress=compress, dedup_from=dedup_from, dedup=dedup)
+    opts.refuse_unsupported(SAVE_SUPPORTS, "ckpt.save", "one process writes one part, listed inline; share "
+                            "the files of an earlier checkpoint with dedup_from=", path=os.fspath(path))
+    if not opts.this_rank_only:
         _refuse_under_process_group(path)
     storage, path = resolve(path, storage)
-    pending = begin(path, overwrite=overwrite, storage=storage)
+    pending = begin(path, overwrite=opts.overwrite, storage=storage)
     try:
-        reuse = reuse_from(dedup_from, part_name_for_rank(0), storage=storage) if dedup_from is not None else None
         part = write_part(
             pending,
             part_name_for_rank(0),
             state,
-            compress=compress,
-            reuse=reuse,
-            dedup=dedup or dedup_from is not None,
+            options=opts,
             step=step,
             config=config,
             data=data,
