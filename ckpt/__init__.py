@@ -118,7 +118,9 @@ def load(
     from ._torchio import load_into
 
     reader = CheckpointReader(path)
-    if part is None and "sharded" in reader.meta:
+    from .dcp.layout import is_sharded
+
+    if part is None and is_sharded(reader.manifest):
         # A sharded checkpoint (spec/sharded-format.md): DCP reshards onto this job's
         # shards, whatever the saving world size.
         from .dcp.integration import load_sharded

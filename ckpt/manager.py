@@ -164,6 +164,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 from . import _linkcheck
 from ._linkcheck import SharedFileDamagedWarning
 from .context import prime as prime_context
+from .dcp.layout import is_sharded
 from .errors import (
     BackgroundSaveError,
     CheckpointExistsError,
@@ -973,7 +974,7 @@ class CheckpointManager:
             sharded = False
             try:
                 reader = CheckpointReader(path, storage=self._storage)
-                sharded = "sharded" in reader.meta  # --- sharded hook (ckpt.dcp) ---
+                sharded = is_sharded(reader.manifest)  # --- sharded hook (ckpt.dcp) ---
                 part = None
                 if len(reader.parts) > 1 or self._dist is not None:
                     from .writer import part_name_for_rank

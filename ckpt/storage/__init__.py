@@ -33,11 +33,9 @@ from .posix import (
     LocalFile,
     LocalStorage,
     first_errno,
-    is_regular_file,
     is_space_error,
     local,
     preadv_full,
-    walk_files,
 )
 
 __all__ = [
@@ -59,8 +57,6 @@ __all__ = [
     "preadv_full",
     "first_errno",
     "is_space_error",
-    "is_regular_file",
-    "walk_files",
     "PendingCheckpoint",
     "Recovery",
 ]

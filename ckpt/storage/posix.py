@@ -16,8 +16,7 @@ import errno
 import mmap
 import os
 import shutil
-import stat
-from typing import Callable, Iterator
+from typing import Callable
 
 from .._pipeline import OrderedFeeder
 from ..errors import CkptError
@@ -408,15 +407,6 @@ def preadv_full(fd: int, buf: memoryview, offset: int, request: int = 16 << 20) 
             break
         pos += got
     return pos
-
-
-def is_regular_file(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode)
-
-
-def walk_files(path: str) -> Iterator[str]:
-    for name in sorted(os.listdir(path)):
-        yield name
 
 
 #: the process-wide local backend (what a plain path resolves to)
