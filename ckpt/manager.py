@@ -65,7 +65,11 @@ holds it for a distributed job). A second manager, in this process or another, g
 ``RunDirLockedError`` naming the holder's pid and host; the kernel drops the lock when
 the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
 cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
-by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed,
+except those a writer holds or changed within ``orphan_grace_s`` (a save that takes no
+lock may still commit them). On an object store the lock is a lease renewed by a daemon
+thread, taken over only after it expired; every commit and deletion proves it first
+(``LeaseLostError``; spec/object-storage.md §O.6).
 **Followers.** ``writer=False`` makes a manager that reads a run directory another one
 writes (replicas of one data-parallel state: one writes, every one can ``resume()`` or
 ``rewind()`` from it): it takes no lock, never saves (``save()`` refuses) and never
@@ -826,8 +830,12 @@ class CheckpointManager:
     def _take_lock(self, *, wait: bool) -> None:
         self._storage.makedirs(self.run_dir)
         owner = {"run_id": self.run_id, "world_size": self.world_size}
-        # an flock on a filesystem, a lock object on an object store (§O.6)
+        # an flock on a filesystem, a lease object on an object store (§O.6)
         self._lock = self._storage.commit.run_lock(self.run_dir, owner=owner, wait=wait)
+        # the run as its writer sees it: on an object store every commit and deletion then
+        # proves the lease first (LeaseLostError once another writer took the run over)
+        self._unlocked_storage = self._storage
+        self._storage = self._storage.commit.holding(self._lock)
         rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
         self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
 
@@ -857,6 +865,7 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
+            self._storage = self._unlocked_storage
             self._lock.release()
             self._lock = None
 

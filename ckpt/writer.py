@@ -26,9 +26,9 @@ from .context.env import capture_env
 from .context.provenance import capture_commit
 from .context.rng import capture_rng, rng_kinds
 from .context.topology import capture_topology
-from .errors import CkptError, DistributedUsageError, UnsupportedValueError
+from .errors import CkptError, DistributedUsageError, FormatError, UnsupportedValueError
 from .format import dtypes
-from .format.codec import packb, zstd_compress
+from .format.codec import packb, value_limit, zstd_compress
 from .format.digest import digest_bytes
 from .format.manifest import (
     V1,
@@ -391,7 +391,12 @@ def write_part(
         if len(raw) > k.max_state_raw_bytes:
             raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
         comp = zstd_compress(raw)
-        sname = pending.file_name(name, ".state.msgpack.zst")
+        codec: str | None = "zstd"
+        if len(raw) > value_limit(len(comp)):
+            # compresses so well that a reader could not tell it from a decompression bomb
+            # (spec §7.1: a value at most value_ratio times the file): stored as it is.
+            comp, codec = raw, None
+        sname = pending.file_name(name, ".state.msgpack.zst" if codec else ".state.msgpack")
         sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
         try:
             sink.write(comp)
@@ -416,7 +421,7 @@ def write_part(
             if f.origin is None:
                 _linkcheck.record_written(storage, os.path.join(pending.tmp_dir, f.name))
     # The state file comes first so readers can find the structure without scanning.
-    files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
+    files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, codec, len(raw) if codec else None))
     index = {f.name: i for i, f in enumerate(files)}
     tensors = [e if e.file == index[fn] else dataclasses.replace(e, file=index[fn]) for fn, e in placed]
     summary = {
@@ -454,6 +459,36 @@ def _write_whole(storage: Storage, path: str, blob: bytes) -> tuple[int, bytes]:
     except BaseException:
         sink.discard()
         raise
+
+
+def _check_replica_chains(parts: Sequence[PartEntry | PartRef], where: str) -> None:
+    """Refuse a commit whose REPLICA entries a reader would refuse (spec §9): each must
+    reach, within MAX_REPLICA_HOPS, a part of this commit that holds the entry's data.
+    A part listed by reference keeps its entries in its part manifest; a chain that
+    reaches one is left to the reader, which checks it against that manifest."""
+    from ._statecheck import MAX_REPLICA_HOPS
+
+    names = {p.name for p in parts}
+    entries = {p.name: (p.summary.get("entries") or {}) for p in parts if isinstance(p, PartEntry)}
+    for pname, es in entries.items():
+        for ename, e in es.items():
+            cur, hops = pname, 0
+            while isinstance(e, dict) and isinstance(e.get("replica_of"), str):
+                nxt = e["replica_of"]
+                hops += 1
+                if hops > MAX_REPLICA_HOPS:
+                    raise FormatError(f"entry {ename!r} of part {pname!r} is a REPLICA chain of more than "
+                                      f"{MAX_REPLICA_HOPS} hops (or a cycle); readers refuse it: name the part "
+                                      "that holds the data", path=where, key=ename)
+                if nxt not in names:
+                    raise FormatError(f"entry {ename!r} of part {cur!r} is a REPLICA of part {nxt!r}, which this "
+                                      "commit does not hold", path=where, key=ename)
+                if nxt not in entries:
+                    break  # a part by reference: its reader checks the rest
+                if ename not in entries[nxt]:
+                    raise FormatError(f"entry {ename!r} of part {cur!r} is a REPLICA of part {nxt!r}, which lacks "
+                                      "it", path=where, key=ename)
+                cur, e = nxt, entries[nxt][ename]
 
 
 def _entry_summary(obj: Any, type_name: str, counts: list[int]) -> dict[str, Any]:
@@ -499,6 +534,7 @@ def commit(
         step = parts[0].summary.get("step")
     # Sorting parts by name makes the manifest independent of arrival order.
     ordered = tuple(sorted(parts, key=lambda p: p.name))
+    _check_replica_chains(ordered, pending.final)
     manifest = Manifest(
         id=content_id(ordered),
         kind=kind,
@@ -531,10 +567,15 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     committed checkpoint (no MANIFEST) but has a complete temporary copy, the copy is
     renamed back: the new one of an interrupted save (``.tmp-<name>-<hex>``) first, else
     the old one of an interrupted overwrite (``.tmp-<name>-<hex>.old``). Then every
-    ``.tmp-*`` entry is removed, except copies of a name whose restore failed. Only the
-    process that owns the directory may call this (the manager holds the run lock):
-    another writer's save in progress would be removed. On an object store the same
-    rules are applied to prefixes (spec/object-storage.md).
+    ``.tmp-*`` entry is removed, except copies of a name whose restore failed.
+
+    A temporary directory a live writer may still commit is left alone (spec §10.4): one
+    whose ``flock`` is held (a part being written, a commit in progress: the kernel drops
+    it when its holder dies) is neither restored nor removed, and one that changed within
+    ``orphan_grace_s`` is not removed (a save between its steps holds no lock). The
+    directories acted on are held locked meanwhile, so a writer that comes back finds
+    them gone and fails with a documented error. On an object store the same rules are
+    applied to prefixes (spec/object-storage.md §O.6).
     """
     storage, root = resolve(parent, storage)
     return storage.commit.recover(root, names=names)

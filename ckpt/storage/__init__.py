@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from ._url import BACKENDS, refuse_url, unsupported, url_scheme
 from .base import FileSink, ReadHandle, Storage
@@ -59,6 +59,7 @@ __all__ = [
     "is_space_error",
     "PendingCheckpoint",
     "Recovery",
+    "FencedStorage",
 ]
 
 
@@ -76,6 +77,44 @@ def commits_by_manifest(storage: Storage) -> bool:
     warnings.warn("ckpt.storage.commits_by_manifest is deprecated: call storage.commit's methods instead",
                   DeprecationWarning, stacklevel=2)
     return isinstance(storage.commit, ManifestLastCommit)
+
+
+class Fence(Protocol):
+    """A run lease that can prove it is still held (``ckpt.storage.s3.ObjectLock``)."""
+
+    def fence(self) -> None: ...
+
+
+class FencedStorage:
+    """``storage`` as seen by the holder of a run's lease (``ManifestLastCommit.holding``):
+    every commit (``publish``), checkpoint deletion (``remove_checkpoint``) and cleanup
+    (``recover``) passes the lease's ``fence``, so a writer whose lease was taken over
+    commits and deletes nothing (``LeaseLostError``). Everything else is ``storage``
+    itself. A wrapper, not a copy: whatever wraps ``storage`` (a fault injector, a
+    counter) still sees every request, and its commit protocol is bound to this wrapper."""
+
+    def __init__(self, storage: Any, lease: Fence) -> None:
+        self.inner = storage
+        self.lease = lease
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"FencedStorage({self.inner!r})"
+
+    @property
+    def commit(self) -> Commit:
+        return self.inner.commit.over(self)  # type: ignore[no-any-return]
+
+    def publish(self, pending: PendingCheckpoint, manifest: bytes) -> None:
+        self.inner.publish(pending, manifest, fence=self.lease.fence)
+
+    def remove_checkpoint(self, path: str) -> bool:
+        return bool(self.inner.remove_checkpoint(path, fence=self.lease.fence))
+
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Recovery:
+        return self.inner.recover(parent, names=names, fence=self.lease.fence)  # type: ignore[no-any-return]
 
 
 _CACHE: dict[tuple[str, str], Any] = {}

@@ -25,16 +25,18 @@ through the wrapper, so that the wrapper sees all of them.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
 import stat
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from .._locks import flock_bounded, unlock_and_close
 from .._pipeline import Background
-from ..errors import CheckpointExistsError, CkptError, DistributedUsageError
+from ..errors import CheckpointExistsError, CkptError, DistributedUsageError, SaveConflictError
 from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, PartEntry, PartList, PartRef, check_name, decode_manifest
 from ..knobs import knobs
 
@@ -155,6 +157,12 @@ class Commit(Protocol):
         ``wait``, block until it is free where the backend can wait)."""
         ...
 
+    def holding(self, lock: RunLockHandle) -> Any:
+        """The storage the holder of ``lock`` (what :meth:`run_lock` returned) writes the run
+        through: the storage itself where the lock is the kernel's, a fenced view where it is
+        a lease that can be taken over (every commit and deletion proves it first)."""
+        ...
+
     def ledger_dir(self, run_dir: str) -> str:
         """The local directory of the run's step ledger (an append-only tape)."""
         return os.path.join(run_dir, "ledger")
@@ -201,27 +209,24 @@ class RenameCommit(Commit):
         try:
             yield
         finally:
-            if release is not None:
-                release()
+            release()
 
-    def _dir_lock(self, pending: PendingCheckpoint, *, exclusive: bool) -> Callable[[], None] | None:
+    def _dir_lock(self, pending: PendingCheckpoint, *, exclusive: bool) -> Callable[[], None]:
         """Lock the temporary directory of ``pending`` (``flock`` on the directory itself): part
         writers hold it shared, the committer exclusively. Returns what releases it (an unlock
         before the close: a close alone would leave the lock to any DataLoader worker forked
-        while it was held, ckpt._locks; a dead process's lock goes with it), or None where the
-        directory is already gone at commit (the commit reports the missing directory itself).
-        The wait is bounded (``knobs().lock_timeout_s``, WaitTimeoutError).
+        while it was held, ckpt._locks; a dead process's lock goes with it). The wait is
+        bounded (``knobs().lock_timeout_s``, WaitTimeoutError). A directory gone raises
+        ``DistributedUsageError`` for a part writer, ``SaveConflictError`` for the commit.
 
         Why: a part's files are written through open descriptors, which follow the directory
         when the commit renames it. A writer still running when a commit went ahead without its
         part (a snapshot that left a participant out) would add files that the committed MANIFEST
         does not name, and the committed checkpoint would no longer open (UnexpectedFileError)."""
-        gone = _gone(pending)
+        gone = _gone(pending, exclusive=exclusive)
         try:
             fd = os.open(pending.tmp_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            if exclusive:
-                return None
             raise gone from None
         try:
             what = ("the temporary directory, for the part writers still in flight" if exclusive
@@ -239,16 +244,46 @@ class RenameCommit(Commit):
             raise
         return lambda: unlock_and_close(fd)
 
+    def _claim(self, path: str) -> tuple[Callable[[], None] | None, float]:
+        """Lock a temporary directory exclusively without waiting (recovery): (what releases
+        it, its mtime), or (None, 0) while a writer holds it (or it cannot be locked)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None, 0.0
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            mtime = os.fstat(fd).st_mtime
+        except OSError:
+            os.close(fd)  # never locked by us: nothing to release
+            return None, 0.0
+        return (lambda: unlock_and_close(fd)), mtime
+
     def publish(self, pending: PendingCheckpoint, manifest: bytes, parts: Sequence[PartEntry | PartRef]) -> None:
         # exclusive: waits for part writers still in flight, so none adds a file after the rename
         release = self._dir_lock(pending, exclusive=True)
         try:
-            if release is not None:
-                self._drop_unnamed(pending, parts)
+            self._drop_unnamed(pending, parts)
+            self._check_named(pending, parts)
             self._write_manifest_and_rename(pending, manifest)
         finally:
-            if release is not None:
-                release()
+            release()
+
+    def _check_named(self, pending: PendingCheckpoint, parts: Sequence[PartEntry | PartRef]) -> None:
+        """Before a commit: every file the MANIFEST will name is a regular file of its
+        declared size (one lstat each). Another process may have removed a file of this save
+        (a cleanup of the run directory); committing would name a file that is not there."""
+        for fname, fsize, _ in PartList(parts).file_sizes():
+            path = os.path.join(pending.tmp_dir, fname)
+            try:
+                st = self.storage.lstat(path)
+            except FileNotFoundError:
+                raise SaveConflictError("a file of this save was removed before its commit (another process "
+                                        "cleaned the run directory?); nothing was committed", path=path) from None
+            if not stat.S_ISREG(st.st_mode) or st.st_size != fsize:
+                raise SaveConflictError(f"a file of this save is not the regular file of {fsize} bytes it was written "
+                                        "as (another process replaced it); nothing was committed", path=path)
 
     def _drop_unnamed(self, pending: PendingCheckpoint, parts: Sequence[PartEntry | PartRef]) -> None:
         """Before a commit: remove what the parts being committed do not name (a part left
@@ -331,12 +366,45 @@ class RenameCommit(Commit):
         storage.remove_tree(aside)  # no fsync needed: see the exchange case above
 
     def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Recovery:
-        storage, root = self.storage, parent
+        """See ``ckpt.writer.recover``. A temporary directory a live writer may still commit
+        is left alone (spec §10.4): one whose lock is held (a part being written, a commit in
+        progress: the kernel drops an ``flock`` when its holder dies) is neither restored nor
+        removed, and one changed within ``orphan_grace_s`` is not removed (a save between its
+        steps holds no lock). The directories acted on stay locked meanwhile, so a writer that
+        comes back finds them gone and fails with a documented error."""
         try:
-            entries = sorted(storage.listdir(root))
+            entries = sorted(self.storage.listdir(parent))
         except FileNotFoundError:
             return Recovery((), ())
-        tmps = [n for n in entries if n.startswith(TMP_PREFIX)]
+        held: list[Callable[[], None]] = []  # temporary directories this call locked (none is in use)
+        try:
+            return self._recover(parent, entries, names, held)
+        finally:
+            for release in held:
+                release()  # explicit unlock: a worker forked meanwhile shares the lock
+
+    def _recover(self, root: str, entries: list[str], names: Callable[[str], bool] | None,
+                 held: list[Callable[[], None]]) -> Recovery:
+        storage = self.storage
+        cutoff = time.time() - knobs().orphan_grace_s
+        tmps: list[str] = []
+        young: set[str] = set()
+        for t in (n for n in entries if n.startswith(TMP_PREFIX)):
+            path = os.path.join(root, t)
+            try:
+                is_dir = stat.S_ISDIR(storage.lstat(path).st_mode)
+            except FileNotFoundError:
+                continue
+            if not is_dir:
+                tmps.append(t)  # not a directory: nothing writes into it
+                continue
+            release, mtime = self._claim(path)
+            if release is None:
+                continue  # a live writer's: not ours to touch
+            held.append(release)
+            tmps.append(t)
+            if mtime >= cutoff:
+                young.add(t)
         by_name: dict[str, list[tuple[int, str]]] = {}
         for t in tmps:
             m = _TMP_RE.match(t)
@@ -372,7 +440,7 @@ class RenameCommit(Commit):
         removed = []
         done = {t for t, _ in restored}
         for t in tmps:
-            if t in done or t in keep:
+            if t in done or t in keep or t in young:
                 continue
             storage.remove_tree(os.path.join(root, t))
             removed.append(t)
@@ -405,11 +473,20 @@ class RenameCommit(Commit):
 
         return RunLock.acquire(run_dir, owner=owner, wait=wait)
 
+    def holding(self, lock: RunLockHandle) -> Any:
+        return self.storage  # a kernel lock: held until its holder dies, nothing to prove
 
-def _gone(pending: PendingCheckpoint) -> DistributedUsageError:
+
+def _gone(pending: PendingCheckpoint, *, exclusive: bool) -> CkptError:
+    if exclusive:
+        return SaveConflictError(
+            "the checkpoint's temporary directory is gone before its commit: another process removed it "
+            "(a cleanup of the run directory), or it was already committed or aborted; nothing was committed",
+            path=pending.tmp_dir)
     return DistributedUsageError(
         "the checkpoint's temporary directory is gone: it was committed or aborted before this "
-        "part was written (a part written after the commit is not part of it)", path=pending.final)
+        "part was written (a part written after the commit is not part of it), or another process's "
+        "cleanup removed it", path=pending.final)
 
 
 def is_complete(storage: Any, path: str) -> bool:
@@ -436,13 +513,17 @@ def is_complete(storage: Any, path: str) -> bool:
 
 class ObjectStore(Protocol):
     """The requests an object store makes for :class:`ManifestLastCommit`
-    (spec/object-storage.md §O.3-§O.6): conditional puts and deletes only it can make."""
+    (spec/object-storage.md §O.3-§O.6): conditional puts and deletes only it can make.
+    ``fence``, where given, proves the run's lease (§O.6): called right before the
+    MANIFEST put and before any deletion; it raises ``LeaseLostError`` once the lease was
+    taken over."""
 
     def begin(self, final: str, *, overwrite: bool) -> PendingCheckpoint: ...
-    def publish(self, pending: PendingCheckpoint, manifest: bytes) -> None: ...
+    def publish(self, pending: PendingCheckpoint, manifest: bytes, *, fence: Callable[[], None] | None = None) -> None: ...
     def abort(self, pending: PendingCheckpoint) -> None: ...
-    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Recovery: ...
-    def remove_checkpoint(self, path: str) -> bool: ...
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None,
+                fence: Callable[[], None] | None = None) -> Recovery: ...
+    def remove_checkpoint(self, path: str, *, fence: Callable[[], None] | None = None) -> bool: ...
     def lock(self, run_dir: str, *, owner: dict[str, object] | None = None) -> RunLockHandle: ...
     def ledger_dir(self, run_dir: str) -> str: ...
 
@@ -481,6 +562,13 @@ class ManifestLastCommit(Commit):
             raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
                             "object cannot be waited for)", path=run_dir)
         return self.store.lock(run_dir, owner=owner)
+
+    def holding(self, lock: RunLockHandle) -> Any:
+        # A lease, not a kernel lock: every commit and deletion proves it first
+        # (LeaseLostError once another writer took the run over after it expired).
+        from . import FencedStorage
+
+        return FencedStorage(self.store, lock)  # type: ignore[arg-type]
 
     def ledger_dir(self, run_dir: str) -> str:
         return self.store.ledger_dir(run_dir)

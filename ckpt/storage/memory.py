@@ -379,6 +379,13 @@ class _RWLock:
             else:
                 self._readers += 1
 
+    def try_exclusive(self) -> bool:
+        with self._cond:
+            if self._writer or self._readers:
+                return False
+            self._writer = True
+            return True
+
     def idle(self) -> bool:
         with self._cond:
             return not self._writer and not self._readers
@@ -418,14 +425,12 @@ class MemoryCommit(RenameCommit):
     def over(self, storage: Any) -> Commit:
         return MemoryCommit(storage, self.mem)
 
-    def _dir_lock(self, pending: PendingCheckpoint, *, exclusive: bool) -> Callable[[], None] | None:
+    def _dir_lock(self, pending: PendingCheckpoint, *, exclusive: bool) -> Callable[[], None]:
         mem = self.mem
         with mem._lock:
             node = mem._find(pending.tmp_dir)
             if not isinstance(node, _Dir):
-                if exclusive:
-                    return None  # the commit reports the missing directory itself
-                raise _gone(pending)
+                raise _gone(pending, exclusive=exclusive)
             lock = mem._dir_locks.setdefault(node.ino, _RWLock())
         what = ("the temporary directory, for the part writers still in flight" if exclusive
                 else "the temporary directory, for the commit in progress")
@@ -441,8 +446,27 @@ class MemoryCommit(RenameCommit):
 
         if not same:  # renamed into place (committed) or removed while we waited
             release()
-            raise _gone(pending)
+            raise _gone(pending, exclusive=exclusive)
         return release
+
+    def _claim(self, path: str) -> tuple[Callable[[], None] | None, float]:
+        mem = self.mem
+        with mem._lock:
+            node = mem._find(path)
+            if not isinstance(node, _Dir):
+                return None, 0.0
+            lock = mem._dir_locks.setdefault(node.ino, _RWLock())
+            if not lock.try_exclusive():
+                return None, 0.0  # a writer holds it
+            mtime = node.mtime_ns / 1e9
+
+        def release() -> None:
+            lock.release(exclusive=True)
+            with mem._lock:
+                if lock.idle():
+                    mem._dir_locks.pop(node.ino, None)
+
+        return release, mtime
 
     def run_lock(self, run_dir: str, *, owner: dict[str, object] | None = None, wait: bool = False) -> RunLockHandle:
         mem = self.mem
@@ -463,6 +487,9 @@ class MemoryCommit(RenameCommit):
                 mem._run_cond.wait(left)
             mem._run_locks[key] = {"pid": os.getpid(), **(owner or {})}
         return _RunLock(mem, key)
+
+    def holding(self, lock: RunLockHandle) -> Any:
+        return self.storage  # held until released: nothing to prove
 
     def ledger_dir(self, run_dir: str) -> str:
         # The ledger is an append-only local tape: kept beside, in a local temporary directory.

@@ -352,17 +352,17 @@ class FaultyStorage:
     def begin(self, final: str, *, overwrite: bool) -> Any:
         return self._store_call("begin", final, overwrite=overwrite)
 
-    def publish(self, pending: Any, manifest: bytes) -> None:
-        self._store_call("publish", pending, manifest)
+    def publish(self, pending: Any, manifest: bytes, **fence: Any) -> None:
+        self._store_call("publish", pending, manifest, **fence)
 
     def abort(self, pending: Any) -> None:
         self._store_call("abort", pending)
 
-    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Any:
-        return self._store_call("recover", parent, names=names)
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None, **fence: Any) -> Any:
+        return self._store_call("recover", parent, names=names, **fence)
 
-    def remove_checkpoint(self, path: str) -> bool:
-        return bool(self._store_call("remove_checkpoint", path))
+    def remove_checkpoint(self, path: str, **fence: Any) -> bool:
+        return bool(self._store_call("remove_checkpoint", path, **fence))
 
     def lock(self, run_dir: str, *, owner: dict[str, object] | None = None) -> Any:
         return self._store_call("lock", run_dir, owner=owner)

@@ -14,7 +14,14 @@ import torch
 
 import ckpt
 from ckpt import CheckpointManager, RetentionPolicy, list_checkpoints
-from ckpt.errors import CheckpointExistsError, DistributedUsageError, RunDirLockedError, UnexpectedFileError
+from ckpt.knobs import override
+from ckpt.errors import (
+    CheckpointExistsError,
+    DistributedUsageError,
+    RunDirLockedError,
+    SaveConflictError,
+    UnexpectedFileError,
+)
 from ckpt.storage import RenameCommit
 from ckpt.storage.memory import MemoryCommit, MemoryStorage
 from ckpt.writer import begin, commit, part_name_for_rank, recover, write_part
@@ -124,6 +131,9 @@ def test_crash_leftovers_are_recovered_and_overwrite_exchanges() -> None:
     mem.rename_dir("/r/step-00000001", "/r/.tmp-step-00000001-0123456789ab.old")
     rec = recover("/r", storage=mem)
     assert rec.restored == ((".tmp-step-00000001-0123456789ab.old", "step-00000001"),)
+    assert rec.removed == ()  # the crashed save changed just now: a live writer may still commit it
+    with override(orphan_grace_s=0):
+        rec = recover("/r", storage=mem)
     assert rec.removed == (os.path.basename(pending.tmp_dir),)
     assert mem.listdir("/r") == ["step-00000001"]
     # overwrite: one atomic exchange, the old copy removed
@@ -169,3 +179,15 @@ def test_dedup_shares_unchanged_files_by_link() -> None:
     one.verify()
     two.verify()
     assert torch.equal(two.tensor("m/emb"), frozen["emb"])
+
+
+def test_recovery_leaves_a_save_whose_part_writer_holds_the_lock() -> None:
+    mem = MemoryStorage()
+    pending = begin("/g/step-1", storage=mem)
+    with override(orphan_grace_s=0):
+        with mem.commit.part_lock(pending, exclusive=False):  # a part being written
+            assert recover("/g", storage=mem).removed == ()
+            assert mem.isdir(pending.tmp_dir)
+        assert recover("/g", storage=mem).removed == (os.path.basename(pending.tmp_dir),)
+    with pytest.raises(SaveConflictError):  # its commit finds the directory gone
+        commit(pending, [], storage=mem)
