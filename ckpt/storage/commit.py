@@ -50,6 +50,7 @@ __all__ = [
     "Recovery",
     "tmp_name",
     "is_complete",
+    "recoverable",
     "OLD_SUFFIX",
     "DEL_SUFFIX",
 ]
@@ -411,11 +412,7 @@ class RenameCommit(Commit):
             if not m or m.group("suffix") == DEL_SUFFIX:
                 continue
             name = m.group("name")
-            try:
-                check_name(name, what="checkpoint directory")
-            except CkptError:
-                continue
-            if names is not None and not names(name):
+            if not recoverable(name, names):
                 continue
             # Preference: the new copy (its save had finished writing) before the old one.
             by_name.setdefault(name, []).append((1 if m.group("suffix") == OLD_SUFFIX else 0, t))
@@ -487,6 +484,16 @@ def _gone(pending: PendingCheckpoint, *, exclusive: bool) -> CkptError:
         "the checkpoint's temporary directory is gone: it was committed or aborted before this "
         "part was written (a part written after the commit is not part of it), or another process's "
         "cleanup removed it", path=pending.final)
+
+
+def recoverable(name: str, names: Callable[[str], bool] | None) -> bool:
+    """Whether recovery may act on the checkpoint name ``name``: a valid name that
+    ``names`` (the caller's filter, such as the manager's ``step-*``) accepts."""
+    try:
+        check_name(name, what="checkpoint directory")
+    except CkptError:
+        return False
+    return names is None or bool(names(name))
 
 
 def is_complete(storage: Any, path: str) -> bool:

@@ -35,10 +35,10 @@ from obstore.store import S3Store
 
 from ..errors import CheckpointExistsError, CkptError, FormatError, SaveConflictError, StorageError, UnsafePathError
 from ..format.digest import ChunkHasher
-from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, check_name, decode_manifest
+from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest
 from ._objlock import LOCK_NAME, ObjectLock
 from .base import Storage
-from .commit import Commit, ManifestLastCommit
+from .commit import Commit, ManifestLastCommit, recoverable
 
 __all__ = ["S3Storage", "S3File", "ObjectLock", "bucket_of", "Stats"]
 
@@ -498,13 +498,8 @@ class S3Storage(Storage):
         cutoff = self._store_now(parent) - knobs().orphan_grace_s
         for name in children:
             child = f"{parent}/{name}"
-            if not name.startswith(TMP_PREFIX):
-                try:
-                    check_name(name, what="checkpoint directory")
-                except CkptError:
-                    continue
-                if names is not None and not names(name):
-                    continue
+            if not name.startswith(TMP_PREFIX) and not recoverable(name, names):
+                continue
             objs = self._orphans(child, cutoff)
             if objs:
                 self.delete(objs)

@@ -291,20 +291,16 @@ class FaultyStorage:
             self._name("rename", dst, src, (os.path.dirname(src), os.path.dirname(dst)))
 
     def remove_tree(self, path: str) -> None:
-        self._op_plain("remove_tree", path)
-        if self.scheme != "file" or self._trash is None or not os.path.lexists(path):
-            self.inner.remove_tree(path)
-            return
-        self._to_trash(path)
+        self._remove("remove_tree", path, self.inner.remove_tree)
 
     def remove_file(self, path: str) -> None:
-        self._op_plain("remove_file", path)
-        if self.scheme != "file" or self._trash is None or not os.path.lexists(path):
-            self.inner.remove_file(path)
-            return
-        self._to_trash(path)
+        self._remove("remove_file", path, self.inner.remove_file)
 
-    def _to_trash(self, path: str) -> None:
+    def _remove(self, op: str, path: str, remove: Callable[[str], None]) -> None:
+        self._op_plain(op, path)
+        if self.scheme != "file" or self._trash is None or not os.path.lexists(path):
+            remove(path)
+            return
         # kept in the trash, so that a power loss before the parent's fsync can bring it back
         with self._lock:
             self._trash_n += 1
