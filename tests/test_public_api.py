@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # every package a user imports from: the two libraries and each public subpackage their __all__ names
 PUBLIC = ["ckpt", "replay", "ckpt_cli", "ckpt.data", "ckpt.errors", "ckpt.rng", "ckpt.ledger", "ckpt.diff",
-          "ckpt.guard", "ckpt.stream", "replay.errors", "replay.channel", "replay.snapshot", "replay.sdc"]
+          "ckpt.guard", "ckpt.stream", "replay.errors", "replay.channel", "replay.snapshot", "replay.sdc",
+          "replay.watchdog"]
 
 
 @pytest.mark.parametrize("package", PUBLIC)
