@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata,torchft,s3]'
 	touch $@
 
-.PHONY: venv demo test bench fuzz clean
+.PHONY: venv demo test check busy-test busy-demos bench fuzz clean
 venv: $(BIN)/.installed
 
 # the demo refuses a used directory (it never overwrites a tape): start demo-out afresh
@@ -20,8 +20,24 @@ demo: venv
 	rm -rf demo-out
 	$(BIN)/ckpt demo --out demo-out
 
+# Every bound in the suite is a hang detector, never a speed verdict; on a machine loaded far
+# beyond 2x its cores, CKPT_TIMEOUT_SCALE=4 (say) widens them all (a hang dumps every stack).
 test: venv
 	$(BIN)/python -m pytest -q -m "not cuda"
+
+# the edit-test loop: the unit tier (no multi-process runs, no demos)
+check: venv
+	$(BIN)/python -m pytest -q -m "not cuda and not slow"
+
+# the suite and the demos on a busy machine: four CPU hogs beside them (bench/busy.py)
+BUSY_RUNS ?= 1
+busy-test: venv
+	$(BIN)/python bench/busy.py --runs $(BUSY_RUNS) -- $(BIN)/python -m pytest -q -m "not cuda"
+
+BUSY_DEMOS ?= diloco stages basic replicas rollback
+busy-demos: venv
+	for d in $(BUSY_DEMOS); do $(BIN)/python bench/busy.py --runs $(BUSY_RUNS) --demo $$d --quick || exit 1; \
+	  $(BIN)/python bench/busy.py --runs $(BUSY_RUNS) --demo $$d || exit 1; done
 
 bench: venv
 	for b in save_load async_save resume tape ledger snapshot replicas cli_hf object_store compress dedup scale stages optim_startup; do $(BIN)/python bench/$$b.py || exit 1; done

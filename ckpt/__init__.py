@@ -21,11 +21,13 @@ __version__ = "0.1.0"
 from .errors import CkptError  # noqa: E402
 from .format.manifest import TMP_PREFIX  # noqa: E402
 from .reader import CheckpointReader  # noqa: E402
+from .save_options import SaveOptions  # noqa: E402
 from .stateful import Stateful  # noqa: E402
 
 __all__ = [
     "__version__",
     "save",
+    "SaveOptions",
     "load",
     "open",
     "begin",
@@ -59,12 +61,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from .writer import CheckpointInfo, PendingCheckpoint, abort, begin, commit, write_part
 
 
-def save(path: Any, state: Any, *, ledger: bool = True, **kwargs: Any) -> "CheckpointInfo":
+def save(path: Any, state: Any, *, options: "SaveOptions | None" = None, ledger: bool = True,
+         **kwargs: Any) -> "CheckpointInfo":
     """Save all seven fields of the training state, atomically (``ckpt.writer.save``).
 
     A state whose modules, optimizers or tensors are DTensors (FSDP2, tensor parallel)
     is sharded: every rank calls ``save`` with its own shards and the checkpoint is
     written through DCP, one part per rank (``ckpt.dcp``, spec/sharded-format.md).
+
+    ``options`` (:class:`SaveOptions`, or its fields as keywords: ``compress=``,
+    ``dedup=``, ...) is passed on unchanged; an option the chosen path does not support
+    (``compress`` for sharded state) raises ``SaveOptionError`` naming it.
 
     ``ledger``: feed the default step ledger (``ckpt.ledger.auto``): from the first
     save or load on, every optimizer step is recorded in ``ledger/`` next to the
@@ -77,7 +84,7 @@ def save(path: Any, state: Any, *, ledger: bool = True, **kwargs: Any) -> "Check
     if holds_dtensor(state):  # --- sharded state hook (ckpt.dcp) ---
         from .dcp.integration import save_sharded
 
-        return save_sharded(path, state, **kwargs)
+        return save_sharded(path, state, options=options, **kwargs)
     from .writer import save as _save
 
     if ledger:
@@ -86,7 +93,7 @@ def save(path: Any, state: Any, *, ledger: bool = True, **kwargs: Any) -> "Check
         mark = before_save(path, state, kwargs)
         if mark:
             kwargs["meta"] = {**(kwargs.get("meta") or {}), **mark}
-    return _save(path, state, **kwargs)
+    return _save(path, state, options=options, **kwargs)
 
 
 def open(path: Any, **kwargs: Any) -> CheckpointReader:  # noqa: A001 - mirrors the builtin on purpose
@@ -131,7 +138,9 @@ def load(
     from ._torchio import load_into
 
     reader = CheckpointReader(path)
-    if part is None and "sharded" in reader.meta:
+    from .dcp.layout import is_sharded
+
+    if part is None and is_sharded(reader.manifest):
         # A sharded checkpoint (spec/sharded-format.md): DCP reshards onto this job's
         # shards, whatever the saving world size.
         from .dcp.integration import load_sharded

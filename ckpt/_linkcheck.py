@@ -83,12 +83,10 @@ def identity(storage: Any, path: str) -> Identity | None:
     st = storage.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         return None
-    etag_of = getattr(storage, "etag", None)
-    if callable(etag_of):
-        etag = etag_of(path)
-        if not etag:
-            return None
-        return Identity(("etag", getattr(storage, "bucket", ""), etag, st.st_size), (etag, st.st_size), st.st_size, True)
+    etag = storage.etag(path)
+    if etag:  # an object store: known by its bucket (the URL's authority) and ETag
+        where = path.split("/", 3)[2] if "://" in path else ""
+        return Identity(("etag", storage.scheme, where, etag, st.st_size), (etag, st.st_size), st.st_size, True)
     if not st.st_ino:
         return None
     return Identity(("inode", st.st_dev, st.st_ino), (st.st_size, st.st_mtime_ns), st.st_size, False)

@@ -28,13 +28,11 @@ from ._linkcheck import SharedFileDamagedWarning, check_linked
 from ._tensorbytes import tensor_memoryview
 from .errors import CkptError
 from .knobs import knobs
+from .save_options import Compress
 from .storage import Storage
 
 __all__ = ["Compress", "Reuse", "Layout", "plan", "write_packed", "link_shared", "compress_policy", "reuse_from"]
 
-#: ``compress=`` of a save: off, every float tensor, the tensors under these top-level
-#: entries, or a callable ``(key, dtype name, nbytes) -> bool``
-Compress = bool | Sequence[str] | Callable[[str, str, int], bool] | None
 
 _FLOATS = frozenset(("float16", "bfloat16", "float32", "float64"))
 
@@ -216,18 +214,18 @@ def link_shared(
     server-side copy, the source gone), or whose bytes are not what its MANIFEST declares,
     is written instead from the tensors in memory: its tensors go back to
     ``layout.plain``/``layout.packed``, and the new files are named after their final
-    content. A damaged one is reported (``SharedFileDamagedWarning``); a local link stays in
-    the temporary directory under a name the new files avoid, unnamed by the MANIFEST, and
-    the commit removes it (``writer._drop_unnamed``); an object store's copy is deleted."""
+    content. A damaged one is reported (``SharedFileDamagedWarning``) and its link removed at
+    once; the new files avoid its name, and a link that could not be removed, unnamed by the
+    MANIFEST, is dropped by a filesystem's commit and ignored by an object store's readers."""
     done: list[tuple[FileEntry, list[TensorEntry]]] = []
     keep: list[Shared] = []
     damaged: list[str] = []
-    link = getattr(storage, "link", None)  # a backend without it writes the bytes (§V.4.5)
-    if layout.shared and _parent(_parent(layout.shared[0].source)) != _parent(tmp_dir):
-        link = None  # §V.4.2 rule 1: only from a checkpoint of the same run directory
+    # §V.4.2 rule 1: only from a checkpoint of the same run directory; a backend that cannot
+    # link (Storage.link False) writes the bytes (§V.4.5)
+    same_run = not layout.shared or _parent(_parent(layout.shared[0].source)) == _parent(tmp_dir)
     for s in layout.shared:
         dst = os.path.join(tmp_dir, s.entry.name)
-        if link is not None and link(s.source, dst):
+        if same_run and storage.link(s.source, dst):
             # Checked where it now stands: the bytes checked are the bytes committed.
             why = check_linked(storage, dst, s.entry)
             if why is None:
@@ -238,12 +236,10 @@ def link_shared(
                 continue
             damaged.append(s.entry.name)
             _warn_damaged(s.source, why)
-            drop = getattr(storage, "delete", None)
-            if callable(drop):  # an object store's copy: it holds the damaged bytes under a name
-                try:            # that would make this checkpoint look damaged to retention
-                    drop([dst])
-                except OSError:
-                    pass  # left unnamed: readers ignore it, and retention keeps more, never less
+            try:  # the damaged bytes under a name: on an object store, where readers ignore
+                storage.remove_file(dst)  # unnamed objects, it would make this checkpoint
+            except OSError:               # look damaged to retention
+                pass  # left unnamed: the commit drops it, or readers ignore it
         for e in s.tensors:
             (layout.packed if layout.encode[e.key] else layout.plain).append((e.key, layout.tensors[e.key]))
     if len(keep) != len(layout.shared):

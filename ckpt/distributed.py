@@ -27,6 +27,7 @@ interleaves with the training loop's own collectives on the default group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Mapping, Sequence
 
@@ -38,6 +39,7 @@ from .errors import CkptError
 from ._partfiles import Reuse
 from .format.manifest import Manifest, part_record
 from .knobs import knobs
+from .save_options import SaveOptions, options_from
 from .storage import Storage, first_errno, resolve
 from .writer import PendingCheckpoint, Replicated, abort, begin, commit, part_name_for_rank, write_part
 
@@ -62,6 +64,10 @@ def _error_record(e: BaseException) -> dict[str, Any]:
 
 def _unpack(b: bytes) -> Any:
     return msgpack.unpackb(b, raw=False, strict_map_key=False)
+
+
+#: the options of a collective save (every rank writes one part)
+DISTRIBUTED_SAVE_SUPPORTS = frozenset({"overwrite", "compress", "dedup", "dedup_from", "reuse", "part_manifests"})
 
 
 class DistributedCheckpointer:
@@ -131,16 +137,27 @@ class DistributedCheckpointer:
         reuse: Reuse | None = None,
         dedup: bool = False,
         part_manifests: bool | None = None,
+        options: SaveOptions | None = None,
     ) -> Manifest | None:
         """Collective save. Returns the manifest on rank 0 and ``None`` elsewhere.
 
-        ``compress``, ``reuse`` (this rank's part of the previous checkpoint) and ``dedup``
-        are as for ``ckpt.write_part`` (format 2.0). ``part_manifests``: list parts by
-        reference (default: when the job has more ranks than ``CKPT_INLINE_PARTS_MAX``).
+        ``options`` (``ckpt.SaveOptions``, or the same as keywords): ``overwrite``;
+        ``compress``, ``reuse`` (this rank's part of the previous checkpoint), ``dedup_from``
+        (that checkpoint's directory) and ``dedup`` as for ``ckpt.write_part`` (format 2.0);
+        ``part_manifests``: list parts by reference (default: when the job has more ranks
+        than ``CKPT_INLINE_PARTS_MAX``). ``this_rank_only`` is refused (``SaveOptionError``):
+        every rank writes its part.
         """
+        opts = options_from(options, where="DistributedCheckpointer.save", path=os.fspath(path), overwrite=overwrite,
+                            compress=compress, reuse=reuse, dedup=dedup, part_manifests=part_manifests)
+        opts.refuse_unsupported(DISTRIBUTED_SAVE_SUPPORTS, "DistributedCheckpointer.save",
+                                "every rank writes its own part of one checkpoint", path=os.fspath(path))
         storage, final = resolve(path, storage)
+        overwrite = opts.overwrite
+        part_manifests = opts.part_manifests
         if part_manifests is None:
             part_manifests = self.world_size > knobs().inline_parts_max
+            opts = dataclasses.replace(opts, part_manifests=part_manifests)
         # 1. rank 0 creates the temporary directory
         if self.rank == 0:
             try:
@@ -180,9 +197,7 @@ class DistributedCheckpointer:
                 lineage=lineage,
                 code_dir=code_dir,
                 storage=storage,
-                compress=compress,
-                reuse=reuse,
-                dedup=dedup,
+                options=opts,
             )
             report = _pack({"part": part.to_dict()})
         except Exception as e:  # noqa: BLE001

@@ -27,6 +27,8 @@ keeps working for callers who do not know this package::
     │                                                     fit the run's checkpoint (nothing changed)
     ├── EnvironmentMismatchError     (RuntimeError)       strict exactness gate refused
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
+    ├── SaveOptionError              (TypeError)          a save option this save path does not
+    │                                                     support (named), or given twice, differently
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
     ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
     │   └── LeaseLostError                               this writer's lease on the run was taken over
@@ -73,6 +75,7 @@ __all__ = [
     "ResumeMismatchError",
     "EnvironmentMismatchError",
     "UnsupportedValueError",
+    "SaveOptionError",
     "BackgroundSaveError",
     "TapeDataError",
     "TapeCorruptError",
@@ -243,6 +246,13 @@ class EnvironmentMismatchError(CkptError, RuntimeError):
 
 class UnsupportedValueError(CkptError, TypeError):
     """A value in the state cannot be represented without pickle."""
+
+
+class SaveOptionError(CkptError, TypeError):
+    """A save option (``ckpt.SaveOptions``) that this save path does not support, such as
+    ``compress=`` for a sharded (DCP) save, or one given both as a keyword and in
+    ``options=`` with different values. Raised before anything is written; ``options``
+    names the refused options and ``supports`` what this path takes."""
 
 
 class BackgroundSaveError(CkptError, RuntimeError):

@@ -28,6 +28,16 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw else default
 
 
+def _env_scale(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    value = float(raw)
+    if not value > 0:  # NaN, zero or negative would turn every hang bound into an instant verdict
+        raise ValueError(f"{name}={raw!r}: a positive number is required")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Knobs:
     #: bytes per digest chunk; 4 MiB keeps Python per-call overhead invisible and
@@ -87,6 +97,10 @@ class Knobs:
     #: a step ledger outside it is refused (two runs writing one place would be compared
     #: with themselves).
     check_run_dir: str = os.environ.get("CKPT_CHECK_RUN", "")
+    #: multiplies every hang bound (``replay.watchdog.hang_bound``): the runs', the demos'
+    #: and the test suite's. Bounds only catch hangs, never judge speed; raise it on a
+    #: machine so loaded that a step can stall for minutes (e.g. ``CKPT_TIMEOUT_SCALE=4``).
+    timeout_scale: float = _env_scale("CKPT_TIMEOUT_SCALE", 1.0)
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB

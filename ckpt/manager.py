@@ -151,6 +151,7 @@ resumable mid-epoch; use ``ckpt.data``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import re
@@ -167,6 +168,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 from . import _linkcheck
 from ._linkcheck import SharedFileDamagedWarning
 from .context import prime as prime_context
+from .dcp.layout import is_sharded
 from .errors import (
     BackgroundSaveError,
     CheckpointExistsError,
@@ -182,9 +184,9 @@ from .errors import (
 from .format.manifest import MANIFEST_NAME, decode_manifest
 from .knobs import knobs
 from .reader import CheckpointReader
-from .runlock import RunLock
-from .storage import FencedStorage, Storage, commits_by_manifest, is_space_error, resolve
-from .writer import DEL_SUFFIX, recover, tmp_name
+from .save_options import SaveOptions
+from .storage import Storage, is_space_error, resolve
+from .writer import recover
 
 __all__ = [
     "CheckpointManager",
@@ -286,8 +288,7 @@ def list_checkpoints(
 ) -> list[CheckpointRecord]:
     """``step-*`` directories of a run, oldest first. Temporary dirs are never listed."""
     storage, root = resolve(run_dir, storage)
-    if not commits_by_manifest(storage):
-        root = os.fspath(run_dir)  # as given: records name paths the way the caller did
+    root = storage.commit.record_path(os.fspath(run_dir), root)
     try:
         names = storage.listdir(root)
     except FileNotFoundError:
@@ -544,6 +545,9 @@ class CheckpointManager:
         #: did not change (hard links); every ``dedup_full_every``-th save writes everything
         self.compress = compress
         self.dedup = dedup
+        #: how every save of this manager is written, passed on unchanged (``overwrite``: a
+        #: step re-run after falling back past a corrupt checkpoint replaces it)
+        self.save_options = SaveOptions(overwrite=True, compress=compress, dedup=dedup)
         self.dedup_full_every = dedup_full_every
         self._dedup_source: str | None = None  # the checkpoint the next save may share files of
         self._dedup_saves = 0
@@ -605,12 +609,16 @@ class CheckpointManager:
 
         #: DTensor state (FSDP2/TP): saved and resumed through ckpt.dcp (sharded hook)
         self.sharded = holds_dtensor(self.state)
+        if self.sharded:
+            from .dcp.integration import refuse_sharded_options
+
+            refuse_sharded_options(self.save_options, self.run_dir, where="CheckpointManager on sharded (DTensor) state")
         if missing := [k for k in self.replicated if k not in self.state]:
             raise ValueError(f"replicated entries {missing} are not in the state")
 
         # One writer per run directory: rank 0 holds the lock for the whole job, taken
         # before orphan cleanup (which would otherwise delete a live writer's saves).
-        self._lock: Any = None  # RunLock, or an object store's lock object
+        self._lock: Any = None  # what storage.commit.run_lock returned (an flock, a lock object)
         self.removed_orphans: tuple[str, ...] = ()
         #: (temporary name, step name) of complete copies put back after a crash
         self.restored_orphans: tuple[tuple[str, str], ...] = ()
@@ -732,10 +740,8 @@ class CheckpointManager:
         root = os.environ.get(ENV_DIR)
         if root:
             directory = os.path.join(root, os.path.basename(self.run_dir))
-        elif commits_by_manifest(self._storage):  # an append-only tape needs a local file
-            directory = self._storage.ledger_dir(self.run_dir)  # type: ignore[attr-defined]
-        else:
-            directory = os.path.join(self.run_dir, "ledger")
+        else:  # an append-only tape: a local file, beside the run where it is local
+            directory = self._storage.commit.ledger_dir(self.run_dir)
         if self.world_size > 1:
             directory = os.path.join(directory, f"rank-{self.rank:05d}")
         modules = {k: v for k, v in self.state.items() if hasattr(v, "named_parameters")}
@@ -826,16 +832,12 @@ class CheckpointManager:
     def _take_lock(self, *, wait: bool) -> None:
         self._storage.makedirs(self.run_dir)
         owner = {"run_id": self.run_id, "world_size": self.world_size}
-        if commits_by_manifest(self._storage):  # an object store: a lock object (§O.6)
-            if wait:
-                raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
-                                "object cannot be waited for)", path=self.run_dir)
-            self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
-            # A lease, not a kernel lock: every commit and deletion proves it first
-            # (LeaseLostError once another writer took the run over after it expired).
-            self._storage = FencedStorage(self._storage, self._lock)
-        else:
-            self._lock = RunLock.acquire(self.run_dir, owner=owner, wait=wait)
+        # an flock on a filesystem, a lease object on an object store (§O.6)
+        self._lock = self._storage.commit.run_lock(self.run_dir, owner=owner, wait=wait)
+        # the run as its writer sees it: on an object store every commit and deletion then
+        # proves the lease first (LeaseLostError once another writer took the run over)
+        self._unlocked_storage = self._storage
+        self._storage = self._storage.commit.holding(self._lock)
         rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
         self.removed_orphans, self.restored_orphans = rec.removed, rec.restored
 
@@ -865,8 +867,7 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
-            if isinstance(self._storage, FencedStorage):
-                self._storage = self._storage.inner
+            self._storage = self._unlocked_storage
             self._lock.release()
             self._lock = None
 
@@ -987,7 +988,7 @@ class CheckpointManager:
             sharded = False
             try:
                 reader = CheckpointReader(path, storage=self._storage)
-                sharded = "sharded" in reader.meta  # --- sharded hook (ckpt.dcp) ---
+                sharded = is_sharded(reader.manifest)  # --- sharded hook (ckpt.dcp) ---
                 part = None
                 if len(reader.parts) > 1 or self._dist is not None:
                     from .writer import part_name_for_rank
@@ -1279,7 +1280,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         freed: tuple[str, ...] = ()
         try:
-            reuse = self._reuse()
+            options = dataclasses.replace(self.save_options, reuse=self._reuse())
             if self._space_short and self.rank == 0:
                 # The disk filled up before: retention after a commit can never run
                 # again if no commit fits, so delete now what the commit would delete.
@@ -1295,17 +1296,12 @@ class CheckpointManager:
                     extra=job.extra,
                     lineage=job.lineage,
                     meta=job.meta,
-                    overwrite=True,
                     code_dir=self.code_dir,
                     storage=self._storage,
-                    compress=self.compress,
-                    reuse=reuse,
-                    dedup=self.dedup,
+                    options=options,
                 )
             else:
-                # overwrite: a step re-run after falling back past a corrupt checkpoint
-                # replaces it (commit moves the old one aside first).
-                pending = begin(job.path, overwrite=True, storage=self._storage)
+                pending = begin(job.path, overwrite=options.overwrite, storage=self._storage)
                 try:
                     part = write_part(
                         pending,
@@ -1319,9 +1315,7 @@ class CheckpointManager:
                         lineage=job.lineage,
                         code_dir=self.code_dir,
                         storage=self._storage,
-                        compress=self.compress,
-                        reuse=reuse,
-                        dedup=self.dedup,
+                        options=options,
                     )
                     commit(pending, [part], step=job.step, meta=job.meta, storage=self._storage)
                 except BaseException:
@@ -1374,7 +1368,8 @@ class CheckpointManager:
         self._last_save_time = self._clock()
         info = save_sharded(
             path, self.state, config=self.config, data=self.data, step=step, generators=self.generators or None,
-            extra=extra, lineage=lineage, code_dir=self.code_dir, overwrite=True, meta=meta, storage=self._storage,
+            extra=extra, lineage=lineage, code_dir=self.code_dir, meta=meta, storage=self._storage,
+            options=self.save_options,
         )
         deleted = self._apply_retention() if self.rank == 0 else ()
         stall = time.perf_counter() - t0
@@ -1570,8 +1565,7 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
     checkpoint is deleted MANIFEST first (it is uncommitted from that instant), then
     its objects (spec/object-storage.md)."""
     storage, normal = resolve(run_dir, storage)
-    by_manifest = commits_by_manifest(storage)
-    run_dir = normal if by_manifest else os.fspath(run_dir)
+    run_dir = storage.commit.record_path(os.fspath(run_dir), normal)
     protected = set(protect)
     records = list_checkpoints(run_dir, with_metrics=bool(policy.keep_best), storage=storage)
     if upcoming is not None and not any(r.step == upcoming for r in records):
@@ -1588,10 +1582,11 @@ def apply_retention(run_dir: str | os.PathLike[str], policy: RetentionPolicy, *,
 def delete_checkpoints(run_dir: str | os.PathLike[str], records: Iterable[CheckpointRecord], *,
                        storage: Storage | None = None, durable: bool = True) -> tuple[str, ...]:
     """Delete these checkpoints of ``run_dir`` (the one deletion routine: retention's and
-    a rewind's); returns the names deleted. On a filesystem each is renamed into a
-    ``.tmp-`` name first, so a crash mid-delete leaves a directory no reader accepts,
-    never a torn ``step-*``; on an object store its MANIFEST goes first (it is
-    uncommitted from that instant), then its objects (spec/object-storage.md).
+    a rewind's) through ``storage.commit.remove_checkpoints``; returns the names deleted.
+    On a filesystem each is renamed into a ``.tmp-`` name first, so a crash mid-delete
+    leaves a directory no reader accepts, never a torn ``step-*``; on an object store its
+    MANIFEST goes first (it is uncommitted from that instant), then its objects
+    (spec/object-storage.md).
 
     ``durable``: fsync the directory once the renames are done, before anything is
     removed, so that no crash can bring a deleted checkpoint back. A rewind needs that
@@ -1599,27 +1594,10 @@ def delete_checkpoints(run_dir: str | os.PathLike[str], records: Iterable[Checkp
     retention does not (spec/checkpoint-format.md §10.7: what it deletes is older than
     what it keeps, and the next retention deletes it again), so it passes False."""
     storage, normal = resolve(run_dir, storage)
-    by_manifest = commits_by_manifest(storage)
-    run_dir = normal if by_manifest else os.fspath(run_dir)
-    deleted = []
-    trashed: list[str] = []
-    for r in records:
-        if by_manifest:
-            if storage.remove_checkpoint(r.path):  # type: ignore[attr-defined]
-                deleted.append(r.name)
-            continue
-        trash = os.path.join(run_dir, tmp_name(r.name, DEL_SUFFIX))
-        try:
-            storage.rename_dir(r.path, trash)
-        except FileNotFoundError:
-            continue
-        trashed.append(trash)
-        deleted.append(r.name)
-    if durable and trashed:
-        storage.fsync_dir(run_dir)  # the renames: the removals below need no durability
-    for trash in trashed:
-        storage.remove_tree(trash)
-    return tuple(deleted)
+    run_dir = storage.commit.record_path(os.fspath(run_dir), normal)
+    records = list(records)
+    gone = set(storage.commit.remove_checkpoints(run_dir, [r.path for r in records], durable=durable))
+    return tuple(r.name for r in records if r.path in gone)
 
 
 def _check_data_source(data: Any) -> None:

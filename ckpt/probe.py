@@ -160,14 +160,12 @@ def backend(path: str | os.PathLike[str], storage: Any = None) -> tuple[Any, str
     """``(storage, path)``: the backend that serves ``path`` (None: the local filesystem, the
     path as typed), through ``ckpt.storage.resolve`` where there is one (URLs)."""
     p = os.fspath(path)
+    from .storage import local, resolve
+
     if storage is not None:
-        return (None, p) if getattr(storage, "scheme", "file") == "file" else (storage, p)
-    try:
-        from .storage import resolve  # type: ignore[attr-defined]
-    except ImportError:  # a tree without object-store backends: every path is local
-        return None, p
+        return (None, p) if storage is local else (storage, p)
     got, norm = resolve(p)
-    return (None, p) if getattr(got, "scheme", "file") == "file" else (got, norm)
+    return (None, p) if got is local else (got, norm)
 
 
 def _fs(storage: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 from ._gc import paused as gc_paused
 from ._ranges import ChunkVerifier, RangeWalker, Target, read_tiled
 from ._statecheck import check_part
+from .dcp.layout import is_sharded
 from .errors import (
     CheckpointNotFoundError,
     CheckpointVanishedError,
@@ -163,7 +164,7 @@ class CheckpointReader:
                 raise SizeMismatchError(
                     f"file is {st.st_size} bytes, manifest says {f.size}", path=fp, offset=min(st.st_size, f.size)
                 )
-        if not getattr(self._storage, "strict_listing", True):
+        if not self._storage.strict_listing:
             # An object store: objects a committed MANIFEST does not name are leftovers
             # of other saves (a lost race, a crash, a replaced checkpoint); they are
             # never read, and orphan cleanup removes them (spec/object-storage.md §O.4).
@@ -573,7 +574,7 @@ class CheckpointReader:
         check_mmap_options(mmap, unsafe_mmap)
         if entry is not None and part is None:
             entry, part = self._entry_or_part(entry)
-        if part is None and "sharded" in self.meta:  # sharded hook: global tensors (ckpt.dcp)
+        if part is None and is_sharded(self.manifest):  # sharded hook: global tensors (ckpt.dcp)
             from .dcp.full import full_state
 
             full = full_state(self, verify=verify)
@@ -590,7 +591,7 @@ class CheckpointReader:
     def _entry_or_part(self, name: str) -> tuple[str | None, str | None]:
         """``state(NAME)`` selects an entry. A part name there is the old signature
         (``state(part)``): still accepted, with a DeprecationWarning."""
-        if "sharded" in self.meta or not any(pe.name == name for pe in self.parts):
+        if is_sharded(self.manifest) or not any(pe.name == name for pe in self.parts):
             return name, None
         if len(self.parts) == 1 and name in self.tree(name)["state"]:
             return name, None  # an entry that happens to share the part's name

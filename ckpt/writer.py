@@ -1,19 +1,10 @@
 """Writing checkpoints: ``save`` for one process, ``begin/write_part/commit`` for many.
 
-Commit protocol (spec/checkpoint-format.md §10): every part is written into a
-temporary sibling directory ``.tmp-<name>-<random>``; each file is fsynced as it is
-closed; MANIFEST is written last and fsynced, then the temporary directory is
-fsynced, renamed to its final name, and the parent directory fsynced. A crash before
-the rename leaves only a temporary directory, which no reader accepts; a crash after
-it leaves a complete checkpoint.
-
-Publishing is atomic in both modes. Without ``overwrite`` the rename refuses an
-existing target in the same system call (``renameat2(RENAME_NOREPLACE)``), so two
-writers racing for one name cannot both win. With ``overwrite`` the new directory and
-the old one swap names in one call (``RENAME_EXCHANGE``); where that is unsupported,
-the old one is first renamed to ``.tmp-<name>-<hex>.old``, and :func:`recover` puts a
-complete copy back under the final name after a crash between the two renames. At
-every instant at least one complete copy of the checkpoint exists.
+How a save is published is the storage's commit protocol (``storage.commit``,
+``ckpt.storage.commit``): on a filesystem every part is written into a temporary sibling
+directory that is renamed into place after MANIFEST (spec/checkpoint-format.md §10); on
+an object store MANIFEST is put last, conditionally (spec/object-storage.md). This module
+builds the parts and the MANIFEST; it never branches on the backend.
 """
 
 from __future__ import annotations
@@ -21,10 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
-import secrets
-import stat
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -33,30 +20,26 @@ import msgpack
 
 from . import __version__
 from ._gc import paused as gc_paused
-from ._locks import flock_bounded, unlock_and_close
+from ._pipeline import Background as _Background
 from .context.config import canonical_config, config_hash
 from .context.env import capture_env
 from .context.provenance import capture_commit
 from .context.rng import capture_rng, rng_kinds
 from .context.topology import capture_topology
-from .errors import CheckpointExistsError, CkptError, DistributedUsageError, FormatError, SaveConflictError, UnsupportedValueError
+from .errors import CkptError, DistributedUsageError, FormatError, UnsupportedValueError
 from .format import dtypes
 from .format.codec import packb, value_limit, zstd_compress
 from .format.digest import digest_bytes
 from .format.manifest import (
-    MANIFEST_NAME,
-    TMP_PREFIX,
     V1,
     V2,
     FileEntry,
     Manifest,
     PartEntry,
-    PartList,
     PartRef,
     TensorEntry,
     check_name,
     content_id,
-    decode_manifest,
     encode_manifest,
     encode_part_manifest,
     part_record,
@@ -65,9 +48,11 @@ from .format.manifest import (
 from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
-from .storage import PendingCheckpoint, Recovery, Storage, commits_by_manifest, resolve
+from .storage import PendingCheckpoint, Recovery, Storage, resolve
+from .storage.commit import is_complete as _is_complete
 from . import _linkcheck, _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
+from .save_options import SaveOptions, options_from
 from ._tensorbytes import tensor_memoryview
 
 __all__ = [
@@ -83,17 +68,8 @@ __all__ = [
     "Recovery",
     "Reuse",
     "reuse_from",
+    "SaveOptions",
 ]
-
-#: suffix of a replaced checkpoint moved aside (fallback overwrite, §10)
-OLD_SUFFIX = ".old"
-#: suffix of a checkpoint being deleted on purpose (retention)
-DEL_SUFFIX = ".del"
-
-def tmp_name(name: str, suffix: str = "") -> str:
-    """``.tmp-<name>-<12 hex>[suffix]``: a sibling no reader accepts (§3)."""
-    return f"{TMP_PREFIX}{name}-{secrets.token_hex(6)}{suffix}"
-
 
 @dataclass(frozen=True, slots=True)
 class Replicated:
@@ -109,31 +85,19 @@ def part_name_for_rank(rank: int) -> str:
 def begin(
     path: str | os.PathLike[str], *, overwrite: bool = False, storage: Storage | None = None, part_manifests: bool = False
 ) -> PendingCheckpoint:
-    """Create the temporary directory of a save. ``part_manifests``: every part is written
+    """Start a save (``storage.commit.begin``: a temporary directory on a filesystem).
+    ``part_manifests``: every part is written
     with a part manifest and listed by reference in the MANIFEST (format 2.0 §V.5: a job
     of many ranks keeps its MANIFEST small and its commit cheap)."""
     storage, final = resolve(path, storage)
-    parent, name = os.path.split(final)
-    check_name(name, what="checkpoint directory", path=final)
-    if commits_by_manifest(storage):  # an object store: no temporary directory (§10.6)
-        pending = storage.begin(final, overwrite=overwrite)  # type: ignore[attr-defined]
-        return dataclasses.replace(pending, part_manifests=True) if part_manifests else pending
-    storage.makedirs(parent)
-    if storage.exists(final) and not overwrite:
-        # Early refusal only; commit() enforces it atomically (another writer may
-        # commit this name while we write).
-        raise CheckpointExistsError("a checkpoint already exists here; pass overwrite=True to replace it", path=final)
-    tmp = os.path.join(parent, tmp_name(name))
-    storage.mkdir(tmp)
-    return PendingCheckpoint(final=final, tmp_dir=tmp, overwrite=overwrite, part_manifests=part_manifests)
+    check_name(os.path.basename(final), what="checkpoint directory", path=final)
+    pending = storage.commit.begin(final, overwrite=overwrite)
+    return dataclasses.replace(pending, part_manifests=True) if part_manifests else pending
 
 
 def abort(pending: PendingCheckpoint, *, storage: Storage | None = None) -> None:
     storage, _ = resolve(pending.final, storage)
-    if commits_by_manifest(storage):
-        storage.abort(pending)  # type: ignore[attr-defined]
-        return
-    storage.remove_tree(pending.tmp_dir)
+    storage.commit.abort(pending)
 
 
 # --- flattening a state tree --------------------------------------------------------
@@ -260,79 +224,33 @@ def _type_name(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: bool) -> int | None:
-    """Lock the temporary directory of ``pending`` (``flock`` on the directory itself): part
-    writers hold it shared, the committer exclusively. Returns the descriptor, to be given
-    to ``unlock_and_close`` (a close alone would leave the lock to any DataLoader worker
-    forked while it was held: ckpt._locks; a dead process's lock goes with it), or None
-    where there is no local directory (an object store commits by MANIFEST and ignores
-    unnamed objects). The wait is bounded (``knobs().lock_timeout_s``, WaitTimeoutError).
-
-    Why: a part's files are written through open descriptors, which follow the directory
-    when the commit renames it. A writer still running when a commit went ahead without its
-    part (a snapshot that left a participant out) would add files that the committed MANIFEST
-    does not name, and the committed checkpoint would no longer open (UnexpectedFileError)."""
-    if commits_by_manifest(storage) or getattr(storage, "scheme", "file") != "file":
-        return None
-    if exclusive:
-        gone: CkptError = SaveConflictError(
-            "the checkpoint's temporary directory is gone before its commit: another process removed it "
-            "(a cleanup of the run directory), or it was already committed or aborted; nothing was committed",
-            path=pending.tmp_dir)
-    else:
-        gone = DistributedUsageError(
-            "the checkpoint's temporary directory is gone: it was committed or aborted before this "
-            "part was written (a part written after the commit is not part of it), or another process's "
-            "cleanup removed it", path=pending.final)
-    try:
-        fd = os.open(pending.tmp_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise gone from None
-    try:
-        what = ("the temporary directory, for the part writers still in flight" if exclusive
-                else "the temporary directory, for the commit in progress")
-        flock_bounded(fd, exclusive=exclusive, timeout_s=knobs().lock_timeout_s, what=what, path=pending.tmp_dir)
-        try:
-            st = os.stat(pending.tmp_dir)
-        except FileNotFoundError:
-            st = None
-        held = os.fstat(fd)
-        if st is None or (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
-            raise gone
-    except BaseException:
-        unlock_and_close(fd)
-        raise
-    return fd
-
-
-def _drop_unnamed(pending: PendingCheckpoint, storage: Storage, parts: Sequence[PartEntry | PartRef]) -> None:
-    """Before a local commit: remove what the parts being committed do not name (a part left
-    out of this commit: its writer died mid-write, or was left out while writing). The
-    directory must hold exactly the files the MANIFEST names (spec §10.3)."""
-    named = {n for n, _, _ in PartList(parts).file_sizes()} | {MANIFEST_NAME}
-    for entry in storage.listdir(pending.tmp_dir):
-        if entry not in named:
-            path = os.path.join(pending.tmp_dir, entry)
-            if os.path.isdir(path) and not os.path.islink(path):
-                storage.remove_tree(path)
-            else:
-                os.unlink(path)
-
-
 def _holding_part_lock(fn: Callable[..., PartEntry]) -> Callable[..., PartEntry]:
-    """``write_part`` runs holding the temporary directory's shared lock (``_local_dir_lock``)."""
+    """``write_part`` runs holding the save's part lock shared (``Commit.part_lock``): the
+    commit takes it exclusively, so that no part adds a file after the commit."""
 
     @functools.wraps(fn)
     def locked(pending: PendingCheckpoint, *args: Any, storage: Storage | None = None, **kw: Any) -> PartEntry:
         resolved, _ = resolve(pending.final, storage)
-        fd = _local_dir_lock(pending, resolved, exclusive=False)
-        try:
+        with resolved.commit.part_lock(pending, exclusive=False):
             return fn(pending, *args, storage=storage, **kw)
-        finally:
-            if fd is not None:
-                unlock_and_close(fd)
 
     return locked
+
+
+#: the options a part's writer uses; ``this_rank_only`` is its caller's (``ckpt.save``
+#: checked it), and ``overwrite``/``part_manifests`` are the pending save's (see _part_supports)
+WRITE_PART_SUPPORTS = frozenset({"compress", "dedup", "dedup_from", "reuse", "this_rank_only"})
+
+
+def _part_supports(opts: SaveOptions, pending: PendingCheckpoint) -> frozenset[str]:
+    ok = set(WRITE_PART_SUPPORTS)
+    if opts.reuse is not None and opts.dedup_from is not None:
+        ok -= {"reuse", "dedup_from"}
+    if opts.overwrite == pending.overwrite:
+        ok.add("overwrite")
+    if opts.part_manifests in (None, pending.part_manifests):
+        ok.add("part_manifests")
+    return frozenset(ok)
 
 
 @_holding_part_lock
@@ -353,18 +271,33 @@ def write_part(
     compress: Compress = None,
     reuse: Reuse | None = None,
     dedup: bool = False,
+    options: SaveOptions | None = None,
 ) -> PartEntry:
     """Write one part (a process's share) into ``pending.tmp_dir``; durable on return.
 
-    ``compress``: encode tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
+    ``options`` (or the keywords ``compress``, ``reuse``, ``dedup``; ``ckpt.SaveOptions``):
+    ``compress`` encodes tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
     float tensor of at least 64 KiB, a list of top-level entry names, or a callable
     ``(key, dtype name, nbytes) -> bool``. ``reuse``: the same part of the previous
     checkpoint of the run, whose unchanged files are shared by hard link instead of written
-    (format 2.0 dedup; implies ``dedup``). ``dedup``: record a digest of every tensor so a
-    later save can share this one's files. Raises ``DistributedUsageError`` when the
-    checkpoint was committed or aborted before the part could be written.
+    (format 2.0 dedup; implies ``dedup``); ``dedup_from``: that checkpoint's directory
+    instead. ``dedup``: record a digest of every tensor so a later save can share this
+    one's files. ``overwrite`` and ``part_manifests`` belong to the save (``begin``): given
+    here they must agree with ``pending``. Raises ``SaveOptionError`` for any other option,
+    and ``DistributedUsageError`` when the checkpoint was committed or aborted before the
+    part could be written.
     """
     storage, _ = resolve(pending.final, storage)
+    opts = options_from(options, where="ckpt.write_part", path=pending.final, compress=compress, reuse=reuse, dedup=dedup)
+    opts.refuse_unsupported(
+        _part_supports(opts, pending), "ckpt.write_part",
+        "overwrite and part_manifests are the save's, given to ckpt.begin (this one's differ); reuse and "
+        "dedup_from name one source, give one", path=pending.final)
+    compress = opts.compress
+    reuse = opts.reuse
+    if opts.dedup_from is not None:
+        reuse = reuse_from(opts.dedup_from, name, storage=storage)
+    dedup = opts.dedup or opts.dedup_from is not None
     check_name(name, what="part")
     if not isinstance(state, Mapping):
         raise UnsupportedValueError("state must be a mapping of name -> Stateful or tree", key="<root>")
@@ -585,8 +518,9 @@ def commit(
     meta: Mapping[str, Any] | None = None,
     storage: Storage | None = None,
 ) -> Manifest:
-    """Write MANIFEST last, fsync, and rename the temporary directory into place (on an
-    object store: put MANIFEST last, conditionally, spec/object-storage.md).
+    """Write MANIFEST last and publish the checkpoint (``storage.commit.publish``: on a
+    filesystem fsync and rename the temporary directory into place; on an object store
+    put MANIFEST last, conditionally, spec/object-storage.md).
 
     ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
     crosses process boundaries as plain data). The MANIFEST is format 1.0 unless a part
@@ -613,161 +547,17 @@ def commit(
     )
     with gc_paused():
         blob = encode_manifest(manifest)
-    if commits_by_manifest(storage):
-        storage.publish(pending, blob)  # type: ignore[attr-defined]
-        return manifest
-    # exclusive: waits for part writers still in flight, so none adds a file after the rename
-    fd = _local_dir_lock(pending, storage, exclusive=True)
-    try:
-        if fd is not None:
-            _drop_unnamed(pending, storage, ordered)
-        _check_named(pending, storage, ordered)
-        _write_manifest_and_publish(pending, storage, blob)
-    finally:
-        if fd is not None:
-            unlock_and_close(fd)
+    storage.commit.publish(pending, blob, ordered)
     return manifest
-
-
-def _check_named(pending: PendingCheckpoint, storage: Storage, parts: Sequence[PartEntry | PartRef]) -> None:
-    """Before a local commit: every file the MANIFEST will name is a regular file of its
-    declared size (one lstat each). Another process may have removed a file of this save
-    (a cleanup of the run directory); committing would name a file that is not there."""
-    for fname, fsize, _ in PartList(parts).file_sizes():
-        path = os.path.join(pending.tmp_dir, fname)
-        try:
-            st = storage.lstat(path)
-        except FileNotFoundError:
-            raise SaveConflictError("a file of this save was removed before its commit (another process "
-                                    "cleaned the run directory?); nothing was committed", path=path) from None
-        if not stat.S_ISREG(st.st_mode) or st.st_size != fsize:
-            raise SaveConflictError(f"a file of this save is not the regular file of {fsize} bytes it was written "
-                                    "as (another process replaced it); nothing was committed", path=path)
-
-
-def _write_manifest_and_publish(pending: PendingCheckpoint, storage: Storage, blob: bytes) -> None:
-    sink = storage.create(os.path.join(pending.tmp_dir, MANIFEST_NAME), max(knobs().chunk_size, 4096))
-    try:
-        sink.write(blob)
-        # Hand MANIFEST's bytes to the kernel now (a local sink gathers small writes
-        # until close): from here on, a process killed at any point leaves a complete
-        # temporary copy that recovery can publish (§10.3).
-        flush = getattr(sink, "flush", None)
-        if flush is not None:
-            flush()
-        # MANIFEST's fsync and the directory's (which now lists every file, MANIFEST
-        # included) have no order between them, only both before the rename (§10.7):
-        # issued together they wait for one journal commit, not two.
-        names = _Background(storage.fsync_dir, pending.tmp_dir)
-        try:
-            sink.close()
-        finally:
-            names.join()
-    except BaseException:
-        sink.discard()
-        raise
-    _publish(pending, storage)
-
-
-class _Background:
-    """``fn(*args)`` on a helper thread; ``join`` waits and re-raises its error.
-
-    Used to overlap two waits that have no order between them (two fsyncs, or an fsync
-    and the next file's writes): fsync, write and xxh3 release the GIL, and on a
-    journaling filesystem two fsyncs issued together are served by one journal commit.
-    """
-
-    __slots__ = ("_fn", "_args", "_thread", "result", "error")
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._fn, self._args = fn, args
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ckpt-sync", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.result = self._fn(*self._args)
-        except BaseException as e:  # re-raised by join() on the caller's thread
-            self.error = e
-
-    def join(self) -> Any:
-        # Unbounded on purpose: the thread runs one local fsync/close, which the calling
-        # thread would otherwise run itself; it takes no lock and waits on no process.
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-
-
-def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
-    """Give the complete temporary directory its final name (§10 steps 5-6)."""
-    final, tmp = pending.final, pending.tmp_dir
-    parent = os.path.dirname(final)
-    try:
-        storage.rename_noreplace(tmp, final)
-    except FileExistsError:
-        if not pending.overwrite:
-            raise CheckpointExistsError(
-                "a checkpoint already exists here (committed while this one was written); pass overwrite=True to replace it",
-                path=final,
-            ) from None
-    else:
-        storage.fsync_dir(parent)
-        return
-    # overwrite: the final name holds the old checkpoint.
-    if storage.exchange(tmp, final):
-        # One atomic swap: the final name always holds a complete copy (old, then new).
-        storage.fsync_dir(parent)
-        # The removal needs no fsync of its own (§10.7): if a crash undoes it, the old
-        # copy is back under a temporary name, beside a committed final name, and
-        # recovery removes it as redundant.
-        storage.remove_tree(tmp)  # now the old checkpoint
-        return
-    # No exchange on this filesystem: move the old aside, then the new into place. A
-    # crash in between leaves both complete under temporary names; recover() renames
-    # one back (spec §10), so cleanup never deletes the only complete copy.
-    aside = os.path.join(parent, tmp_name(os.path.basename(final), OLD_SUFFIX))
-    storage.rename_dir(final, aside)
-    try:
-        storage.rename_noreplace(tmp, final)
-    except BaseException:
-        # Someone took the name in between: put the old one back if we still can.
-        try:
-            storage.rename_noreplace(aside, final)
-        except OSError:
-            pass
-        raise
-    storage.fsync_dir(parent)
-    storage.remove_tree(aside)  # no fsync needed: see the exchange case above
 
 
 # --- crash recovery -------------------------------------------------------------------
 
-_TMP_RE = re.compile(r"^\.tmp-(?P<name>.+)-[0-9a-f]{12}(?P<suffix>\.old|\.del)?$")
-
-
 def is_complete(path: str, *, storage: Storage | None = None) -> bool:
     """A committed copy whatever its name: its MANIFEST decodes (own digest included)
-    and every file it names is a regular file of the declared size. Chunk digests are
-    not re-hashed (resume verifies them); this tells a whole copy from a torn save."""
+    and every file it names is a regular file of the declared size (``ckpt.storage.commit``)."""
     storage, path = resolve(path, storage)
-    mpath = os.path.join(path, MANIFEST_NAME)
-    try:
-        st = storage.lstat(mpath)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > knobs().max_manifest_bytes + 64:
-            return False
-        man = decode_manifest(storage.read(mpath, 0, st.st_size), path=mpath)
-        for fname, fsize, _ in man.parts.file_sizes():
-            fst = storage.lstat(os.path.join(path, fname))
-            if not stat.S_ISREG(fst.st_mode) or fst.st_size != fsize:
-                return False
-    except (OSError, CkptError):
-        return False
-    return True
+    return _is_complete(storage, path)
 
 
 def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | None = None, storage: Storage | None = None) -> Recovery:
@@ -788,97 +578,11 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     applied to prefixes (spec/object-storage.md §O.6).
     """
     storage, root = resolve(parent, storage)
-    if commits_by_manifest(storage):
-        return storage.recover(root, names=names)  # type: ignore[attr-defined]
-    try:
-        entries = sorted(storage.listdir(root))
-    except FileNotFoundError:
-        return Recovery((), ())
-    held: dict[str, int] = {}  # temporary directories this call locked (none is in use)
-    try:
-        return _recover_local(storage, root, entries, names, held)
-    finally:
-        for fd in held.values():
-            unlock_and_close(fd)  # explicit unlock: a worker forked meanwhile shares the lock
+    return storage.commit.recover(root, names=names)
 
 
-def _claim(path: str) -> tuple[int | None, float]:
-    """Lock a temporary directory exclusively without waiting: (descriptor, mtime), or
-    (None, 0) while a writer holds it (or it is not a directory we can lock)."""
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None, 0.0
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd, os.fstat(fd).st_mtime
-    except OSError:
-        os.close(fd)  # never locked by us: nothing to release
-        return None, 0.0
-
-
-def _recover_local(storage: Storage, root: str, entries: list[str], names: Callable[[str], bool] | None,
-                   held: dict[str, int]) -> Recovery:
-    cutoff = time.time() - knobs().orphan_grace_s
-    tmps: list[str] = []
-    young: set[str] = set()
-    for t in (n for n in entries if n.startswith(TMP_PREFIX)):
-        path = os.path.join(root, t)
-        if not os.path.isdir(path) or os.path.islink(path):
-            tmps.append(t)  # not a directory: nothing writes into it
-            continue
-        fd, mtime = _claim(path)
-        if fd is None:
-            continue  # a live writer's: not ours to touch
-        held[t] = fd
-        tmps.append(t)
-        if mtime >= cutoff:
-            young.add(t)
-    by_name: dict[str, list[tuple[int, str]]] = {}
-    for t in tmps:
-        m = _TMP_RE.match(t)
-        if not m or m.group("suffix") == DEL_SUFFIX:
-            continue
-        name = m.group("name")
-        try:
-            check_name(name, what="checkpoint directory")
-        except CkptError:
-            continue
-        if names is not None and not names(name):
-            continue
-        # Preference: the new copy (its save had finished writing) before the old one.
-        by_name.setdefault(name, []).append((1 if m.group("suffix") == OLD_SUFFIX else 0, t))
-    restored: list[tuple[str, str]] = []
-    keep: set[str] = set()
-    for name, cands in sorted(by_name.items()):
-        final = os.path.join(root, name)
-        if storage.isfile(os.path.join(final, MANIFEST_NAME)):
-            continue  # committed under its final name: the copies are redundant
-        for _, t in sorted(cands):
-            if not is_complete(os.path.join(root, t), storage=storage):
-                continue
-            try:
-                storage.rename_noreplace(os.path.join(root, t), final)
-            except OSError:
-                # Something else sits under the final name: touch none of the copies.
-                keep.update(c for _, c in cands)
-                break
-            storage.fsync_dir(root)
-            restored.append((t, name))
-            break
-    removed = []
-    done = {t for t, _ in restored}
-    for t in tmps:
-        if t in done or t in keep or t in young:
-            continue
-        storage.remove_tree(os.path.join(root, t))
-        removed.append(t)
-    # No fsync for the removals (§10.7): a removal a crash undoes leaves a temporary
-    # name, which no reader accepts and the next recovery removes again.
-    return Recovery(tuple(restored), tuple(removed))
+#: the options of a one-process save (``ckpt.save``)
+SAVE_SUPPORTS = frozenset({"overwrite", "compress", "dedup", "dedup_from", "this_rank_only"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -911,6 +615,7 @@ def save(
     compress: Compress = None,
     dedup_from: str | os.PathLike[str] | None = None,
     dedup: bool = False,
+    options: SaveOptions | None = None,
 ) -> CheckpointInfo:
     """Save all seven fields of one process's training state, atomically.
 
@@ -920,25 +625,28 @@ def save(
     (every rank calls it) or ``CheckpointManager``; a deliberate single-writer save
     from one rank passes ``this_rank_only=True``.
 
-    ``compress``: store tensors encoded (format 2.0; see :func:`write_part`). Stock
-    safetensors cannot read encoded tensors; uncompressed is the default.
-    ``dedup_from``: an earlier checkpoint of the same run directory: files whose tensors
-    are unchanged are shared by hard link, not written (format 2.0 §V.4). ``dedup``:
-    record tensor digests so that a later save can share this one's files.
+    ``options`` (``ckpt.SaveOptions``, or the same as keywords): ``compress`` stores
+    tensors encoded (format 2.0; see :func:`write_part`). Stock safetensors cannot read
+    encoded tensors; uncompressed is the default. ``dedup_from``: an earlier checkpoint of
+    the same run directory: files whose tensors are unchanged are shared by hard link, not
+    written (format 2.0 §V.4). ``dedup``: record tensor digests so that a later save can
+    share this one's files. ``reuse`` and ``part_manifests`` are refused
+    (``SaveOptionError``): this save writes one part, listed inline.
     """
-    if not this_rank_only:
+    opts = options_from(options, where="ckpt.save", path=os.fspath(path), overwrite=overwrite,
+                        this_rank_only=this_rank_only, compress=compress, dedup_from=dedup_from, dedup=dedup)
+    opts.refuse_unsupported(SAVE_SUPPORTS, "ckpt.save", "one process writes one part, listed inline; share "
+                            "the files of an earlier checkpoint with dedup_from=", path=os.fspath(path))
+    if not opts.this_rank_only:
         _refuse_under_process_group(path)
     storage, path = resolve(path, storage)
-    pending = begin(path, overwrite=overwrite, storage=storage)
+    pending = begin(path, overwrite=opts.overwrite, storage=storage)
     try:
-        reuse = reuse_from(dedup_from, part_name_for_rank(0), storage=storage) if dedup_from is not None else None
         part = write_part(
             pending,
             part_name_for_rank(0),
             state,
-            compress=compress,
-            reuse=reuse,
-            dedup=dedup or dedup_from is not None,
+            options=opts,
             step=step,
             config=config,
             data=data,

@@ -11,23 +11,6 @@ import click
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class PathOrURL(click.ParamType):
-    """A local path (checked like ``click.Path``) or a storage URL (``s3://...``),
-    passed through as typed: ``ckpt.storage.resolve`` decides what serves it."""
-
-    name = "path"
-
-    def __init__(self, **path_options: Any) -> None:
-        self._path = click.Path(path_type=str, **path_options)
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        import re
-
-        if isinstance(value, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.\-]+://", value) and not value.startswith("file://"):
-            return value
-        return self._path.convert(value, param, ctx)
-
-
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"

@@ -77,7 +77,7 @@ def manifest_summary(r: Any) -> dict[str, Any]:
         "bytes": m.total_bytes,
         "meta": m.meta,
         "parts": parts,
-        "sharded": sharded_summary(r) if isinstance(m.meta, dict) and "sharded" in m.meta else None,
+        "sharded": sharded_summary(r) if _is_sharded(m) else None,
     }
 
 
@@ -107,6 +107,12 @@ def _packed(p: Any) -> dict[str, Any] | None:
         return None
     return {"tensors": len(enc), "bytes": sum(t.nbytes for t in enc), "stored": sum(t.stored for t in enc),
             "encoding": sorted({t.encoding for t in enc})}
+
+
+def _is_sharded(m: Any) -> bool:
+    from ckpt.dcp.layout import is_sharded
+
+    return is_sharded(m)
 
 
 def sharded_summary(r: Any) -> dict[str, Any]:

@@ -113,6 +113,9 @@ def exit_code_for(exc: BaseException) -> int:
 def main(argv: list[str] | None = None) -> Any:
     try:
         return cli.main(args=argv, prog_name="ckpt", standalone_mode=True)
+    except SystemExit as e:
+        _exit_if_stranded(e.code)
+        raise
     except BrokenPipeError:
         # `ckpt tape show T | head`: the reader left; stop quietly, as Unix tools do.
         import os
@@ -120,6 +123,31 @@ def main(argv: list[str] | None = None) -> Any:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         sys.exit(0)
+
+
+def _exit_if_stranded(code: Any) -> None:
+    """A failed command that leaves daemon threads behind ends the process now, with its code.
+
+    A replay or run that failed may leave worker threads blocked in a collective (gloo,
+    torchft) that nothing will ever complete; letting the interpreter finalize under them
+    tears C++ objects down beneath live threads ("terminate called without an active
+    exception", exit 134 instead of the command's code). Everything this command printed
+    is flushed first; its workers' processes were reaped by the runs themselves."""
+    import threading
+
+    if code in (0, None) or not any(t.daemon and t.is_alive() for t in threading.enumerate()
+                                    if t is not threading.current_thread()):
+        return
+    import logging
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code if isinstance(code, int) else EXIT_ERROR)
 
 
 def fail(exc: BaseException) -> "click.exceptions.Exit":

@@ -10,7 +10,8 @@ are public subpackages with exact ``__all__`` of their own, named here:
   ``Inbox``);
 - ``replay.snapshot``: Chandy-Lamport snapshots (``SnapshotAgent``, the stores, the
   control planes, ``check_cut``);
-- ``replay.sdc`` (silent-data-corruption digests) and ``replay.errors``.
+- ``replay.sdc`` (silent-data-corruption digests), ``replay.errors`` and ``replay.watchdog``
+  (a progress watchdog: a multi-process run that hangs dumps every process's stacks).
 
 Both subpackages need torch, and importing ``replay`` must not (``ckpt --help`` and the
 tape tools stay torch-free): they are imported on first use, by the module
@@ -68,9 +69,10 @@ __all__ = [
     "snapshot",
     "sdc",
     "errors",
+    "watchdog",
 ]
 
-_SUBPACKAGES = ("channel", "snapshot", "sdc", "errors")
+_SUBPACKAGES = ("channel", "snapshot", "sdc", "errors", "watchdog")
 
 # The names the top level held before the subpackages were its public face: still resolved
 # (old code keeps working), with a warning that names the subpackage to import them from.

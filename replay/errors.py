@@ -11,7 +11,8 @@
     │   ├── PeerDiedError                             the peer went away mid-message
     │   ├── MessageTooLargeError                      above the channel's declared bound
     │   └── ReceiveTimeoutError      (TimeoutError)
-    └── SnapshotError                (RuntimeError)   a snapshot aborted or cannot restore
+    ├── SnapshotError                (RuntimeError)   a snapshot aborted or cannot restore
+    └── HangError                    (TimeoutError)   a watched run made no progress
 
 Each carries the context it knows (path, offset, seq, channel) and names it in str().
 """
@@ -33,6 +34,7 @@ __all__ = [
     "MessageTooLargeError",
     "ReceiveTimeoutError",
     "SnapshotError",
+    "HangError",
 ]
 
 
@@ -97,3 +99,9 @@ class ReceiveTimeoutError(ChannelError, TimeoutError):
 
 class SnapshotError(ReplayError, RuntimeError):
     pass
+
+
+class HangError(ReplayError, TimeoutError):
+    """A watched run made no progress for its hang bound (``replay.watchdog``): its
+    ``report`` file names each worker's last heartbeat and where it waits; every
+    process's Python stacks lie beside it."""

@@ -17,6 +17,7 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
 def pytest_collection_modifyitems(config, items):
+    _scale_timeouts(config, items)
     try:
         import torch
 
@@ -38,6 +39,28 @@ def _fresh_default_ledger():
     mod = sys.modules.get("ckpt.ledger.auto")
     if mod is not None:
         mod.reset()
+
+
+def _scale_timeouts(config, items) -> None:
+    """pytest-timeout's bounds are hang detectors (tests/hangs.py), never speed verdicts:
+    a test's ``@pytest.mark.timeout(S)`` can only widen the suite's default (a tighter mark
+    failed multi-process tests that were merely slow on a loaded machine), and every bound
+    is multiplied by CKPT_TIMEOUT_SCALE."""
+    from hangs import scale
+
+    factor = scale()
+    try:
+        default = float(config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout not installed: nothing to scale
+        return
+    if default <= 0:
+        return
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        base = float(marker.args[0]) if marker is not None and marker.args else default
+        bound = max(base, default) * factor
+        if bound != base:
+            item.add_marker(pytest.mark.timeout(bound), append=False)
 
 
 @pytest.fixture
@@ -107,7 +130,8 @@ def s3(s3_server, monkeypatch):
 
 
 # --- long commands that several tests need, run once per session ---------------------------
-#: name -> (the command line exactly as the README or docs/*.md shows it, seconds it may take).
+#: name -> (the command line exactly as the README or docs/*.md shows it, its hang bound in seconds:
+#: many times its quiet time, scaled by CKPT_TIMEOUT_SCALE; on expiry its processes' stacks are dumped).
 #: ``/tmp/`` in it stands for the run's own scratch directory (as in tests/e2e/test_readme.py).
 #: A README/docs block marked ``<!-- example: shared=NAME -->`` shows this command and its output;
 #: the tests that check more of the run's claims ask ``shared_runs.get(NAME)`` for the same run,
@@ -159,12 +183,14 @@ class SharedRuns:
         import re
         import subprocess
 
+        from hangs import run, scale
+
         if name not in self._done:
-            cmd, timeout = self.command(name), SHARED_RUNS[name][1]
+            cmd, bound = self.command(name), SHARED_RUNS[name][1]
             scratch = self._factory.mktemp(f"shared-{name}")
             real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
-            p = subprocess.run(["bash", "-c", real], cwd=scratch, env=self.env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            p = run(["bash", "-c", real], cwd=scratch, env=self.env(), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, bound_s=bound * scale())
             self._done[name] = SharedRun(cmd, scratch, p.stdout, p.returncode)
         return self._done[name]
 

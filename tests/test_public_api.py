@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # every package a user imports from: the two libraries and each public subpackage their __all__ names
 PUBLIC = ["ckpt", "replay", "ckpt_cli", "ckpt.data", "ckpt.errors", "ckpt.rng", "ckpt.ledger", "ckpt.diff",
-          "ckpt.guard", "ckpt.stream", "replay.errors", "replay.channel", "replay.snapshot", "replay.sdc"]
+          "ckpt.guard", "ckpt.stream", "replay.errors", "replay.channel", "replay.snapshot", "replay.sdc",
+          "replay.watchdog"]
 
 
 @pytest.mark.parametrize("package", PUBLIC)
@@ -231,3 +232,68 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert [sorted(c) for c in cycles if c not in KNOWN_CYCLES] == []
+
+
+# -- the storage seam: the commit protocol is the backend's, never probed ---------------------------
+
+
+def _library_sources():
+    for pkg in ("ckpt", "cli", "runs", "replay"):
+        for dirpath, dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    yield os.path.relpath(path, ROOT), open(path, encoding="utf-8").read()
+
+
+def test_committing_is_decided_behind_the_storage_seam():
+    """No code outside ckpt/storage/ chooses a commit protocol, calls a backend's own commit
+    requests past the type checker, or probes a storage for a capability with a default."""
+    import re
+
+    storage_dir = os.path.join("ckpt", "storage") + os.sep
+    probe = re.compile(r"getattr\((?:self\.)?_?(?:storage|store|backend|resolved)\b")
+    bad = []
+    for rel, text in _library_sources():
+        for i, line in enumerate(text.splitlines(), 1):
+            where = f"{rel}:{i}"
+            if "commits_by_manifest" in line and not rel.startswith(storage_dir):
+                bad.append(f"{where} branches on commits_by_manifest")
+            if "type: ignore[attr-defined]" in line and re.search(r"storage|_storage\b", line):
+                bad.append(f"{where} calls a storage member no Protocol declares")
+            if probe.search(line):
+                bad.append(f"{where} probes a storage with getattr")
+            if re.search(r"""["']scheme["'],\s*["']file["']""", line):
+                bad.append(f"{where} decides 'local' by a scheme default")
+    assert bad == []
+
+
+def test_every_backend_names_its_commit_protocol_and_the_old_names_still_resolve():
+    import warnings
+
+    import ckpt.storage as cs
+    from ckpt.storage.memory import MemoryCommit, MemoryStorage
+
+    assert isinstance(cs.local.commit, cs.RenameCommit)
+    mem = MemoryStorage()
+    assert isinstance(mem.commit, MemoryCommit) and mem.commit.over(cs.local).storage is cs.local
+    assert cs.ManifestCommit is cs.ObjectStore  # the earlier name of the object-store protocol
+    # one-release shim: still importable, and says what to use instead
+    assert "commits_by_manifest" in cs.__all__
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert cs.commits_by_manifest(cs.local) is False and cs.commits_by_manifest(mem) is False
+    assert got and all(issubclass(w.category, DeprecationWarning) for w in got)
+    assert "storage.commit" in str(got[0].message)
+
+
+def test_save_options_are_one_public_record():
+    import dataclasses
+
+    import ckpt
+
+    assert "SaveOptions" in ckpt.__all__ and "SaveOptionError" in ckpt.errors.__all__
+    assert dataclasses.is_dataclass(ckpt.SaveOptions) and ckpt.SaveOptions.__dataclass_params__.frozen
+    assert [f.name for f in dataclasses.fields(ckpt.SaveOptions)] == [
+        "overwrite", "compress", "dedup", "dedup_from", "reuse", "part_manifests", "this_rank_only"]

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..errors import CkptError, StateMismatchError
 from ..reader import CheckpointReader
+from ..save_options import SaveOptions, options_from
 from ..storage import Storage, resolve
 from ..writer import CheckpointInfo, abort, part_name_for_rank
 from .integration_probe import holds_dtensor
@@ -73,6 +74,16 @@ def unwrap_checkpoint_error(e: BaseException) -> BaseException:
     return e
 
 
+#: the options of a sharded save: DCP writes the shards, as format 1.0 parts
+SHARDED_SAVE_SUPPORTS = frozenset({"overwrite"})
+
+
+def refuse_sharded_options(opts: SaveOptions, path: str, where: str = "the sharded save (DTensor state)") -> None:
+    """``SaveOptionError`` for the options a sharded save does not support (before any rank writes)."""
+    opts.refuse_unsupported(SHARDED_SAVE_SUPPORTS, where, "sharded (DTensor) state is written through DCP, one plain "
+                            "part per rank, collectively: no compression, no dedup, no single-rank save", path=path)
+
+
 def save_sharded(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],
@@ -91,12 +102,23 @@ def save_sharded(
     meta: Mapping[str, Any] | None = None,
     this_rank_only: bool = False,
     storage: Storage | None = None,
+    compress: Any = None,
+    dedup_from: str | os.PathLike[str] | None = None,
+    dedup: bool = False,
+    options: SaveOptions | None = None,
 ) -> CheckpointInfo:
     """Collective: every rank calls it with its own shards. Commits once, atomically.
 
-    Takes ``ckpt.save``'s options; ``run_id``/``resumed_from`` become the lineage unless
-    ``lineage`` is given. ``this_rank_only`` has no meaning here (every rank writes its part).
+    Takes ``ckpt.save``'s arguments; ``run_id``/``resumed_from`` become the lineage unless
+    ``lineage`` is given. Of the save options (``ckpt.SaveOptions``) only ``overwrite`` is
+    supported: DCP lays the shards out (spec/sharded-format.md), so ``compress``, ``dedup``,
+    ``dedup_from``, ``reuse`` and ``part_manifests`` are refused with ``SaveOptionError``,
+    and so is ``this_rank_only`` (every rank writes its shards, collectively).
     """
+    opts = options_from(options, where="the sharded save (DTensor state)", path=os.fspath(path), overwrite=overwrite,
+                        this_rank_only=this_rank_only, compress=compress, dedup_from=dedup_from, dedup=dedup)
+    refuse_sharded_options(opts, os.fspath(path))
+    overwrite = opts.overwrite
     if lineage is None:
         lineage = {"run_id": run_id, "resumed_from": resumed_from}
     import torch.distributed.checkpoint as dcp

@@ -28,6 +28,7 @@ import torch
 from ..errors import FormatError, LimitExceededError, UnsafePathError
 from ..format.dtypes import dtype_name, itemsize
 from ..knobs import knobs
+from .layout import is_sharded
 
 __all__ = ["read_dcp_metadata", "import_dcp", "export_dcp", "ALLOWED_GLOBALS"]
 
@@ -393,7 +394,7 @@ def export_dcp(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
 
         raise CheckpointExistsError("the destination exists and is not empty", path=os.fspath(dst))
     r = CheckpointReader(src)
-    if progress is None or "sharded" in r.meta or len(r.parts) > 1:
+    if progress is None or is_sharded(r.manifest) or len(r.parts) > 1:
         state = r.state()  # sharded: one global read
     else:
         names = r.entries()

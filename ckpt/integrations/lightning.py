@@ -79,7 +79,7 @@ from ..errors import CkptError, ResumeMismatchError, UnsupportedValueError
 from ..format.tree import TensorRef
 from ..manager import ResumeFallbackWarning, warn_config_changed
 from ..reader import CheckpointReader
-from ..storage import commits_by_manifest, resolve
+from ..storage import resolve
 
 __all__ = ["CkptCheckpointIO", "CkptModelCheckpoint"]
 
@@ -305,10 +305,8 @@ class CkptCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         storage, p = resolve(path)
-        if commits_by_manifest(storage):  # an object store: MANIFEST first, then the objects
-            storage.remove_checkpoint(p)
-        elif storage.isdir(p):
-            storage.remove_tree(p)
+        if storage.isdir(p):  # never torn: renamed away first, or MANIFEST first on an object store
+            storage.commit.remove_checkpoints(os.path.dirname(p), [p], durable=False)
 
 
 def _check_fits(reader: CheckpointReader, module: Any) -> None:

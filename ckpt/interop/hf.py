@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import CheckpointExistsError, FormatError, UnsupportedValueError
+from ..dcp.layout import is_sharded
 from ..format import dtypes
 from ..format.safetensors import TensorSlot, build_header
 from ..format.tree import TensorRef
@@ -167,7 +168,7 @@ def export_hf(
                                     path=out)
     if os.path.exists(out) and not os.path.isdir(out):
         raise CheckpointExistsError("the output path is a file", path=out)
-    sharded = part is None and "sharded" in r.meta
+    sharded = part is None and is_sharded(r.manifest)
     skipped: list[str] = []
     flat: dict[str, Any] = {}
     if sharded:

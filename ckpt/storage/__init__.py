@@ -13,30 +13,29 @@ the backend that serves it:
   scheme and the extra to install. A URL is never taken for a local path.
 
 Two commit protocols sit behind the seam (spec/checkpoint-format.md §10,
-spec/object-storage.md): a filesystem publishes a finished temporary directory with an
-atomic rename (``ckpt.writer``); an object store, which has no rename, uploads the
-parts under save-unique names and makes ``MANIFEST`` appear last with a conditional
-put. A backend of the second kind has :func:`commits_by_manifest` true and implements
-:class:`ManifestCommit`.
+spec/object-storage.md), and every backend names its own as ``storage.commit``
+(``ckpt.storage.commit``): a filesystem publishes a finished temporary directory with an
+atomic rename (:class:`RenameCommit`); an object store, which has no rename, uploads the
+parts under save-unique names and makes ``MANIFEST`` appear last with a conditional put
+(:class:`ManifestLastCommit` over the store's :class:`ObjectStore` requests).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from ._url import BACKENDS, refuse_url, unsupported, url_scheme
+from .base import FileSink, ReadHandle, Storage
+from .commit import Commit, ManifestLastCommit, ObjectStore, PendingCheckpoint, Recovery, RenameCommit
 from .posix import (
     LocalFile,
     LocalStorage,
     first_errno,
-    is_regular_file,
     is_space_error,
     local,
     preadv_full,
-    walk_files,
 )
 
 __all__ = [
@@ -44,6 +43,10 @@ __all__ = [
     "FileSink",
     "ReadHandle",
     "ManifestCommit",
+    "Commit",
+    "RenameCommit",
+    "ManifestLastCommit",
+    "ObjectStore",
     "LocalStorage",
     "LocalFile",
     "local",
@@ -54,119 +57,26 @@ __all__ = [
     "preadv_full",
     "first_errno",
     "is_space_error",
-    "is_regular_file",
-    "walk_files",
     "PendingCheckpoint",
     "Recovery",
     "FencedStorage",
 ]
 
 
-# The records of the commit protocols (what Storage.begin and Storage.recover return): the seam's
-# own types, so that a backend needs nothing from the writer (ckpt.writer re-exports them).
+# The records and protocols of the seam live in .base and .commit; re-exported here.
+ManifestCommit = ObjectStore  # the earlier name of the object-store protocol (one release)
 
 
-@dataclass(frozen=True, slots=True)
-class PendingCheckpoint:
-    """A checkpoint being written. Rebuild it in another process from the two paths
-    and ``tag`` (and the same ``overwrite``: the commit, not ``begin``, enforces it).
+def commits_by_manifest(storage: Storage) -> bool:
+    """True for a backend that commits with a conditional MANIFEST put (no rename).
 
-    ``tmp_dir`` is where the part files are created: a temporary sibling directory on
-    a filesystem, the final prefix itself on an object store, where ``tag`` (``.`` and
-    12 hex digits, empty on a filesystem) makes every file name unique to this save so
-    that racing or replacing writers never overwrite each other's objects
-    (spec/object-storage.md)."""
+    Deprecated: call ``storage.commit`` instead of branching on the protocol (kept one
+    release for code outside the package)."""
+    import warnings
 
-    final: str
-    tmp_dir: str
-    overwrite: bool = False
-    tag: str = ""
-    #: format 2.0: each part writes a part manifest and returns a PartRef (many ranks)
-    part_manifests: bool = False
-
-    def file_name(self, part: str, suffix: str) -> str:
-        """The name of a part's file in this save: ``<part><tag><suffix>``."""
-        return f"{part}{self.tag}{suffix}"
-
-
-@dataclass(frozen=True, slots=True)
-class Recovery:
-    """What :func:`ckpt.writer.recover` did: temporary dirs renamed back to a final name, and removed."""
-
-    restored: tuple[tuple[str, str], ...]  # (temporary name, final name)
-    removed: tuple[str, ...]
-
-
-class FileSink(Protocol):
-    """A file being written. ``write`` may keep a reference to ``data``: the caller
-    keeps that memory alive and unchanged until ``close`` (zero-copy uploads and
-    hashing on a second thread rely on it).
-
-    A sink MAY also have ``write_copy(data)``: the same bytes in the same order as
-    ``write``, but consumed (copied out and hashed) before it returns, so the caller may
-    reuse the memory at once. Writers look it up with ``getattr`` and use fresh memory
-    where a sink has none (the local sink has it; the object-store sink queues buffers
-    for upload and has not)."""
-
-    def write(self, data: memoryview | bytes) -> None: ...
-    def close(self) -> tuple[int, bytes]: ...  # (size, concatenated chunk digests)
-    def discard(self) -> None: ...
-
-
-class ReadHandle(Protocol):
-    """One file opened for reading. A local handle holds a descriptor (immune to
-    renames and deletes); an object-store handle pins the object's version (a replaced
-    or deleted object fails the next read instead of returning other bytes)."""
-
-    path: str
-
-    def pread_into(self, offset: int, buf: memoryview) -> int: ...  # fills buf; short only at end of file
-    def size(self) -> int: ...
-    def close(self) -> None: ...
-
-
-class Storage(Protocol):
-    """What reader, writer, manager and CLI need of a backend. Paths are the backend's
-    own normalised form (:meth:`normalize`): absolute paths locally, ``s3://b/k`` URLs."""
-
-    scheme: str
-
-    def normalize(self, path: str | os.PathLike[str]) -> str: ...
-    def realpath(self, path: str) -> str: ...
-    def readlink(self, path: str) -> str: ...
-    def create(self, path: str, chunk_size: int, *, durable: bool = True) -> FileSink: ...
-    def open_read(self, path: str, *, reread: bool = False) -> ReadHandle: ...  # reread: read twice (keep a local copy)
-    def pread_into(self, path: str, offset: int, buf: memoryview) -> int: ...
-    def read(self, path: str, offset: int, size: int) -> bytes: ...
-    def lstat(self, path: str) -> os.stat_result: ...
-    def listdir(self, path: str) -> list[str]: ...
-    def exists(self, path: str) -> bool: ...
-    def isfile(self, path: str) -> bool: ...
-    def isdir(self, path: str) -> bool: ...
-    def mkdir(self, path: str) -> None: ...
-    def makedirs(self, path: str) -> None: ...
-    def rename_dir(self, src: str, dst: str) -> None: ...
-    def rename_noreplace(self, src: str, dst: str) -> None: ...  # FileExistsError if dst exists
-    def exchange(self, a: str, b: str) -> bool: ...  # atomic swap; False if unsupported here
-    def remove_tree(self, path: str) -> None: ...
-    def fsync_dir(self, path: str) -> None: ...
-    # Dedup (spec/format-2.md §V.4): give ``src``'s bytes a second name ``dst`` without
-    # writing them (a hard link; an object store may do a server-side copy). False when
-    # this backend or filesystem cannot: the writer then writes the bytes.
-    def link(self, src: str, dst: str) -> bool: ...
-
-
-class ManifestCommit(Protocol):
-    """The commit protocol of a store without rename (spec/object-storage.md). ``fence``,
-    where given, proves the run's lease (§O.6): called right before the MANIFEST put, and
-    before any deletion; it raises ``LeaseLostError`` once the lease was taken over."""
-
-    def begin(self, final: str, *, overwrite: bool) -> PendingCheckpoint: ...
-    def publish(self, pending: PendingCheckpoint, manifest: bytes, *, fence: Callable[[], None] | None = None) -> None: ...
-    def abort(self, pending: PendingCheckpoint) -> None: ...
-    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None,
-                fence: Callable[[], None] | None = None) -> Recovery: ...
-    def remove_checkpoint(self, path: str, *, fence: Callable[[], None] | None = None) -> bool: ...
+    warnings.warn("ckpt.storage.commits_by_manifest is deprecated: call storage.commit's methods instead",
+                  DeprecationWarning, stacklevel=2)
+    return isinstance(storage.commit, ManifestLastCommit)
 
 
 class Fence(Protocol):
@@ -176,11 +86,12 @@ class Fence(Protocol):
 
 
 class FencedStorage:
-    """``storage`` as seen by the holder of a run's lease: every commit (``publish``),
-    checkpoint deletion (``remove_checkpoint``) and cleanup (``recover``) passes the
-    lease's ``fence``, so a writer whose lease was taken over commits and deletes nothing
-    (``LeaseLostError``). Everything else is ``storage`` itself. A wrapper, not a copy:
-    whatever wraps ``storage`` (a fault injector, a counter) still sees every request."""
+    """``storage`` as seen by the holder of a run's lease (``ManifestLastCommit.holding``):
+    every commit (``publish``), checkpoint deletion (``remove_checkpoint``) and cleanup
+    (``recover``) passes the lease's ``fence``, so a writer whose lease was taken over
+    commits and deletes nothing (``LeaseLostError``). Everything else is ``storage``
+    itself. A wrapper, not a copy: whatever wraps ``storage`` (a fault injector, a
+    counter) still sees every request, and its commit protocol is bound to this wrapper."""
 
     def __init__(self, storage: Any, lease: Fence) -> None:
         self.inner = storage
@@ -192,6 +103,10 @@ class FencedStorage:
     def __repr__(self) -> str:
         return f"FencedStorage({self.inner!r})"
 
+    @property
+    def commit(self) -> Commit:
+        return self.inner.commit.over(self)  # type: ignore[no-any-return]
+
     def publish(self, pending: PendingCheckpoint, manifest: bytes) -> None:
         self.inner.publish(pending, manifest, fence=self.lease.fence)
 
@@ -202,15 +117,10 @@ class FencedStorage:
         return self.inner.recover(parent, names=names, fence=self.lease.fence)  # type: ignore[no-any-return]
 
 
-def commits_by_manifest(storage: Any) -> bool:
-    """True for a backend that commits with a conditional MANIFEST put (no rename)."""
-    return callable(getattr(storage, "publish", None))
-
-
 _CACHE: dict[tuple[str, str], Any] = {}
 
 
-def resolve(path: str | os.PathLike[str], storage: Any = None) -> tuple[Any, str]:
+def resolve(path: str | os.PathLike[str], storage: Any = None) -> tuple[Storage, str]:
     """``(backend, normalised path)`` for a path or URL: the one resolver.
 
     ``storage`` given: that backend normalises ``path`` (the local one refuses URLs).

@@ -4,9 +4,9 @@ O_EXCL creates, fsync of files and of directories after renames, positional read
 straight into caller memory (``preadv``), and the two atomic renames a commit needs
 (spec/checkpoint-format.md §10): rename-unless-the-target-exists
 (``renameat2(RENAME_NOREPLACE)``) and swap-two-names (``renameat2(RENAME_EXCHANGE)``),
-through ctypes on Linux. The commit protocol built on these renames lives in
-``ckpt.writer``; object stores, which have no rename, commit differently
-(``ckpt.storage.objectstore``).
+through ctypes on Linux. The commit protocol built on these renames is
+``ckpt.storage.commit.RenameCommit``; object stores, which have no rename, commit
+differently (``ManifestLastCommit``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import errno
 import mmap
 import os
 import shutil
-import stat
-from typing import Callable, Iterator
+from typing import Callable
 
 from .._pipeline import OrderedFeeder
 from ..errors import CkptError
 from ..format.digest import ChunkHasher
 from ..knobs import knobs
 from ._url import refuse_url
+from .base import Storage
+from .commit import Commit, RenameCommit
 
 __all__ = ["LocalStorage", "LocalFile", "local", "preadv_full", "first_errno", "is_space_error"]
 
@@ -242,7 +243,7 @@ class LocalFile:
             self.fd = -1
 
 
-class LocalStorage:
+class LocalStorage(Storage):
     """POSIX files. ``renameat2=False`` forces the portable fallbacks (tests use it to
     exercise the commit protocol a filesystem without ``renameat2`` gets)."""
 
@@ -253,6 +254,11 @@ class LocalStorage:
 
     def __init__(self, *, renameat2: bool = True) -> None:
         self._use_renameat2 = renameat2
+
+    @property
+    def commit(self) -> Commit:
+        # Bound to self on each use: a subclass's overridden operations are the ones used.
+        return RenameCommit(self)
 
     def _rename2(self, src: str, dst: str, flags: int) -> bool:
         """``renameat2``; False when the kernel or filesystem does not support ``flags``."""
@@ -350,6 +356,9 @@ class LocalStorage:
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
+    def remove_file(self, path: str) -> None:
+        os.unlink(path)
+
     def link(self, src: str, dst: str) -> bool:
         try:
             # follow_symlinks=False: link the file itself, never a symlink's target
@@ -398,15 +407,6 @@ def preadv_full(fd: int, buf: memoryview, offset: int, request: int = 16 << 20) 
             break
         pos += got
     return pos
-
-
-def is_regular_file(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode)
-
-
-def walk_files(path: str) -> Iterator[str]:
-    for name in sorted(os.listdir(path)):
-        yield name
 
 
 #: the process-wide local backend (what a plain path resolves to)

@@ -35,8 +35,10 @@ from obstore.store import S3Store
 
 from ..errors import CheckpointExistsError, CkptError, FormatError, SaveConflictError, StorageError, UnsafePathError
 from ..format.digest import ChunkHasher
-from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, check_name, decode_manifest
+from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest
 from ._objlock import LOCK_NAME, ObjectLock
+from .base import Storage
+from .commit import Commit, ManifestLastCommit, recoverable
 
 __all__ = ["S3Storage", "S3File", "ObjectLock", "bucket_of", "Stats"]
 
@@ -113,8 +115,10 @@ def _stat(mode: int, size: int) -> os.stat_result:
     return os.stat_result((mode, 0, 0, 1, 0, 0, size, 0, 0, 0))
 
 
-class S3Storage:
-    """One bucket of an S3-compatible store, through the ``ckpt.storage`` seam."""
+class S3Storage(Storage):
+    """One bucket of an S3-compatible store, through the ``ckpt.storage`` seam. Its
+    commit protocol is ``ManifestLastCommit`` over the requests below (``begin``,
+    ``publish``, ``abort``, ``recover``, ``remove_checkpoint``, ``lock``, ``ledger_dir``)."""
 
     scheme = "s3"
     #: objects under a committed prefix that MANIFEST does not name are leftovers of
@@ -133,6 +137,10 @@ class S3Storage:
         self.stats = Stats()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+
+    @property
+    def commit(self) -> Commit:
+        return ManifestLastCommit(self)
 
     @classmethod
     def from_url(cls, url: str) -> S3Storage:
@@ -358,6 +366,9 @@ class S3Storage:
     def remove_tree(self, path: str) -> None:
         self.delete([self.url(o["path"]) for o in self.walk(path)])
 
+    def remove_file(self, path: str) -> None:
+        self.delete([path])
+
     # -- the commit protocol (spec/object-storage.md §O.3) -------------------------------
     def begin(self, final: str, *, overwrite: bool) -> Any:
         from . import PendingCheckpoint
@@ -487,13 +498,8 @@ class S3Storage:
         cutoff = self._store_now(parent) - knobs().orphan_grace_s
         for name in children:
             child = f"{parent}/{name}"
-            if not name.startswith(TMP_PREFIX):
-                try:
-                    check_name(name, what="checkpoint directory")
-                except CkptError:
-                    continue
-                if names is not None and not names(name):
-                    continue
+            if not name.startswith(TMP_PREFIX) and not recoverable(name, names):
+                continue
             objs = self._orphans(child, cutoff)
             if objs:
                 self.delete(objs)

@@ -14,6 +14,7 @@ import torch
 
 import ckpt
 from ckpt.data import ResumableLoader
+from runs.common.procs import worker_threads
 from runs.common.tiny_lm import CorpusDataset, TinyConfig, TinyLM, make_corpus, warmup_cosine
 
 __all__ = ["DemoConfig", "Shell", "run"]
@@ -151,4 +152,12 @@ def main(out_dir: str, *, quick: bool, echo: Callable[[str], None], progress: bo
     steps = int(options.get("steps", 300))
     save_every = max(steps // 3, 1)
     cfg = DemoConfig(steps=steps, save_every=save_every, resume_from_step=2 * save_every)
-    return run(out_dir, cfg, echo=echo, progress=progress, shell=options.get("shell"))["checks"]
+    # One intra-op thread, as every run's worker has (runs.common.procs): torch's default
+    # pool spin-waits, and beside four CPU hogs on two cores the demo took over 20 minutes
+    # with it (about 10% of a core). The caller's setting is restored after the run.
+    threads = torch.get_num_threads()
+    worker_threads()
+    try:
+        return run(out_dir, cfg, echo=echo, progress=progress, shell=options.get("shell"))["checks"]
+    finally:
+        torch.set_num_threads(threads)

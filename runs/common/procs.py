@@ -12,6 +12,12 @@ Every reference run starts its workers the same way, so they share one launcher:
 - :class:`Threads`: workers as threads of this process (every replay, and the in-process
   transport): the first error re-raised, a thread that does not finish named.
 
+No wait here judges speed: waits are on events (a process exit, a thread's end) and a
+clock only catches a hang. ``Workers(watch=DIR)`` arms every worker for the progress
+watchdog (``replay.watchdog``): each beats at its steps, and when none does for the hang
+bound every process's Python stacks and ``hang.txt`` land in DIR and the wait raises
+``HangError`` naming it.
+
 Why one thread per worker: torch's default intra-op pool spin-waits (OpenMP); several
 workers on a few cores then make tiny-model steps about 20x slower. torchrun sets
 ``OMP_NUM_THREADS=1`` for the same reason. It is set in each worker's entry (here), never
@@ -21,11 +27,16 @@ the same bits.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from pathlib import Path
+from typing import Any, Callable, Hashable, Iterable
+
+from replay.errors import HangError
+from replay.watchdog import Watchdog, arm, hang_bound
 
 __all__ = ["HOST", "free_port", "worker_threads", "Workers", "join_gloo", "leave_gloo", "Threads"]
 
@@ -46,7 +57,10 @@ def worker_threads() -> None:
     torch.set_num_threads(1)
 
 
-def _entry(target: Callable[..., Any], args: tuple[Any, ...]) -> None:  # pragma: no cover - child process
+def _entry(target: Callable[..., Any], args: tuple[Any, ...], watch: str | None = None,
+           name: str = "") -> None:  # pragma: no cover - child process
+    if watch is not None:  # before anything that can block: a hang from here on names itself
+        arm(watch, name)
     worker_threads()
     target(*args)
 
@@ -55,22 +69,38 @@ class Workers:
     """The worker processes of one run, by name (``spawn``, daemonic: they die with us).
 
     Use as a context manager: on leaving, every process still alive is SIGKILLed and
-    reaped, whatever happened (a worker never outlives the run that started it)."""
+    reaped, whatever happened (a worker never outlives the run that started it).
 
-    def __init__(self) -> None:
+    ``watch``: a directory for the progress watchdog (``replay.watchdog``), usually beside
+    the run's output. Every worker is armed (SIGUSR1 dumps its stacks there) and its
+    heartbeats, with ``progress()`` (a probe of this process: a tape's length), are
+    watched: no change for ``stall_s`` (default :func:`replay.watchdog.hang_bound` of
+    ``quiet_s``) dumps every process's stacks, writes ``hang.txt``, kills the workers, and
+    :meth:`join` / :meth:`check` raise ``HangError`` naming it."""
+
+    def __init__(self, *, watch: str | Path | None = None, quiet_s: float = 10.0, stall_s: float | None = None,
+                 progress: Callable[[], Hashable] | None = None, name: str = "orchestrator") -> None:
         import torch.multiprocessing as mp
 
         self.ctx = mp.get_context("spawn")
         self.procs: dict[str, Any] = {}
+        self.watchdog: Watchdog | None = None
+        if watch is not None:
+            self.watchdog = Watchdog(watch, stall_s=stall_s if stall_s is not None else hang_bound(quiet_s),
+                                     name=name, progress=progress)
 
     def start(self, name: str, target: Callable[..., Any], *args: Any) -> Any:
         """Start ``target(*args)`` in a new process called ``name`` (a module-level
         function: spawn imports it), with one intra-op thread."""
         if name in self.procs:
             raise ValueError(f"a worker named {name!r} was already started")
-        p = self.ctx.Process(target=_entry, args=(target, args), name=name, daemon=True)
+        watch = str(self.watchdog.dir) if self.watchdog is not None else None
+        p = self.ctx.Process(target=_entry, args=(target, args, watch, name), name=name, daemon=True)
         p.start()
         self.procs[name] = p
+        if self.watchdog is not None:
+            self.watchdog.watch(name, p)
+            self.watchdog.start()
         return p
 
     def __getitem__(self, name: str) -> Any:
@@ -86,23 +116,53 @@ class Workers:
         """The workers that ended with a non-zero exit code (killed ones included)."""
         return [n for n, p in self.procs.items() if p.exitcode not in (None, 0)]
 
-    def join(self, timeout_s: float) -> dict[str, int | None]:
-        """Wait for every worker, ``timeout_s`` in all; the exit codes (None: still running)."""
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            p.join(max(0.1, deadline - time.monotonic()))
+    def check(self) -> None:
+        """Raise ``HangError`` if the watchdog has fired (a no-op without one)."""
+        if self.watchdog is not None:
+            self.watchdog.check()
+
+    def join(self, grace_s: float | None = None) -> dict[str, int | None]:
+        """Wait for every worker to exit (on their exits, not on a clock); the exit codes.
+
+        ``grace_s``: stop waiting after that long and return the codes with None for those
+        still running (the caller kills them: a worker that lingers after its goodbye).
+        Without it the wait ends only when all have exited, or raises ``HangError`` when
+        the watchdog fires (or, unwatched, after a generous hang bound)."""
+        from multiprocessing.connection import wait
+
+        deadline = None if grace_s is None else time.monotonic() + grace_s
+        bound = None if self.watchdog is not None or grace_s is not None else time.monotonic() + hang_bound(60.0)
+        while True:
+            alive = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+            if not alive:
+                break
+            self.check()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            if bound is not None and now >= bound:
+                raise HangError(f"workers still running after the hang bound: {self.running()}")
+            wait(alive, timeout=1.0 if deadline is None else max(0.0, min(1.0, deadline - now)))
         return self.exitcodes()
+
+    def running(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.exitcode is None]
 
     def exitcodes(self) -> dict[str, int | None]:
         """Name -> exit code: 0 done, -N ended by signal N (``-9``: SIGKILL), None alive."""
         return {n: p.exitcode for n, p in self.procs.items()}
 
     def close(self) -> None:
-        """Kill and reap every worker still alive."""
+        """Kill and reap every worker still alive; stop the watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()
-                p.join(5)
+        for p in self.procs.values():
+            p.join()  # SIGKILL cannot be ignored: the reap follows at once
+        if self.watchdog is not None:
+            self.watchdog.discard()  # a run that did not hang leaves no heartbeat files behind
 
     def __enter__(self) -> "Workers":
         return self
@@ -136,15 +196,23 @@ def leave_gloo() -> None:
 class Threads:
     """Workers as daemon threads of this process, each with the processes' thread setting.
 
-    ``start(name, fn, *args)``; :meth:`join` waits ``timeout_s`` for every one, then re-raises
-    the first error a worker raised, or raises ``TimeoutError`` naming the ones still
-    running. ``on_error(name, exc)`` runs in the failing thread (e.g. to close its
-    endpoint so that its peers stop waiting for it)."""
+    ``start(name, fn, *args)``; :meth:`join` waits until every one has ended, then re-raises
+    the first error a worker raised (at once: a failed worker ends the wait). A clock only
+    catches a hang: when no thread ends and ``progress()`` (a probe: a tape's length) does
+    not change for ``stall_s``, every thread's stacks go to ``watch`` (a temporary directory
+    when not given) and ``HangError`` names the threads still running and the file.
+    ``on_error(name, exc)`` runs in the failing thread (e.g. to close its endpoint so that
+    its peers stop waiting for it)."""
 
-    def __init__(self, *, on_error: Callable[[str, BaseException], None] | None = None) -> None:
+    def __init__(self, *, on_error: Callable[[str, BaseException], None] | None = None,
+                 progress: Callable[[], Hashable] | None = None, watch: str | Path | None = None) -> None:
         self.on_error = on_error
+        self.progress = progress
+        self.watch = watch
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
+        self._ended = 0
+        self._cond = threading.Condition()
 
     def start(self, name: str, fn: Callable[..., Any], *args: Any) -> threading.Thread:
         def work() -> None:
@@ -155,25 +223,49 @@ class Threads:
                 self.errors.append(e)
                 if self.on_error is not None:
                     self.on_error(name, e)
+            finally:
+                with self._cond:
+                    self._ended += 1
+                    self._cond.notify_all()
 
         t = threading.Thread(target=work, name=name, daemon=True)
         t.start()
         self.threads.append(t)
         return t
 
-    def join(self, timeout_s: float, *, what: str = "workers") -> None:
-        for t in self.threads:
-            t.join(timeout_s)
-        self.raise_first()
-        stuck = [t.name for t in self.threads if t.is_alive()]
-        if stuck:
-            raise TimeoutError(f"{what} did not finish: {stuck}")
+    def join(self, stall_s: float | None = None, *, what: str = "workers") -> None:
+        """Wait for every thread to end; re-raise the first worker error. ``stall_s``: the
+        hang bound (default ``hang_bound(30)``), no progress and no thread ending for that
+        long raises ``HangError`` naming the ``what`` still running."""
+        import tempfile
 
-    def abandon(self, timeout_s: float = 5.0) -> None:
-        """The caller failed: give each thread ``timeout_s`` to end, then re-raise a
-        worker's error (the likelier cause) if there is one."""
+        def token() -> Hashable:
+            return (self._ended, self.progress() if self.progress is not None else None)
+
+        # made only if the watchdog fires: a join that ends leaves nothing behind
+        watch = self.watch if self.watch is not None else Path(tempfile.gettempdir()) / f"ckpt-hang-{os.getpid()}-{id(self):x}"
+        dog = Watchdog(watch, stall_s=stall_s if stall_s is not None else hang_bound(30.0), name=what,
+                       progress=token, kill=False)
         for t in self.threads:
-            t.join(timeout_s)
+            dog.watch(t.name)
+        with dog, self._cond:
+            try:
+                dog.wait(lambda: bool(self.errors) or self._ended == len(self.threads), self._cond)
+            except HangError as e:
+                self.raise_first()  # a worker's error is the likelier cause
+                stuck = [t.name for t in self.threads if t.is_alive()]
+                raise HangError(f"{what} did not finish: {stuck}: {e.message}", report=e.context.get("report")) from None
+        self.raise_first()
+        for t in self.threads:  # each has left its work (its end was counted): the join is immediate
+            t.join()
+
+    def abandon(self, grace_s: float = 5.0) -> None:
+        """The caller failed: give each thread ``grace_s`` to end (a thread blocked for
+        good stays behind, a daemon), then re-raise a worker's error (the likelier cause)
+        if there is one."""
+        deadline = time.monotonic() + grace_s
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         self.raise_first()
 
     def raise_first(self) -> None:

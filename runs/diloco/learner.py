@@ -33,6 +33,7 @@ from replay.channel import Inbox, LocalTape, ref_of
 from runs.diloco.merge import model_update
 from runs.diloco.model import LearnerShards, build_model, learner_corpus, weighted_loss
 from replay.channel import RemoteTape, meta_digest
+from replay.watchdog import beat
 
 __all__ = ["LearnerCore", "LearnerCtx", "LearnerOutcome", "LearnerLoop", "Learner", "run_learner"]
 
@@ -550,6 +551,7 @@ class Learner:
         speed = cfg.speed_of(_index(ctx.actor))
         while core.t < cfg.steps and not loop.stopped:
             t = core.t
+            beat(f"inner step {t}")  # the watchdog's heartbeat (a no-op unless a watched worker process)
             for f in ctx.faults:
                 if f.kind == "jitter" and f.step == t:
                     pass

@@ -17,7 +17,6 @@ stop the learner at the same point), and a finishing learner does the same.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from typing import Any, Callable
 
@@ -40,6 +39,13 @@ def _join(cfg: DiLoCoConfig, rank: int, world: int, port: int) -> Any:
     return join_gloo(rank, world, port, timeout_s=max(600.0, 20 * cfg.io_timeout_s))
 
 
+def watch_dir(hub: TapeHub) -> str | None:
+    """Where the progress watchdog of a run recording ``hub``'s tape writes: beside the
+    tape (``kill -USR1`` a learner's pid to see its stacks there while it runs)."""
+    writer = hub.rec.writer
+    return None if writer is None else str(writer.path) + ".watchdog"
+
+
 def _control(store: Any) -> Any:
     # the c10d store the group was built on: the snapshots' control plane (no sockets of our own)
     from replay.snapshot import TorchStoreControl
@@ -51,10 +57,6 @@ def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: di
                   inc: int, schedule_d: dict[str, Any], pythonpath: str, snap_root: str | None = None,
                   restore_path: str | None = None, rejoin: bool = False,
                   dropped: tuple[str, ...] = ()) -> None:  # pragma: no cover - child
-    if os.environ.get("DILOCO_DEBUG"):  # `kill -USR1 <pid>` prints every thread's stack
-        import faulthandler
-
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = DiLoCoConfig.from_dict(cfg_d)
     schedule = Schedule.from_json(schedule_d)
     store = _join(cfg, rank, world, port)
@@ -102,7 +104,10 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
     actors = ["syncer"] + [endpoint_name(a, k) for a, k in incs]
     world = len(actors)
     port = free_port()
-    workers = Workers()
+    # the progress watchdog: learners beat at each inner step, this process at each taped
+    # receive; a stall dumps every process's stacks beside the tape (<tape>.watchdog/)
+    workers = Workers(watch=watch_dir(hub), quiet_s=cfg.io_timeout_s / 10, name="syncer",
+                      progress=lambda: len(hub.received))
     for rank, (a, k) in enumerate(incs, start=1):
         e = endpoint_name(a, k)
         from_part = restore is not None and k == first_inc[a] and a in restore.learners
@@ -127,9 +132,14 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
 
         if restore is not None:
             restore.register_stamps(hub)
-        sy = run_syncer(SyncerCtx(cfg, link, initial_state(cfg), schedule, spares, val_corpus(cfg),
-                                  applier=applier, on_step=on_step, after_step=after_step, dead_probe=dead_probe,
-                                  snapshots=snapshots, restore=restore))
+        try:
+            sy = run_syncer(SyncerCtx(cfg, link, initial_state(cfg), schedule, spares, val_corpus(cfg),
+                                      applier=applier, on_step=on_step, after_step=after_step, dead_probe=dead_probe,
+                                      snapshots=snapshots, restore=restore))
+        except BaseException as e:
+            workers.check()  # the watchdog fired and killed the learners: the hang is the cause
+            raise e
+        workers.check()
         for e in sorted(set(actors[1:])):
             # a process that has ended (killed, or a spare that was told to stop) needs no
             # goodbye, and a gloo send to it can wait for a receive that never comes
@@ -138,7 +148,7 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
                     link.send(e, {"kind": "ack"}, taped=False)
                 except Exception:  # a dead or finished peer needs no goodbye
                     pass
-        exitcodes = workers.join(cfg.io_timeout_s)
+        exitcodes = workers.join(grace_s=cfg.io_timeout_s)  # those still running after their goodbye are killed
         try:
             # Every peer is gone now, so each receiver thread has ended on its closed
             # connection; destroying the group under a thread still inside gloo aborts.

@@ -29,6 +29,8 @@ from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
 from replay.channel import TapeHub, endpoint_name
 from replay import Recorder
+from replay.errors import HangError
+from replay.watchdog import hang_bound
 from runs.common.procs import Threads, worker_threads
 
 __all__ = ["RunResult", "record", "main", "run_actors", "ENTRY_POINT", "DELAY_ENV"]
@@ -106,13 +108,13 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     try:
         sy = run_syncer(SyncerCtx(cfg, link, theta0, schedule, spares, val_corpus(cfg), on_step=on_step,
                                   after_step=after_step, snapshots=snapshots,
-                                  endpoint_gone=lambda e: _wait(done[e], cfg.io_timeout_s, e),
+                                  endpoint_gone=lambda e: _wait(done[e], hang_bound(cfg.io_timeout_s), e),
                                   restore=restore))
     except BaseException:
         for e in endpoints:
             net.kill(e, "syncer failed")
         raise
-    threads.join(cfg.io_timeout_s, what="learner threads")
+    threads.join(what="learner threads")
     outcomes.sort(key=lambda o: (int(o.actor.rsplit("-", 1)[1]), o.incarnation))
     res = RunResult(cfg, schedule, sy, outcomes, time.monotonic() - t0)
     if snapshots is not None:
@@ -120,9 +122,9 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
     return res
 
 
-def _wait(ev: threading.Event, timeout: float, what: str | None) -> None:
-    if not ev.wait(timeout):
-        raise TimeoutError(f"predecessor incarnation {what} did not finish within {timeout} s")
+def _wait(ev: threading.Event, bound: float, what: str | None) -> None:
+    if not ev.wait(bound):  # a hang bound (10x the I/O timeout), not a speed verdict
+        raise HangError(f"predecessor incarnation {what} did not finish within {bound:.0f} s")
 
 
 def open_recorder(tape: str | os.PathLike[str], cfg: DiLoCoConfig, **opts: Any) -> Recorder:

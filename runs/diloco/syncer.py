@@ -46,7 +46,8 @@ from replay.channel import Inbox
 from runs.diloco.merge import average
 from runs.diloco.model import build_model, eval_loss
 from replay.channel import LocalTape, LogApplier, MsgRef, actor_of
-from replay.errors import SnapshotError
+from replay.errors import HangError, SnapshotError
+from replay.watchdog import hang_bound
 from runs.diloco.snapshots import (STAMP_KEY, PartViews, Restored, message_from_snapshot, snapshot_agent,
                                    snapshot_message, snapshot_name)
 
@@ -445,9 +446,11 @@ class Syncer:
             if quorum_at is not None and not final:
                 if all(a in fresh for a in able) or now >= quorum_at + grace:
                     break
-            if now - t0 > cfg.io_timeout_s:
-                raise TimeoutError(f"syncer step {s}: no quorum of {cfg.quorum} for fragment {p} within "
-                                   f"{cfg.io_timeout_s} s (have {sorted(cand)})")
+            # a hang bound, not a speed verdict: a relaunch on a loaded machine may take
+            # minutes to send its first update (10x the I/O timeout, times CKPT_TIMEOUT_SCALE)
+            if now - t0 > hang_bound(cfg.io_timeout_s):
+                raise HangError(f"syncer step {s}: no quorum of {cfg.quorum} for fragment {p} within "
+                                f"{hang_bound(cfg.io_timeout_s):.0f} s (have {sorted(cand)})")
         members = sorted(cand, key=_order)
         weights = []
         for a in members:

@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+from replay.watchdog import hang_bound
 from runs.common.procs import HOST, Workers, free_port
 from runs.replicas.config import ReplicaConfig
 from runs.replicas.tapeio import Applier, Hub, RemoteSink
@@ -54,13 +55,21 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
 
 
 def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int], None] | None = None,
-                  timeout_s: float = 900.0, ckpt_dir: str | None = None, log_dir: str | None = None) -> dict[str, Any]:
+                  stall_s: float | None = None, ckpt_dir: str | None = None, log_dir: str | None = None,
+                  watch_dir: str | None = None) -> dict[str, Any]:
+    """Run every rank as a process. No wait here has a deadline: the run ends when every
+    rank has; a hang is caught by the progress watchdog (each rank beats at each quorum,
+    this process at each commit): no progress for ``stall_s`` (default a hang bound of
+    the collectives' ``cfg.timeout_s``) dumps every process's stacks to ``watch_dir``
+    (default ``log_dir/watchdog``) and raises ``HangError`` naming the file."""
     from torchft._torchft import LighthouseServer
 
     t0 = time.monotonic()
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=cfg.min_replicas, join_timeout_ms=cfg.join_timeout_ms,
                                   quorum_tick_ms=cfg.quorum_tick_ms, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
-    workers = Workers()
+    watch = watch_dir or (os.path.join(log_dir, "watchdog") if log_dir else None)
+    committed = [-1]
+    workers = Workers(watch=watch, quiet_s=cfg.timeout_s, stall_s=stall_s, name="run", progress=lambda: committed[0])
     ctx = workers.ctx  # the pipes and gates the ranks share come from the same (spawn) context
     procs = workers.procs
     lock = threading.Condition()
@@ -70,7 +79,6 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
     finished: set[str] = set()
     started_joins: set[str] = set()
     killed: dict[str, list[int]] = {}
-    committed = [-1]
     initial = [f"{g}.{r}" for g, n in cfg.groups for r in range(n)]
     start_initial = ctx.Event()
     sizes = dict(cfg.all_groups())
@@ -117,15 +125,19 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
             spawn(g, n, start_initial)
         for j in cfg.joins:  # started now, let in later: process start-up is not part of a join
             spawn(j.group, j.ranks, gates[j.group])
-        deadline = time.monotonic() + timeout_s
         everyone = initial + [f"{j.group}.{r}" for j in cfg.joins for r in range(j.ranks)]
+
+        def up_or_crashed() -> bool:
+            return set(everyone) <= ready or bool(workers.failed())
+
         with lock:
             # every rank is up before any asks for a quorum: the first quorum holds all initial groups
-            lock.wait_for(lambda: set(everyone) <= ready or time.monotonic() > deadline, timeout=timeout_s)
+            workers.watchdog.wait(up_or_crashed, lock) if workers.watchdog else lock.wait_for(up_or_crashed)
         start_initial.set()
         while True:
+            workers.check()
             with lock:
-                lock.wait(timeout=0.2)
+                lock.wait(timeout=0.2)  # a poll of the exit codes too (a rank that crashed says nothing)
                 for g, n in cfg.all_groups():
                     ranks = [f"{g}.{r}" for r in range(n)]
                     if g not in killed and all(a in dying for a in ranks):
@@ -150,11 +162,8 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
                             procs[f"{j.group}.{r}"].kill()
                             killed.setdefault(j.group, []).append(procs[f"{j.group}.{r}"].pid)
                 break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the replica run did not finish in {timeout_s} s (alive: {alive})")
-        for p in workers:
-            p.join(30)
-        applier.join(30)
+        workers.join()  # each has sent its final log and exits on its own
+        applier.join(hang_bound(cfg.timeout_s))
         if applier.errors:
             raise applier.errors[0]
     finally:

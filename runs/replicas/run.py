@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from replay import Recorder
+from replay.watchdog import Watchdog, hang_bound
 from runs.replicas.config import ReplicaConfig, check
 from runs.replicas.tapeio import Hub, LocalSink
 from runs.replicas.worker import RankResult
@@ -199,13 +200,24 @@ def run_threads(hub: Hub, cfg: ReplicaConfig, ckpt_dir: str | None = None) -> Ru
     threads = [threading.Thread(target=rank_thread, args=(a,), name=a, daemon=True) for a in cfg.actors()]
     for t in threads:
         t.start()
-    with done:  # the first error ends the replay: ranks it left waiting in a collective are daemons
-        done.wait_for(lambda: errors or len(ended) == len(threads), timeout=1800)
+    # The wait is on the ranks' ends, never on a clock; a hang is caught by the watchdog
+    # (progress: the ranks that ended, the tape calls the ranks made), which dumps every
+    # thread's stacks and raises HangError naming the file.
+    calls = [0]
+    hub.listeners.append(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    dog = Watchdog(Path(tempfile.gettempdir()) / f"replicas-replay-hang-{os.getpid()}", name="replay threads",
+                   stall_s=hang_bound(cfg.timeout_s), kill=False, progress=lambda: (len(ended), calls[0]))
+    for t in threads:
+        dog.watch(t.name)
+    with dog, done:  # the first error ends the replay: ranks it left waiting in a collective are daemons
+        dog.wait(lambda: bool(errors) or len(ended) == len(threads), done)
     if errors:
         raise errors[0]
-    stuck = [t.name for t in threads if t.is_alive()]
-    if stuck:
-        raise TimeoutError(f"replay threads did not finish: {stuck}")
+    for t in threads:
+        # Each rank has said it ended, from its last lines: the join is immediate. (Judging
+        # is_alive() right after the notification raced the threads' exit under load:
+        # "replay threads did not finish: ['g0.0']" from a replay that had finished.)
+        t.join()
     ranks = {a: {"outcome": r.outcome, "steps": r.steps, "params": r.params, "recovered_from": r.recovered_from,
                  "losses": r.losses} for a, r in results.items()}
     return RunResult(cfg, "threads", ranks, wall_s=time.monotonic() - t0)

@@ -27,6 +27,7 @@ import torch
 import replay
 from ckpt.guard import judge as judge_loss
 from replay.sdc import bucket_digests, digest_slots, flip_bit, judge, unpack_slots
+from replay.watchdog import beat
 from runs.common.tiny_lm import TinyConfig, TinyLM, make_corpus, unlikely_corpus
 from runs.replicas.config import ReplicaConfig
 from runs.replicas.data import GlobalCursor, share
@@ -238,6 +239,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
     faults = {(f.step, f.where): f for f in cfg.sdc_faults if f.actor == actor}
     killed = cfg.kill_step(group)
     while coord.current_step() < cfg.steps:
+        beat(f"quorum for step {coord.current_step()}")  # the watchdog's heartbeat (a no-op unless watched)
         sink.set_step(coord.current_step())
         q = coord.start_quorum(coord.current_step(), attempt)
         computed: tuple[list[int], tuple[int, int], int] | None = None

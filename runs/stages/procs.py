@@ -65,7 +65,9 @@ def run_processes(cfg: StagesConfig, run_dir: str | os.PathLike[str], *,
     tapes.mkdir(parents=True, exist_ok=False)
     run_id = secrets.token_bytes(16)
     port = free_port()
-    workers = Workers()
+    # the progress watchdog: each worker beats at every plan; a stall dumps every
+    # process's stacks to run_dir/watchdog/ and the run fails naming it
+    workers = Workers(watch=run_dir / "watchdog", quiet_s=cfg.io_timeout_s / 10, name="ctl")
     for rank, name in enumerate(cfg.actors):
         if rank > 0:
             workers.start(name, _worker_proc, rank, port, cfg.to_dict(), str(run_dir), run_id)
@@ -76,10 +78,14 @@ def run_processes(cfg: StagesConfig, run_dir: str | os.PathLike[str], *,
             ep = Endpoint(transport, sink=sink)
             ctl = Controller(cfg, ep, sink.actor("ctl"), on_step=on_step)
             ctl.agent = make_agent(cfg, ep, {"ctl": ctl.state}, run_dir, TorchStoreControl(store, prefix="stages/"))
-            res = ctl.run()
+            try:
+                res = ctl.run()
+            except BaseException as e:
+                workers.check()  # the watchdog fired and killed the workers: the hang is the cause
+                raise e
             ctl.agent.close()
             transport.close(timeout=cfg.io_timeout_s)  # a barrier over the channel graph: every worker is done
-        codes = workers.join(cfg.io_timeout_s)
+        codes = workers.join()  # on their exits; a worker that never exits is a hang the watchdog names
         bad = {n: c for n, c in codes.items() if c != 0}
         if bad:
             raise RuntimeError(f"worker processes failed: {bad}")

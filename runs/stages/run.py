@@ -58,7 +58,7 @@ def run_threads(cfg: StagesConfig, rec: Recorder, run_dir: str | os.PathLike[str
             net.kill(a, "ctl failed")
         threads.abandon(5)
         raise
-    threads.join(cfg.io_timeout_s)
+    threads.join(what="stage workers")
     for ag in agents.values():
         ag.close()
     return RunOutcome(res, {w: workers[w].named_state() for w in cfg.workers}, str(run_dir),

@@ -18,6 +18,7 @@ from torch import nn
 import ckpt
 from replay import Actor, state_digest
 from replay.channel import Endpoint, Message, message_digest
+from replay.watchdog import beat
 from runs.stages import sparseloco as sl
 from runs.stages.config import StagesConfig
 from runs.stages.model import Data, build_stage, flat_params, lr_factor, set_flat_params
@@ -126,6 +127,7 @@ class Worker:
                 raise ProtocolError(f"{self.name}: expected a plan from ctl, got {dict(plan)}")
             if on_plan is not None:
                 on_plan(plan)
+            beat(f"plan step {plan.get('step')}")  # the watchdog's heartbeat (a no-op unless watched)
             self.step(plan)
         self.actor.current_step = int(msg.meta["step"])
         self.actor.params(named=self.named_state())

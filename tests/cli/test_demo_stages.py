@@ -17,17 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from hangs import hang_s, run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ckpt(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def _ckpt(*args: str, quiet_s: float = 60.0) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=timeout)
+    return run([sys.executable, "-m", "ckpt_cli", *args], cwd=ROOT, env=env, bound_s=hang_s(quiet_s))
 
 
 # the first test to ask for the shared run pays for it (1-2.5 min on 2 busy cores)
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 @pytest.fixture(scope="module")

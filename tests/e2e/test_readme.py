@@ -62,6 +62,9 @@ from typing import Any
 
 import pytest
 
+# multi-process runs, subprocesses or heavy imports: `make check` leaves them out
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: the pages whose examples run: the README first, then every page under docs/
@@ -269,13 +272,14 @@ def run_block(block: Block, factory: pytest.TempPathFactory, request: pytest.Fix
         shutil.copy2(ROOT / rel, dst)
     vary = set(filter(None, block.options.get("vary", "").split(",")))
     where = f"{block.where} ({block.lang} block {block.index})"
-    timeout = float(block.options.get("timeout", 900))
+    from hangs import run, scale
+
+    timeout = float(block.options.get("timeout", 900)) * scale()  # a hang bound (tests/hangs.py)
     if block.lang == "python":
         if "file" in block.options:
             script = scratch / block.options["file"]
             script.write_text(block.code, encoding="utf-8")
-            p = subprocess.run([sys.executable, script.name], cwd=scratch, env=env,
-                               capture_output=True, text=True, timeout=timeout)
+            p = run([sys.executable, script.name], cwd=scratch, env=env, bound_s=timeout)
             assert p.returncode == 0, f"{where}: exited {p.returncode}\n{p.stdout}\n{p.stderr}"
             printed = p.stdout
         else:
@@ -295,8 +299,8 @@ def run_block(block: Block, factory: pytest.TempPathFactory, request: pytest.Fix
                 code, printed = shared.returncode, shared.output
             else:
                 real = re.sub(r"(?<![\w.])/tmp/", f"{scratch}/", cmd)
-                p = subprocess.run(["bash", "-c", real], cwd=scratch, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, timeout=timeout)
+                p = run(["bash", "-c", real], cwd=scratch, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, bound_s=timeout)
                 code, printed = p.returncode, p.stdout
             want = _expected_exit(cmd)
             assert code == want, f"{where}: `{cmd}` exited {code}, the page says {want}:\n{printed}"

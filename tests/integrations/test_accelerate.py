@@ -19,6 +19,9 @@ pytest.importorskip("torchdata.stateful_dataloader")
 
 import ckpt  # noqa: E402
 
+# multi-process runs, subprocesses or heavy imports: `make check` leaves them out
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("accelerate_run.py")
 STEPS = 14

@@ -20,6 +20,9 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 import ckpt  # noqa: E402
 from ckpt.interop.hf import export_hf  # noqa: E402
 
+# multi-process runs, subprocesses or heavy imports: `make check` leaves them out
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

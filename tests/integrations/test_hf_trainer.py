@@ -21,6 +21,9 @@ pytest.importorskip("accelerate")
 
 import ckpt  # noqa: E402
 
+# multi-process runs, subprocesses or heavy imports: `make check` leaves them out
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("hf_gpt2_run.py")
 STEPS = 12

@@ -1,6 +1,9 @@
 """A gloo world of real processes for the replay tests: every rank runs ``fn(rank, world,
 store, out, *args)`` in a spawned process and writes its result map; the parent collects
-them (a rank expected to be SIGKILLed reports nothing)."""
+them (a rank expected to be SIGKILLed reports nothing).
+
+The ranks run under the progress watchdog (``runs.common.procs.Workers``): no wait judges
+speed, and a world that stops making progress fails with every rank's stacks."""
 
 from __future__ import annotations
 
@@ -8,13 +11,11 @@ import datetime
 import os
 import signal
 import socket
-import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
-import torch
 
 __all__ = ["spawn_world"]
 
@@ -28,11 +29,16 @@ def _free_port() -> int:
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple) -> None:
     import torch.distributed as dist
 
+    from replay.watchdog import beat, hang_bound
+
     result: dict[str, Any] = {}
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        beat("joining gloo")
+        # bounds for a rendezvous and a collective: hang bounds (a loaded machine starts slowly)
+        bound = datetime.timedelta(seconds=hang_bound(6.0))
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=bound)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=bound)
+        beat("running the test's function")
         result = fn(rank, world, store, Path(out), *args)
         result["ok"] = True
     except BaseException:
@@ -44,19 +50,22 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
 
 def spawn_world(fn: Callable[..., Any], world: int, out: Path, *args: Any, timeout: float = 90.0,
            expect_killed: tuple[int, ...] = ()) -> list[dict[str, Any]]:
-    ctx = torch.multiprocessing.get_context("spawn")
+    """``timeout``: the world's time on a quiet machine, many times over; no progress (a
+    heartbeat, an exit) for a tenth of it, times the hang scale, is a hang."""
+    from replay.errors import HangError
+    from replay.watchdog import hang_bound
+    from runs.common.procs import Workers
+
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, str(out), args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()  # only processes this test started, by handle
-        p.join(5)
-    assert not alive, f"{len(alive)} worker(s) hung past {timeout} s"
+    with Workers(watch=Path(out) / "watchdog", stall_s=hang_bound(timeout / 10), name="test") as w:
+        w.watchdog.progress = lambda: tuple(w.exitcodes().values())
+        for r in range(world):
+            w.start(f"rank{r}", _child, fn, r, world, port, str(out), args)
+        try:
+            w.join()
+        except HangError as e:
+            raise AssertionError(f"the gloo world hung: {e}\n{Path(e.report).read_text()}") from None
+        procs = list(w)
     results = []
     for r, p in enumerate(procs):
         if r in expect_killed:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from ckpt_cli.main import cli
+
+from hangs import hang_s, run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,12 +62,12 @@ def test_the_report_matches_the_tapes(quick_demo: tuple[Path, str]) -> None:
 def test_the_spike_replays_bit_for_bit_through_the_cli(quick_demo: tuple[Path, str]) -> None:
     out, _ = quick_demo
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "ckpt_cli", "replay", str(out / "spike.tape"), "--mode", "force",
-                        "--trust"], capture_output=True, text=True, cwd=str(out), env=env, timeout=600)
+    r = run([sys.executable, "-m", "ckpt_cli", "replay", str(out / "spike.tape"), "--mode", "force", "--trust"],
+            cwd=str(out), env=env, bound_s=hang_s(60.0))
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"IDENTICAL: \d+ events matched the tape \(force mode\)", r.stdout), r.stdout
-    shown = subprocess.run([sys.executable, "-m", "ckpt_cli", "tape", "show", str(out / "spike.tape"), "--kind",
-                            "rollback"], capture_output=True, text=True, env=env, timeout=120)
+    shown = run([sys.executable, "-m", "ckpt_cli", "tape", "show", str(out / "spike.tape"), "--kind", "rollback"],
+                env=env, bound_s=hang_s(5.0))
     assert shown.returncode == 0 and "rollback" in shown.stdout and "step-00000040" in shown.stdout, shown.stdout
 
 

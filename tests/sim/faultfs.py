@@ -21,8 +21,12 @@ machine could show after losing power at that moment (the POSIX model of spec §
   Names are undone newest first, each later rename that did persist carried over to the
   older paths, so the tree is always one that some order of persisting could produce.
 
-``remove_tree`` moves the tree to a trash folder instead of deleting it, so that an
-unsynced removal can come back.
+``remove_tree`` and ``remove_file`` move the tree or file to a trash folder instead of
+deleting it, so that an unsynced removal can come back.
+
+The commit protocol (``storage.commit``) is the inner backend's, bound to this wrapper
+(``Commit.over``): a rename commit's operations are the ones above, and an object
+store's commit requests (``begin``, ``publish``, ...) are one fault point each.
 
 Faults at rest, between operations: :func:`flip_bit` (a media fault or an
 ``rsync --inplace``: one bit of a file changed in place, size and mtime kept) and
@@ -287,10 +291,17 @@ class FaultyStorage:
             self._name("rename", dst, src, (os.path.dirname(src), os.path.dirname(dst)))
 
     def remove_tree(self, path: str) -> None:
-        self._op_plain("remove_tree", path)
+        self._remove("remove_tree", path, self.inner.remove_tree)
+
+    def remove_file(self, path: str) -> None:
+        self._remove("remove_file", path, self.inner.remove_file)
+
+    def _remove(self, op: str, path: str, remove: Callable[[str], None]) -> None:
+        self._op_plain(op, path)
         if self.scheme != "file" or self._trash is None or not os.path.lexists(path):
-            self.inner.remove_tree(path)
+            remove(path)
             return
+        # kept in the trash, so that a power loss before the parent's fsync can bring it back
         with self._lock:
             self._trash_n += 1
             where = os.path.join(self._trash, f"{self._trash_n:06d}")
@@ -315,16 +326,48 @@ class FaultyStorage:
             self._name("link", dst)
         return done
 
-    # object-store commit (spec/object-storage.md): each call is one fault point
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self.inner, name)
-        if name in ("begin", "publish", "abort", "recover", "remove_checkpoint") and callable(target):
-            def call(*args: Any, **kw: Any) -> Any:
-                self._op_plain(name, str(args[0]) if args else "")
-                return target(*args, **kw)
+    def etag(self, path: str) -> str | None:
+        return self.inner.etag(path)
 
-            return call
-        return target
+    # -- the commit protocol (ckpt.storage.commit) -----------------------------------
+    @property
+    def strict_listing(self) -> bool:
+        return self.inner.strict_listing
+
+    @property
+    def commit(self) -> Any:
+        # The inner backend's protocol, making its requests through this wrapper: a rename
+        # commit's renames, fsyncs and removals are the operations above; an object
+        # store's commit requests are the methods below, one fault point each.
+        return self.inner.commit.over(self)
+
+    def _store_call(self, name: str, *args: Any, **kw: Any) -> Any:
+        self._op_plain(name, str(args[0]) if args else "")
+        return getattr(self.inner, name)(*args, **kw)
+
+    def begin(self, final: str, *, overwrite: bool) -> Any:
+        return self._store_call("begin", final, overwrite=overwrite)
+
+    def publish(self, pending: Any, manifest: bytes, **fence: Any) -> None:
+        self._store_call("publish", pending, manifest, **fence)
+
+    def abort(self, pending: Any) -> None:
+        self._store_call("abort", pending)
+
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None, **fence: Any) -> Any:
+        return self._store_call("recover", parent, names=names, **fence)
+
+    def remove_checkpoint(self, path: str, **fence: Any) -> bool:
+        return bool(self._store_call("remove_checkpoint", path, **fence))
+
+    def lock(self, run_dir: str, *, owner: dict[str, object] | None = None) -> Any:
+        return self._store_call("lock", run_dir, owner=owner)
+
+    def ledger_dir(self, run_dir: str) -> str:
+        return str(self.inner.ledger_dir(run_dir))
+
+    def __getattr__(self, name: str) -> Any:  # the inner backend's own extras (stats, bucket, walk)
+        return getattr(self.inner, name)
 
     # -- after a crash --------------------------------------------------------------
     def power_loss(self, rng: random.Random | None = None) -> list[str]:

@@ -505,7 +505,13 @@ def _load_check(ckpt_path: str, seed: int) -> tuple[bool, bool, dict[str, Any] |
     _train_step(target, 0)  # optimizer state exists, so the load is in place
     before = _flat(target)
     try:
-        if len(ckpt.open(ckpt_path).parts) > 1:
+        parts = [p.name for p in ckpt.open(ckpt_path).parts]
+        if len(parts) > 1:
+            # every rank loads its own part on a resume: the checkpoint loads when all of them do
+            # (rank-00000's into the targets compared below, the others into scratch targets)
+            for name in parts[1:]:
+                other = _make_state(seed + 99992)
+                ckpt.load(ckpt_path, {"frozen": other["frozen"]}, part=name, restore_rng=False, exactness="off")
             ckpt.load(ckpt_path, {"model": target["model"], "optim": target["optim"], "frozen": target["frozen"]},
                       part="rank-00000", restore_rng=False, exactness="off")
         else:

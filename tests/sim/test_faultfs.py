@@ -97,3 +97,35 @@ def test_flip_bit_keeps_size_and_mtime(tmp_path) -> None:
     st2 = os.stat(p)
     assert st2.st_size == st.st_size and st2.st_mtime_ns == st.st_mtime_ns
     assert p.read_bytes()[off] == 1 << bit
+
+
+@pytest.mark.parametrize("backend", ["posix", "memory"])
+def test_the_commit_protocol_runs_through_the_wrapper(tmp_path, backend: str) -> None:
+    """``storage.commit`` of a wrapper is the inner protocol bound to the wrapper: the
+    commit's MANIFEST create, renames and fsyncs are operations the simulator sees (and can
+    fail), and the part lock still keeps a late part out."""
+    import torch
+
+    import ckpt
+    from ckpt.errors import DistributedUsageError
+    from ckpt.storage import RenameCommit
+    from ckpt.storage.memory import MemoryStorage
+
+    inner = LocalStorage() if backend == "posix" else MemoryStorage()
+    root = str(tmp_path) if backend == "posix" else "/sim"
+    fs = FaultyStorage(inner)
+    assert isinstance(fs.commit, RenameCommit) and fs.commit.storage is fs
+    ckpt.save(f"{root}/c", {"w": torch.ones(2)}, storage=fs)
+    seen = [(name, os.path.basename(path)) for _, name, path in fs.log]
+    assert ("create", "MANIFEST") in seen and ("rename", "c") in seen and ("fsync_dir", os.path.basename(root)) in seen
+    # a fault at the commit's rename is injected like any other
+    at = next(i for i, (name, _) in enumerate(seen) if name == "rename")
+    failing = FaultyStorage(inner, FaultPlan.one(at, "eio"))
+    with pytest.raises(OSError):
+        ckpt.save(f"{root}/d", {"w": torch.ones(2)}, storage=failing)
+    assert [(kind, name) for _, kind, name, _ in failing.injected] == [("eio", "rename")]
+    assert not inner.exists(f"{root}/d")
+    pending = ckpt.begin(f"{root}/e", storage=fs)
+    ckpt.commit(pending, [ckpt.write_part(pending, "rank-00000", {"w": torch.ones(1)}, storage=fs)], storage=fs)
+    with pytest.raises(DistributedUsageError):
+        ckpt.write_part(pending, "rank-00001", {"w": torch.ones(1)}, storage=fs)

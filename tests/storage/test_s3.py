@@ -36,7 +36,7 @@ from ckpt.errors import (
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HANG = 120  # a subprocess that has not finished by then is stuck, not slow
 
-pytestmark = pytest.mark.filterwarnings("ignore::ckpt.ledger.ResumeVerificationWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ckpt.ledger.ResumeVerificationWarning")]
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -19,6 +19,9 @@ import torch
 
 import ckpt
 
+# multi-process runs, subprocesses or heavy imports: `make check` leaves them out
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

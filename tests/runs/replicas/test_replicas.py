@@ -10,7 +10,6 @@ outcome is a taped decision.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -21,6 +20,8 @@ pytest.importorskip("torchft")
 import replay  # noqa: E402
 from replay import TapeReader, check_events  # noqa: E402
 from runs.replicas import Join, Kill, ReplicaConfig, SdcFault, record  # noqa: E402
+
+from hangs import hang_s, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 pytestmark = pytest.mark.slow
@@ -71,8 +72,8 @@ def test_sigkilled_group_survivors_train_on_replacement_recovers_and_replay_is_e
     assert [v.rule for v in check_events(evs[:k] + [replace(evs[k], raw=forged)] + evs[k + 1:])] == [
         "recovery-state-mismatch"]
     # the real command re-executes the faulty run bit for bit (ranks as threads, decisions forced)
-    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ckpt"), "replay", tape, "--mode", "force",
-                          "--trust"], capture_output=True, text=True, cwd=str(tmp_path), timeout=600)
+    out = run([os.path.join(os.path.dirname(sys.executable), "ckpt"), "replay", tape, "--mode", "force", "--trust"],
+              cwd=str(tmp_path), bound_s=hang_s(60.0))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "IDENTICAL" in out.stdout
 

@@ -1,0 +1,101 @@
+"""The seam's protocols: ``Storage`` (a backend), ``FileSink`` (a file being written) and
+``ReadHandle`` (a file open for reading).
+
+A backend subclasses :class:`Storage` to inherit the defaults of its optional
+capabilities (no hard links, no ETags, a strict listing); callers use every member
+directly, never ``getattr`` with a fallback, so a wrapper that forgets one fails loudly
+instead of silently turning a capability off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .commit import Commit
+
+__all__ = ["Storage", "FileSink", "ReadHandle"]
+
+
+class FileSink(Protocol):
+    """A file being written. ``write`` may keep a reference to ``data``: the caller
+    keeps that memory alive and unchanged until ``close`` (zero-copy uploads and
+    hashing on a second thread rely on it).
+
+    A sink MAY also have ``write_copy(data)``: the same bytes in the same order as
+    ``write``, but consumed (copied out and hashed) before it returns, so the caller may
+    reuse the memory at once. Writers look it up with ``getattr`` and use fresh memory
+    where a sink has none (the local sink has it; the object-store sink queues buffers
+    for upload and has not)."""
+
+    def write(self, data: memoryview | bytes) -> None: ...
+    def close(self) -> tuple[int, bytes]: ...  # (size, concatenated chunk digests)
+    def discard(self) -> None: ...
+
+
+class ReadHandle(Protocol):
+    """One file opened for reading. A local handle holds a descriptor (immune to
+    renames and deletes); an object-store handle pins the object's version (a replaced
+    or deleted object fails the next read instead of returning other bytes)."""
+
+    path: str
+
+    def pread_into(self, offset: int, buf: memoryview) -> int: ...  # fills buf; short only at end of file
+    def size(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class Storage(Protocol):
+    """What reader, writer, manager and CLI need of a backend. Paths are the backend's
+    own normalised form (:meth:`normalize`): absolute paths locally, ``s3://b/k`` URLs.
+
+    ``commit`` is the backend's commit protocol (``ckpt.storage.commit``): how a save is
+    published, locked, recovered and deleted. A storage that wraps another exposes
+    ``inner.commit.over(self)`` so that the commit's own file operations pass through it."""
+
+    #: URL scheme served (``file`` for local paths); for messages and URL routing only:
+    #: what a backend can do is decided by its members, never by its scheme
+    scheme: str
+    #: False where objects a committed MANIFEST does not name are leftovers readers
+    #: ignore (an object store, spec/object-storage.md §O.4); True: they are an error
+    strict_listing: bool = True
+
+    @property
+    def commit(self) -> Commit: ...
+
+    def normalize(self, path: str | os.PathLike[str]) -> str: ...
+    def realpath(self, path: str) -> str: ...
+    def readlink(self, path: str) -> str: ...
+    def create(self, path: str, chunk_size: int, *, durable: bool = True) -> FileSink: ...
+    def open_read(self, path: str, *, reread: bool = False) -> ReadHandle: ...  # reread: read twice (keep a local copy)
+    def pread_into(self, path: str, offset: int, buf: memoryview) -> int: ...
+    def read(self, path: str, offset: int, size: int) -> bytes: ...
+    def lstat(self, path: str) -> os.stat_result: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def exists(self, path: str) -> bool: ...
+    def isfile(self, path: str) -> bool: ...
+    def isdir(self, path: str) -> bool: ...
+    def mkdir(self, path: str) -> None: ...
+    def makedirs(self, path: str) -> None: ...
+    def rename_dir(self, src: str, dst: str) -> None: ...
+    def rename_noreplace(self, src: str, dst: str) -> None: ...  # FileExistsError if dst exists
+    def remove_tree(self, path: str) -> None: ...
+    def remove_file(self, path: str) -> None: ...  # FileNotFoundError if absent
+    def fsync_dir(self, path: str) -> None: ...
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap two names atomically; False where this backend cannot (the rename commit
+        then moves the old copy aside first)."""
+        return False
+
+    def link(self, src: str, dst: str) -> bool:
+        """Dedup (spec/format-2.md §V.4): give ``src``'s bytes a second name ``dst``
+        without writing them (a hard link; an object store may do a server-side copy).
+        False when this backend or filesystem cannot: the writer then writes the bytes."""
+        return False
+
+    def etag(self, path: str) -> str | None:
+        """The version tag of the object at ``path`` (an object store's ETag), or None
+        where the backend has none: files are then known by device and inode."""
+        return None
