@@ -1,6 +1,6 @@
 """Time to localise a divergence with ``ckpt bisect run``, against the time of one run.
 
-    python bench/bisect.py [--steps 60] [--rounds 3]
+    python bench/bisect_time.py [--steps 60] [--rounds 3]
 
 Two runs of the GPT-style test script (tests/bisect/plant_script.py), the second with a
 layer changed from step STEPS*3/4 on; then ``ckpt ledger diff`` (the step) and ``ckpt
