@@ -24,10 +24,9 @@ import os
 import re
 import secrets
 import stat
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import msgpack
 
@@ -66,8 +65,9 @@ from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import PendingCheckpoint, Recovery, Storage, commits_by_manifest, resolve
-from . import _linkcheck, _partfiles
+from . import _helpers, _linkcheck, _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
+from ._ranges import RangeWalker
 from ._tensorbytes import tensor_memoryview
 
 __all__ = [
@@ -84,6 +84,14 @@ __all__ = [
     "Reuse",
     "reuse_from",
 ]
+
+_R = TypeVar("_R")
+
+#: A checkpoint whose files total at most this many bytes may be committed *fused*
+#: (spec §10.7): its part files sealed, not yet fsynced, when MANIFEST is created, and
+#: every fsync of the commit issued together. Recovery re-hashes a temporary copy this
+#: small before publishing it (§10.3), since its MANIFEST may be durable before its files.
+FUSED_COMMIT_MAX = 64 << 20
 
 #: suffix of a replaced checkpoint moved aside (fallback overwrite, §10)
 OLD_SUFFIX = ".old"
@@ -314,11 +322,11 @@ def _drop_unnamed(pending: PendingCheckpoint, storage: Storage, parts: Sequence[
                 os.unlink(path)
 
 
-def _holding_part_lock(fn: Callable[..., PartEntry]) -> Callable[..., PartEntry]:
+def _holding_part_lock(fn: Callable[..., _R]) -> Callable[..., _R]:
     """``write_part`` runs holding the temporary directory's shared lock (``_local_dir_lock``)."""
 
     @functools.wraps(fn)
-    def locked(pending: PendingCheckpoint, *args: Any, storage: Storage | None = None, **kw: Any) -> PartEntry:
+    def locked(pending: PendingCheckpoint, *args: Any, storage: Storage | None = None, **kw: Any) -> _R:
         resolved, _ = resolve(pending.final, storage)
         fd = _local_dir_lock(pending, resolved, exclusive=False)
         try:
@@ -359,6 +367,37 @@ def write_part(
     later save can share this one's files. Raises ``DistributedUsageError`` when the
     checkpoint was committed or aborted before the part could be written.
     """
+    part, _ = _write_part(
+        pending, name, state, step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
+        lineage=lineage, code_dir=code_dir, storage=storage, compress=compress, reuse=reuse, dedup=dedup,
+        defer_fsync=False,
+    )
+    return part  # type: ignore[return-value]
+
+
+def _write_part(
+    pending: PendingCheckpoint,
+    name: str,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    config: Any = None,
+    data: Any = None,
+    generators: Mapping[str, Any] | None = None,
+    rng: bool | Mapping[str, Any] = True,
+    extra: Any = None,
+    lineage: Mapping[str, Any] | None = None,
+    code_dir: str | None = None,
+    storage: Storage | None = None,
+    compress: Compress = None,
+    reuse: Reuse | None = None,
+    dedup: bool = False,
+    defer_fsync: bool,
+) -> tuple[PartEntry | PartRef, list[Any]]:
+    """``write_part``'s work. With ``defer_fsync`` (a fused commit, spec §10.7) the files
+    of a small part are sealed, not closed: their sinks are returned, open, for the commit
+    to close (fsync) together with MANIFEST's and the directory's fsyncs. Otherwise the
+    list is empty and the part is durable on return."""
     storage, _ = resolve(pending.final, storage)
     check_name(name, what="part")
     if not isinstance(state, Mapping):
@@ -415,7 +454,13 @@ def write_part(
         files.append(fe)
         placed.extend((fe.name, e) for e in entries)
     plain = layout.plain
-    closing: _Background | None = None
+    # A fused commit only for a small part with local sinks that can be sealed (§10.7);
+    # part manifests are fsynced on their own before the commit, so their parts never are.
+    defer_fsync = (defer_fsync and not pending.part_manifests
+                   and sum(m[2] for m in collector.meta.values()) <= FUSED_COMMIT_MAX)
+    unsynced: list[Any] = []  # sealed sinks the commit closes (defer_fsync)
+    closing: _helpers.Pending | None = None
+    tsize, tdigests = 0, b""
     if plain:
         # Largest element size first (stable): every tensor then starts at a multiple of
         # its element size, as stock safetensors lays files out, so readers can map it.
@@ -435,13 +480,19 @@ def write_part(
                 dname, shape, nbytes, _ = meta[key]
                 write(tensor_memoryview(t, nbytes))
                 placed.append((fname, TensorEntry(key, dname, shape, at, off, nbytes, digests_of.get(key))))
+            seal = getattr(tsink, "seal", None) if defer_fsync else None
+            if seal is not None:
+                tsize, tdigests = seal()
+                unsynced.append(tsink)
         except BaseException:
             tsink.discard()
             raise
-        # Its last digests and its fsync run on a helper thread while this one writes the
-        # next files; all are durable before this function returns (§10.7).
-        closing = _Background(tsink.close)
-        files.append(FileEntry(fname, "tensors", 0, k.chunk_size, b""))  # filled in once closed
+        if seal is None:
+            # Its last digests and its fsync run on a helper thread while this one writes
+            # the next files; all are durable before this function returns (§10.7).
+            closing = _helpers.run(tsink.close)
+        files.append(FileEntry(fname, "tensors", 0, k.chunk_size, b""))  # filled in once closed or sealed
+    plain_written = bool(plain)
     try:
         packed = _partfiles.write_packed(layout, pending.tmp_dir, storage)
         if packed is not None:
@@ -457,10 +508,19 @@ def write_part(
         sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
         try:
             sink.write(comp)
-            size, digests = sink.close()
+            seal = getattr(sink, "seal", None) if defer_fsync else None
+            if seal is not None:
+                size, digests = seal()
+                unsynced.append(sink)
+            else:
+                size, digests = sink.close()
         except BaseException:
             sink.discard()
             raise
+    except BaseException:
+        for u in unsynced:
+            u.discard()
+        raise
     finally:
         if closing is not None:
             try:
@@ -468,7 +528,7 @@ def write_part(
             except BaseException:
                 tsink.discard()
                 raise
-    if closing is not None:
+    if plain_written:
         i = next(i for i, f in enumerate(files) if f.name == fname)
         files[i] = FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests)
     if recording:
@@ -494,8 +554,8 @@ def write_part(
     }
     part = PartEntry(name, tuple(files), tuple(tensors), summary)
     if pending.part_manifests:
-        return _write_part_manifest(pending, part, storage)  # type: ignore[return-value]
-    return part
+        return _write_part_manifest(pending, part, storage), unsynced
+    return part, unsynced
 
 
 def _write_part_manifest(pending: PendingCheckpoint, part: PartEntry, storage: Storage) -> PartRef:
@@ -551,6 +611,25 @@ def commit(
     ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
     crosses process boundaries as plain data). The MANIFEST is format 1.0 unless a part
     uses a 2.0 feature (packed or shared files, tensor digests, a part reference)."""
+    return _commit(pending, parts, kind=kind, step=step, meta=meta, storage=storage)
+
+
+_write_part_locked = _holding_part_lock(_write_part)
+
+
+def _commit(
+    pending: PendingCheckpoint,
+    parts: Sequence[PartEntry | PartRef | Mapping[str, Any]],
+    *,
+    kind: str = "checkpoint",
+    step: int | None = None,
+    meta: Mapping[str, Any] | None = None,
+    storage: Storage | None = None,
+    unsynced: Sequence[Any] = (),
+) -> Manifest:
+    """``commit``; ``unsynced``: sealed sinks of the parts (``_write_part(defer_fsync=True)``),
+    closed (fsynced) here, together with MANIFEST when the checkpoint is small enough for
+    a fused commit (§10.7), else before MANIFEST is created."""
     storage, _ = resolve(pending.final, storage)
     parts = [p if isinstance(p, (PartEntry, PartRef)) else part_record(dict(p)) for p in parts]
     names = [p.name for p in parts]
@@ -572,6 +651,9 @@ def commit(
     )
     with gc_paused():
         blob = encode_manifest(manifest)
+    if unsynced and (commits_by_manifest(storage) or files_total(manifest) > FUSED_COMMIT_MAX):
+        _close_together(list(unsynced))  # the strict order: every part file durable before MANIFEST
+        unsynced = ()
     if commits_by_manifest(storage):
         storage.publish(pending, blob)  # type: ignore[attr-defined]
         return manifest
@@ -580,14 +662,43 @@ def commit(
     try:
         if fd is not None:
             _drop_unnamed(pending, storage, ordered)
-        _write_manifest_and_publish(pending, storage, blob)
+        _write_manifest_and_publish(pending, storage, blob, unsynced)
     finally:
         if fd is not None:
             unlock_and_close(fd)
     return manifest
 
 
-def _write_manifest_and_publish(pending: PendingCheckpoint, storage: Storage, blob: bytes) -> None:
+def files_total(manifest: Manifest) -> int:
+    """Bytes of every file a MANIFEST names (MANIFEST itself not counted): what decides
+    whether a checkpoint may be committed fused, and whether recovery re-hashes a copy."""
+    return sum(size for _, size, _ in manifest.parts.file_sizes())
+
+
+def _close_together(sinks: list[Any], also: Callable[[], Any] | None = None) -> None:
+    """Close (fsync) ``sinks`` and run ``also`` at the same time: every one but the last
+    on a helper thread, the last on this one, so the waits overlap (fsync releases the GIL,
+    and a journaling filesystem serves fsyncs issued together with one journal commit).
+    Returns once all are done; raises the first error after all have finished."""
+    calls: list[Callable[[], Any]] = [s.close for s in sinks] + ([also] if also is not None else [])
+    if not calls:
+        return
+    waits = [_helpers.run(fn) for fn in calls[:-1]]
+    error: BaseException | None = None
+    try:
+        calls[-1]()
+    except BaseException as e:
+        error = e
+    for w in waits:
+        try:
+            w.join()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
+
+
+def _write_manifest_and_publish(pending: PendingCheckpoint, storage: Storage, blob: bytes, unsynced: Sequence[Any] = ()) -> None:
     sink = storage.create(os.path.join(pending.tmp_dir, MANIFEST_NAME), max(knobs().chunk_size, 4096))
     try:
         sink.write(blob)
@@ -598,51 +709,14 @@ def _write_manifest_and_publish(pending: PendingCheckpoint, storage: Storage, bl
         if flush is not None:
             flush()
         # MANIFEST's fsync and the directory's (which now lists every file, MANIFEST
-        # included) have no order between them, only both before the rename (§10.7):
-        # issued together they wait for one journal commit, not two.
-        names = _Background(storage.fsync_dir, pending.tmp_dir)
-        try:
-            sink.close()
-        finally:
-            names.join()
+        # included) have no order between them, only both before the rename (§10.7); in a
+        # fused commit neither have the part files' fsyncs: all are issued together and
+        # cost one wait.
+        _close_together([*unsynced, sink], also=lambda: storage.fsync_dir(pending.tmp_dir))
     except BaseException:
         sink.discard()
         raise
     _publish(pending, storage)
-
-
-class _Background:
-    """``fn(*args)`` on a helper thread; ``join`` waits and re-raises its error.
-
-    Used to overlap two waits that have no order between them (two fsyncs, or an fsync
-    and the next file's writes): fsync, write and xxh3 release the GIL, and on a
-    journaling filesystem two fsyncs issued together are served by one journal commit.
-    """
-
-    __slots__ = ("_fn", "_args", "_thread", "result", "error")
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._fn, self._args = fn, args
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ckpt-sync", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.result = self._fn(*self._args)
-        except BaseException as e:  # re-raised by join() on the caller's thread
-            self.error = e
-
-    def join(self) -> Any:
-        # Unbounded on purpose: the thread runs one local fsync/close, which the calling
-        # thread would otherwise run itself; it takes no lock and waits on no process.
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
 
 
 def _publish(pending: PendingCheckpoint, storage: Storage) -> None:
@@ -694,8 +768,11 @@ _TMP_RE = re.compile(r"^\.tmp-(?P<name>.+)-[0-9a-f]{12}(?P<suffix>\.old|\.del)?$
 
 def is_complete(path: str, *, storage: Storage | None = None) -> bool:
     """A committed copy whatever its name: its MANIFEST decodes (own digest included)
-    and every file it names is a regular file of the declared size. Chunk digests are
-    not re-hashed (resume verifies them); this tells a whole copy from a torn save."""
+    and every file it names is a regular file of the declared size; this tells a whole
+    copy from a torn save. A copy whose files total at most ``FUSED_COMMIT_MAX`` may have
+    been committed fused, its MANIFEST durable before its files (§10.7), so its files'
+    chunks are re-hashed too (cheap at that size); a larger copy's files were durable
+    before its MANIFEST existed, and its digests are left to the load that verifies them."""
     storage, path = resolve(path, storage)
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
@@ -707,8 +784,30 @@ def is_complete(path: str, *, storage: Storage | None = None) -> bool:
             fst = storage.lstat(os.path.join(path, fname))
             if not stat.S_ISREG(fst.st_mode) or fst.st_size != fsize:
                 return False
+        if files_total(man) <= FUSED_COMMIT_MAX:
+            return _content_intact(storage, path, man)
     except (OSError, CkptError):
         return False
+    return True
+
+
+def _content_intact(storage: Storage, path: str, man: Manifest) -> bool:
+    """Every chunk of every file listed in ``man`` matches its digest (a part listed by
+    reference: its part manifest's digest; its files were durable before it, §10.7).
+    Through the one range walker, in bounded pieces; raises CkptError on a mismatch."""
+    for part in man.parts.listed():
+        if isinstance(part, PartRef):
+            blob = storage.read(os.path.join(path, part.manifest), 0, part.manifest_size)
+            if digest_bytes(blob) != part.manifest_digest:
+                return False
+            continue
+        for f in part.files:
+            fpath = os.path.join(path, f.name)
+            handle = storage.open_read(fpath)
+            try:
+                RangeWalker(fpath, f, handle.pread_into, verify=True).walk([], whole=True)
+            finally:
+                handle.close()
     return True
 
 
@@ -825,9 +924,11 @@ def save(
         _refuse_under_process_group(path)
     storage, path = resolve(path, storage)
     pending = begin(path, overwrite=overwrite, storage=storage)
+    unsynced: list[Any] = []
     try:
         reuse = reuse_from(dedup_from, part_name_for_rank(0), storage=storage) if dedup_from is not None else None
-        part = write_part(
+        # One part, written and committed in one call: a small one commits fused (§10.7).
+        part, unsynced = _write_part_locked(
             pending,
             part_name_for_rank(0),
             state,
@@ -842,9 +943,12 @@ def save(
             lineage={"run_id": run_id, "resumed_from": resumed_from},
             code_dir=code_dir,
             storage=storage,
+            defer_fsync=True,
         )
-        manifest = commit(pending, [part], step=step, meta=meta, storage=storage)
+        manifest = _commit(pending, [part], step=step, meta=meta, storage=storage, unsynced=unsynced)
     except BaseException:
+        for u in unsynced:
+            u.discard()
         abort(pending, storage=storage)
         raise
     return CheckpointInfo(pending.final, manifest.id, step, manifest.total_bytes, manifest)
