@@ -180,9 +180,12 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
     return out
 
 
+_PARALLEL_VERIFY_MIN = 32 << 20
+
+
 def _verify_parallel(reader: TensorSource, f: FileEntry, mv: memoryview) -> None:
     """Check every chunk of the mapped file ``mv`` (``ckpt._ranges.verify_view``)."""
-    verify_view(os.path.join(reader.path, f.name), f, mv)
+    verify_view(os.path.join(reader.path, f.name), f, mv, parallel_min=_PARALLEL_VERIFY_MIN)
 
 
 def check_mmap_options(mmap: bool | None, unsafe_mmap: bool) -> None:

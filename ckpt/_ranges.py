@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import queue
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._helpers import run as on_helper
 from ._pipeline import OrderedFeeder
 from .errors import ChecksumMismatchError, FormatError, SizeMismatchError
 from .format.digest import DIGEST_SIZE, ChunkHasher
@@ -133,22 +133,20 @@ def check_digests(path: str, entries: Sequence[TensorEntry], mapped: memoryview)
                 raise _values_digest_error(path, t)
 
 
-def verify_view(path: str, f: FileEntry, mv: memoryview) -> None:
+def verify_view(path: str, f: FileEntry, mv: memoryview, *, parallel_min: int = PIPELINE_MIN_BYTES) -> None:
     """Check every chunk of ``mv`` (the whole file ``f``, in memory or mapped, nothing
-    copied), the two halves on two threads from ``PIPELINE_MIN_BYTES`` on: xxh3 releases
+    copied), the two halves on two threads from ``parallel_min`` bytes on: xxh3 releases
     the GIL, and a mapping's first touch of each page is paid on both cores."""
     cs = f.chunk_size
     nchunks = (f.size + cs - 1) // cs
-    if f.size < PIPELINE_MIN_BYTES or nchunks < 2:
+    if f.size < parallel_min or nchunks < 2:
         v = ChunkVerifier(path, f)
         v.update(mv)
         v.finish()
         return
-    from ._helpers import run
-
     mid = nchunks // 2
     second = ChunkVerifier(path, f, first=mid)
-    other = run(lambda: (second.update(mv[mid * cs :]), second.finish()))
+    other = on_helper(lambda: (second.update(mv[mid * cs :]), second.finish()))
     try:
         first = ChunkVerifier(path, f)
         first.update(mv[: mid * cs])
@@ -462,10 +460,12 @@ def _parallel_reads(handle: "ReadHandle", fp: str, jobs: list[tuple[TensorEntry,
         except BaseException as e:  # re-raised by the caller
             errors.append(e)
 
-    helper = threading.Thread(target=guarded, args=(pieces[1::2],), name="ckpt-read", daemon=True)
-    helper.start()
-    guarded(pieces[0::2])
-    helper.join()
+    # a reused thread: starting one per load costs a scheduling round trip on a busy machine
+    helper = on_helper(guarded, pieces[1::2])
+    try:
+        guarded(pieces[0::2])
+    finally:
+        helper.join()
     if errors:
         raise errors[0]
 
