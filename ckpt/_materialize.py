@@ -83,17 +83,30 @@ def resolve(obj: Any, tensors: Mapping[str, torch.Tensor], path: str) -> Any:
         except KeyError:
             raise FormatError(f"unknown dtype {obj.name!r}", path=path) from None
     if isinstance(obj, DeviceRef):
-        try:
-            return torch.device(obj.device)
-        except RuntimeError as e:
-            raise FormatError(f"invalid device string {obj.device[:80]!r}: {e}", path=path) from None
+        return _device(obj.device, path)
     if isinstance(obj, dict):
-        return {k: resolve(v, tensors, path) for k, v in obj.items()}
+        # keys too: a dtype, a device or a tensor may be a map key (spec §7.3), and must
+        # reach the caller as itself, never as the decoder's placeholder
+        return {resolve(k, tensors, path): resolve(v, tensors, path) for k, v in obj.items()}
     if isinstance(obj, list):
         return [resolve(v, tensors, path) for v in obj]
     if isinstance(obj, tuple):
         return tuple(resolve(v, tensors, path) for v in obj)
     return obj
+
+
+def _device(text: str, path: str) -> torch.device:
+    """``torch.device(text)``, refusing what torch would not give back as written: its
+    index is a signed 8-bit integer, so ``cuda:128`` became ``cuda:-128`` and a larger
+    index was dropped (spec §7.3 bounds the index to 0..127)."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError as e:
+        raise FormatError(f"invalid device string {text[:80]!r}: {e}", path=path) from None
+    want = int(text.partition(":")[2]) if ":" in text else None
+    if dev.index != want:
+        raise FormatError(f"device {text[:80]!r} reads back as {str(dev)!r}: torch cannot hold its index", path=path)
+    return dev
 
 
 def _stream_fresh(reader: TensorSource, pe: PartEntry, verify: bool, index: int | None = None) -> dict[str, torch.Tensor]:
@@ -248,7 +261,9 @@ def _refs(obj: Any) -> list[str]:
         if isinstance(v, TensorRef):
             seen.setdefault(v.key)
         elif isinstance(v, dict):
-            stack.extend(reversed(list(v.values())))
+            for k, x in reversed(list(v.items())):
+                stack.append(x)
+                stack.append(k)  # a tensor may be a key
         elif isinstance(v, (list, tuple)):
             stack.extend(reversed(v))
     return list(seen)

@@ -29,6 +29,8 @@ keeps working for callers who do not know this package::
     ├── UnsupportedValueError        (TypeError)          a value that cannot be stored
     ├── BackgroundSaveError          (RuntimeError)       an async save failed earlier
     ├── RunDirLockedError            (BlockingIOError)    another manager writes this run dir
+    │   └── LeaseLostError                               this writer's lease on the run was taken over
+    ├── SaveConflictError            (RuntimeError)       another process removed this save's files
     ├── WaitTimeoutError             (TimeoutError)       a lock or a save in flight passed its hang
     │                                                     detector bound (names what it waited on)
     ├── DistributedUsageError        (RuntimeError)       single-process API under a process group
@@ -80,6 +82,8 @@ __all__ = [
     "ResumeDivergedError",
     "RunDirLockedError",
     "WaitTimeoutError",
+    "LeaseLostError",
+    "SaveConflictError",
     "DistributedUsageError",
     "UnsupportedSchemeError",
     "StorageError",
@@ -247,6 +251,18 @@ class BackgroundSaveError(CkptError, RuntimeError):
 
 class RunDirLockedError(CkptError, BlockingIOError):
     """Another live process holds the run directory's writer lock (its pid and host named)."""
+
+
+class LeaseLostError(RunDirLockedError):
+    """This writer's lease on an object-store run expired and another writer took the run
+    over (spec/object-storage.md §O.6): nothing more is committed or deleted through it.
+    Raised by the commit or deletion that found out; the run now belongs to the new holder."""
+
+
+class SaveConflictError(CkptError, RuntimeError):
+    """A file of a save in progress was removed or changed by another process (a cleanup
+    of the run directory, another writer) before the save committed: nothing was committed.
+    The file is named; saving again is safe."""
 
 
 class WaitTimeoutError(CkptError, TimeoutError):

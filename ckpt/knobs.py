@@ -63,6 +63,16 @@ class Knobs:
     #: a dedup save re-hashes every chunk of a file it shares at least once in this many
     #: consecutive saves that share it (spec/format-2.md §V.4.6; bench/dedup.py measures it).
     dedup_rehash_every: int = _env_int("CKPT_DEDUP_REHASH_EVERY", 1)
+    # --- the run lock on an object store (spec/object-storage.md §O.6) ---
+    #: seconds between two renewals of a run's lease (one conditional PUT each: 17,280 a day).
+    lock_heartbeat_s: float = _env_float("CKPT_LOCK_HEARTBEAT_S", 5.0)
+    #: seconds a lease stays in force after its last renewal: a writer whose heartbeat
+    #: cannot get through for this long loses the run (six missed renewals by default);
+    #: a crashed writer's lock is taken over this long after its last renewal.
+    lock_expiry_s: float = _env_float("CKPT_LOCK_EXPIRY_S", 30.0)
+    #: cleanup at a manager's start leaves an uncommitted save's files alone until they
+    #: are this old (a save without the run's lock may still commit them; §O.6).
+    orphan_grace_s: float = _env_float("CKPT_ORPHAN_GRACE_S", 60.0)
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB
@@ -71,6 +81,14 @@ class Knobs:
     max_tensor_rank: int = 64
     max_container_len: int = 1 << 24
     max_nesting: int = 256
+    #: arrays and maps one decoded msgpack document may build (spec/checkpoint-format.md
+    #: §14): what bounds a document's decoded size, since one input byte is one container.
+    max_containers: int = 1 << 21
+    #: a str/bin/ext value in a structure file is at most value_ratio times the file on
+    #: disk, or value_floor (spec/checkpoint-format.md §7.1): decoding copies each one out
+    #: of the decompressed document, so this bounds the copy by the file, not the frame.
+    value_ratio: int = 64
+    value_floor: int = 64 * MiB
     min_chunk_size: int = 4096
     max_chunk_size: int = 1 * GiB
 

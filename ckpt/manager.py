@@ -65,7 +65,11 @@ holds it for a distributed job). A second manager, in this process or another, g
 ``RunDirLockedError`` naming the holder's pid and host; the kernel drops the lock when
 the holder dies, SIGKILL included. Under the lock, leftovers of crashed saves are
 cleaned at start (``ckpt.writer.recover``): a complete copy left under a ``.tmp-`` name
-by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed.
+by a crash inside a commit is put back under its step name; other ``.tmp-*`` are removed,
+except those a writer holds or changed within ``orphan_grace_s`` (a save that takes no
+lock may still commit them). On an object store the lock is a lease renewed by a daemon
+thread, taken over only after it expired; every commit and deletion proves it first
+(``LeaseLostError``; spec/object-storage.md §O.6).
 **Followers.** ``writer=False`` makes a manager that reads a run directory another one
 writes (replicas of one data-parallel state: one writes, every one can ``resume()`` or
 ``rewind()`` from it): it takes no lock, never saves (``save()`` refuses) and never
@@ -179,7 +183,7 @@ from .format.manifest import MANIFEST_NAME, decode_manifest
 from .knobs import knobs
 from .reader import CheckpointReader
 from .runlock import RunLock
-from .storage import Storage, commits_by_manifest, is_space_error, resolve
+from .storage import FencedStorage, Storage, commits_by_manifest, is_space_error, resolve
 from .writer import DEL_SUFFIX, recover, tmp_name
 
 __all__ = [
@@ -825,6 +829,9 @@ class CheckpointManager:
                 raise CkptError("set_writer(wait=True) needs a local run directory (an object store's lock "
                                 "object cannot be waited for)", path=self.run_dir)
             self._lock = self._storage.lock(self.run_dir, owner=owner)  # type: ignore[attr-defined]
+            # A lease, not a kernel lock: every commit and deletion proves it first
+            # (LeaseLostError once another writer took the run over after it expired).
+            self._storage = FencedStorage(self._storage, self._lock)
         else:
             self._lock = RunLock.acquire(self.run_dir, owner=owner, wait=wait)
         rec = recover(self.run_dir, names=lambda n: bool(_NAME_RE.match(n)), storage=self._storage)
@@ -856,6 +863,8 @@ class CheckpointManager:
 
     def _release_lock(self) -> None:
         if self._lock is not None:
+            if isinstance(self._storage, FencedStorage):
+                self._storage = self._storage.inner
             self._lock.release()
             self._lock = None
 

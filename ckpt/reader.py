@@ -33,7 +33,7 @@ from .errors import (
     UnexpectedFileError,
     UnsafePathError,
 )
-from .format.codec import unpackb, zstd_decompress
+from .format.codec import unpackb, value_limit, zstd_decompress
 from .format.digest import chunk_count
 from .format.context import check_context, check_entry_names
 from .format.manifest import (
@@ -48,7 +48,7 @@ from .format.manifest import (
     decode_part_manifest,
 )
 from .format.safetensors import check_against_manifest, parse_header
-from .format.tree import TensorRef, decode_tree
+from .format.tree import DeviceRef, DtypeRef, TensorRef, decode_tree
 from .knobs import knobs
 from .storage import ReadHandle, Storage, resolve
 
@@ -237,7 +237,7 @@ class CheckpointReader:
             if f.codec == "zstd":
                 raw = zstd_decompress(raw, f.raw_size or 0, path=self._fp(f))
             with gc_paused():
-                tree = decode_tree(raw, path=self._fp(f))
+                tree = decode_tree(raw, path=self._fp(f), max_value=value_limit(f.size))
                 if not isinstance(tree, dict) or not isinstance(tree.get("state"), dict) or not isinstance(tree.get("context"), dict):
                     raise FormatError("structure file lacks its state/context maps", path=self._fp(f), offset=0)
                 check_entry_names(tree["state"], path=self._fp(f))
@@ -248,14 +248,17 @@ class CheckpointReader:
     def context(self, part: str | None = None) -> dict[str, Any]:
         """A part's context (step, rng, data, config, topology, commit, env, lineage, extra).
 
-        Reads only the structure file, except where ``extra`` holds tensors: those are
-        read (verified) and returned as tensors, never as placeholders."""
+        Reads only the structure file, except where a field (``extra``, ``data``, ...)
+        holds tensors, dtypes or devices, as values or map keys: tensors are read
+        (verified), and each is returned as itself, never as a placeholder."""
         ctx = self.tree(part)["context"]
-        if not _holds_tensor_ref(ctx.get("extra")):
+        held = [k for k, v in ctx.items() if _holds_ref(v)]
+        if not held:
             return ctx
         from ._materialize import resolve_lazily
 
-        return {**ctx, "extra": resolve_lazily(self, self.part(part), ctx["extra"])}
+        pe = self.part(part)
+        return {**ctx, **{k: resolve_lazily(self, pe, ctx[k]) for k in held}}
 
     def config(self, part: str | None = None) -> Any:
         """The config saved with ``config=`` (its canonical form: maps, lists, plain values),
@@ -598,13 +601,15 @@ class CheckpointReader:
         return None, name
 
 
-def _holds_tensor_ref(obj: Any) -> bool:
+def _holds_ref(obj: Any) -> bool:
+    """Whether a decoded value holds a placeholder (tensor, dtype, device), keys included."""
     stack = [obj]
     while stack:
         v = stack.pop()
-        if isinstance(v, TensorRef):
+        if isinstance(v, (TensorRef, DtypeRef, DeviceRef)):
             return True
         if isinstance(v, dict):
+            stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, (list, tuple)):
             stack.extend(v)

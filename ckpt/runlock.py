@@ -24,6 +24,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 import weakref
 
@@ -61,13 +62,20 @@ class RunLock:
         """Take the lock; ``RunDirLockedError`` while another holds it, or with ``wait``,
         block until the holder releases it (or dies: the kernel drops its lock)."""
         path = os.path.join(run_dir, LOCK_NAME)
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        # O_NONBLOCK: a FIFO planted at the lock's name must not block the open.
+        flags = (os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_NOFOLLOW", 0))
         try:
             fd = os.open(path, flags, 0o644)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise RunDirLockedError("the writer lock file is a symbolic link; refusing to follow it", path=path) from None
-            raise
+            if e.errno == errno.EISDIR:
+                raise RunDirLockedError("the writer lock file is a directory; refusing to use it", path=path) from None
+            raise CkptError(f"cannot open the writer lock file ({e.strerror})", path=path) from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a socket, a device: not a lock we can write
+            os.close(fd)
+            raise RunDirLockedError("the writer lock file is not a regular file; refusing to use it", path=path)
         try:
             # wait=True (set_writer(wait=True), a standby taking over) blocks on purpose for
             # as long as the previous writer lives: on the caller's thread, never in a save.

@@ -38,9 +38,9 @@ from .context.env import capture_env
 from .context.provenance import capture_commit
 from .context.rng import capture_rng, rng_kinds
 from .context.topology import capture_topology
-from .errors import CheckpointExistsError, CkptError, DistributedUsageError, UnsupportedValueError
+from .errors import CheckpointExistsError, CkptError, DistributedUsageError, FormatError, SaveConflictError, UnsupportedValueError
 from .format import dtypes
-from .format.codec import packb, zstd_compress
+from .format.codec import packb, value_limit, zstd_compress
 from .format.digest import digest_bytes
 from .format.manifest import (
     MANIFEST_NAME,
@@ -282,14 +282,19 @@ def _local_dir_lock(pending: PendingCheckpoint, storage: Storage, *, exclusive: 
     does not name, and the committed checkpoint would no longer open (UnexpectedFileError)."""
     if commits_by_manifest(storage) or getattr(storage, "scheme", "file") != "file":
         return None
-    gone = DistributedUsageError(
-        "the checkpoint's temporary directory is gone: it was committed or aborted before this "
-        "part was written (a part written after the commit is not part of it)", path=pending.final)
+    if exclusive:
+        gone: CkptError = SaveConflictError(
+            "the checkpoint's temporary directory is gone before its commit: another process removed it "
+            "(a cleanup of the run directory), or it was already committed or aborted; nothing was committed",
+            path=pending.tmp_dir)
+    else:
+        gone = DistributedUsageError(
+            "the checkpoint's temporary directory is gone: it was committed or aborted before this "
+            "part was written (a part written after the commit is not part of it), or another process's "
+            "cleanup removed it", path=pending.final)
     try:
         fd = os.open(pending.tmp_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        if exclusive:
-            return None  # commit reports the missing directory itself, as before
         raise gone from None
     try:
         what = ("the temporary directory, for the part writers still in flight" if exclusive
@@ -504,7 +509,12 @@ def _write_part(
         if len(raw) > k.max_state_raw_bytes:
             raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
         comp = zstd_compress(raw)
-        sname = pending.file_name(name, ".state.msgpack.zst")
+        codec: str | None = "zstd"
+        if len(raw) > value_limit(len(comp)):
+            # compresses so well that a reader could not tell it from a decompression bomb
+            # (spec §7.1: a value at most value_ratio times the file): stored as it is.
+            comp, codec = raw, None
+        sname = pending.file_name(name, ".state.msgpack.zst" if codec else ".state.msgpack")
         sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
         try:
             sink.write(comp)
@@ -538,7 +548,7 @@ def _write_part(
             if f.origin is None:
                 _linkcheck.record_written(storage, os.path.join(pending.tmp_dir, f.name))
     # The state file comes first so readers can find the structure without scanning.
-    files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, "zstd", len(raw)))
+    files.insert(0, FileEntry(sname, "state", size, k.chunk_size, digests, codec, len(raw) if codec else None))
     index = {f.name: i for i, f in enumerate(files)}
     tensors = [e if e.file == index[fn] else dataclasses.replace(e, file=index[fn]) for fn, e in placed]
     summary = {
@@ -576,6 +586,36 @@ def _write_whole(storage: Storage, path: str, blob: bytes) -> tuple[int, bytes]:
     except BaseException:
         sink.discard()
         raise
+
+
+def _check_replica_chains(parts: Sequence[PartEntry | PartRef], where: str) -> None:
+    """Refuse a commit whose REPLICA entries a reader would refuse (spec §9): each must
+    reach, within MAX_REPLICA_HOPS, a part of this commit that holds the entry's data.
+    A part listed by reference keeps its entries in its part manifest; a chain that
+    reaches one is left to the reader, which checks it against that manifest."""
+    from ._statecheck import MAX_REPLICA_HOPS
+
+    names = {p.name for p in parts}
+    entries = {p.name: (p.summary.get("entries") or {}) for p in parts if isinstance(p, PartEntry)}
+    for pname, es in entries.items():
+        for ename, e in es.items():
+            cur, hops = pname, 0
+            while isinstance(e, dict) and isinstance(e.get("replica_of"), str):
+                nxt = e["replica_of"]
+                hops += 1
+                if hops > MAX_REPLICA_HOPS:
+                    raise FormatError(f"entry {ename!r} of part {pname!r} is a REPLICA chain of more than "
+                                      f"{MAX_REPLICA_HOPS} hops (or a cycle); readers refuse it: name the part "
+                                      "that holds the data", path=where, key=ename)
+                if nxt not in names:
+                    raise FormatError(f"entry {ename!r} of part {cur!r} is a REPLICA of part {nxt!r}, which this "
+                                      "commit does not hold", path=where, key=ename)
+                if nxt not in entries:
+                    break  # a part by reference: its reader checks the rest
+                if ename not in entries[nxt]:
+                    raise FormatError(f"entry {ename!r} of part {cur!r} is a REPLICA of part {nxt!r}, which lacks "
+                                      "it", path=where, key=ename)
+                cur, e = nxt, entries[nxt][ename]
 
 
 def _entry_summary(obj: Any, type_name: str, counts: list[int]) -> dict[str, Any]:
@@ -639,6 +679,7 @@ def _commit(
         step = parts[0].summary.get("step")
     # Sorting parts by name makes the manifest independent of arrival order.
     ordered = tuple(sorted(parts, key=lambda p: p.name))
+    _check_replica_chains(ordered, pending.final)
     manifest = Manifest(
         id=content_id(ordered),
         kind=kind,
@@ -662,11 +703,28 @@ def _commit(
     try:
         if fd is not None:
             _drop_unnamed(pending, storage, ordered)
+        _check_named(pending, storage, ordered)
         _write_manifest_and_publish(pending, storage, blob, unsynced)
     finally:
         if fd is not None:
             unlock_and_close(fd)
     return manifest
+
+
+def _check_named(pending: PendingCheckpoint, storage: Storage, parts: Sequence[PartEntry | PartRef]) -> None:
+    """Before a local commit: every file the MANIFEST will name is a regular file of its
+    declared size (one lstat each). Another process may have removed a file of this save
+    (a cleanup of the run directory); committing would name a file that is not there."""
+    for fname, fsize, _ in PartList(parts).file_sizes():
+        path = os.path.join(pending.tmp_dir, fname)
+        try:
+            st = storage.lstat(path)
+        except FileNotFoundError:
+            raise SaveConflictError("a file of this save was removed before its commit (another process "
+                                    "cleaned the run directory?); nothing was committed", path=path) from None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != fsize:
+            raise SaveConflictError(f"a file of this save is not the regular file of {fsize} bytes it was written "
+                                    "as (another process replaced it); nothing was committed", path=path)
 
 
 def files_total(manifest: Manifest) -> int:
@@ -818,10 +876,15 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     committed checkpoint (no MANIFEST) but has a complete temporary copy, the copy is
     renamed back: the new one of an interrupted save (``.tmp-<name>-<hex>``) first, else
     the old one of an interrupted overwrite (``.tmp-<name>-<hex>.old``). Then every
-    ``.tmp-*`` entry is removed, except copies of a name whose restore failed. Only the
-    process that owns the directory may call this (the manager holds the run lock):
-    another writer's save in progress would be removed. On an object store the same
-    rules are applied to prefixes (spec/object-storage.md).
+    ``.tmp-*`` entry is removed, except copies of a name whose restore failed.
+
+    A temporary directory a live writer may still commit is left alone (spec §10.4): one
+    whose ``flock`` is held (a part being written, a commit in progress: the kernel drops
+    it when its holder dies) is neither restored nor removed, and one that changed within
+    ``orphan_grace_s`` is not removed (a save between its steps holds no lock). The
+    directories acted on are held locked meanwhile, so a writer that comes back finds
+    them gone and fails with a documented error. On an object store the same rules are
+    applied to prefixes (spec/object-storage.md §O.6).
     """
     storage, root = resolve(parent, storage)
     if commits_by_manifest(storage):
@@ -830,7 +893,49 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
         entries = sorted(storage.listdir(root))
     except FileNotFoundError:
         return Recovery((), ())
-    tmps = [n for n in entries if n.startswith(TMP_PREFIX)]
+    held: dict[str, int] = {}  # temporary directories this call locked (none is in use)
+    try:
+        return _recover_local(storage, root, entries, names, held)
+    finally:
+        for fd in held.values():
+            unlock_and_close(fd)  # explicit unlock: a worker forked meanwhile shares the lock
+
+
+def _claim(path: str) -> tuple[int | None, float]:
+    """Lock a temporary directory exclusively without waiting: (descriptor, mtime), or
+    (None, 0) while a writer holds it (or it is not a directory we can lock)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None, 0.0
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, os.fstat(fd).st_mtime
+    except OSError:
+        os.close(fd)  # never locked by us: nothing to release
+        return None, 0.0
+
+
+def _recover_local(storage: Storage, root: str, entries: list[str], names: Callable[[str], bool] | None,
+                   held: dict[str, int]) -> Recovery:
+    cutoff = time.time() - knobs().orphan_grace_s
+    tmps: list[str] = []
+    young: set[str] = set()
+    for t in (n for n in entries if n.startswith(TMP_PREFIX)):
+        path = os.path.join(root, t)
+        if not os.path.isdir(path) or os.path.islink(path):
+            tmps.append(t)  # not a directory: nothing writes into it
+            continue
+        fd, mtime = _claim(path)
+        if fd is None:
+            continue  # a live writer's: not ours to touch
+        held[t] = fd
+        tmps.append(t)
+        if mtime >= cutoff:
+            young.add(t)
     by_name: dict[str, list[tuple[int, str]]] = {}
     for t in tmps:
         m = _TMP_RE.match(t)
@@ -866,7 +971,7 @@ def recover(parent: str | os.PathLike[str], *, names: Callable[[str], bool] | No
     removed = []
     done = {t for t, _ in restored}
     for t in tmps:
-        if t in done or t in keep:
+        if t in done or t in keep or t in young:
             continue
         storage.remove_tree(os.path.join(root, t))
         removed.append(t)

@@ -142,7 +142,17 @@ class TapePath(click.Path):
         super().__init__(path_type=str)
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        return expect_tape(super().convert(value, param, ctx))
+        # Click converts parameters before the command's handle_errors runs: a path the
+        # OS cannot resolve (a symlink loop, a name too long), a URL no backend serves or
+        # a store that fails must become the same one line and exit code here.
+        from ckpt.errors import CkptError
+
+        try:
+            return expect_tape(super().convert(value, param, ctx))
+        except (CkptError, OSError) as e:
+            from ckpt_cli.main import fail
+
+            raise fail(e) from None
 
 
 #: a path argument with no existence check: the library names what is wrong (exit 5 / 7)

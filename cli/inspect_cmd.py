@@ -72,7 +72,14 @@ def _entry(name: str, e: dict[str, Any], by_part: dict[str, dict[str, Any]]) -> 
     it belongs to) from the part that holds its bytes, and says which part that is."""
     src = e.get("replica_of")
     if isinstance(src, str):
+        # follow the chain to the part holding the bytes (a reader follows at most 4 hops,
+        # spec §9; a longer chain or a cycle stops there, and verify names it)
         held = (by_part.get(src) or {}).get(name) or {}
+        for _ in range(4):
+            nxt = held.get("replica_of")
+            if not isinstance(nxt, str) or nxt == src:
+                break
+            src, held = nxt, (by_part.get(nxt) or {}).get(name) or {}
         typ = held.get("type", e.get("type", ""))
         return {**e, "type": typ, "field": classify(typ, held.get("tensors"), name),
                 "replica": {"part": src, "tensors": held.get("tensors"), "bytes": held.get("bytes")}}

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 
+from ckpt.format.codec import ContainerLimitError
 from ckpt.tape.format import strict_pairs  # one definition, next to the framing it serves
 from ckpt.tape.payload import pack_msgpack, unpack_msgpack  # the msgpack field rules, with the framing
 from replay.clock import VectorClock
-from replay.errors import TapeFormatError
+from replay.errors import TapeFormatError, TapeLimitError
 
 __all__ = ["Kind", "KINDS", "KIND_BY_NAME", "KIND_BY_CODE", "Event", "FIELD_TYPES", "kind", "strict_pairs", "unpack_msgpack"]
 
@@ -35,6 +36,10 @@ _F64 = struct.Struct("<d")
 # Bounds a decoder enforces before allocating (a hostile count must not become a list).
 MAX_LIST = 1 << 20
 MAX_MSGPACK = 1 << 20
+
+
+class _OverLimit(ValueError):
+    """A count or length above spec §12's limits: ``TapeLimitError``, not a format error."""
 
 # field type -> one-line wire description (spec §6.1 renders this table).
 FIELD_TYPES: dict[str, str] = {
@@ -95,6 +100,8 @@ class Kind:
         try:
             for fname, ftype in self.fields:
                 out[fname], pos = _DECODERS[ftype](mv, pos)
+        except _OverLimit as e:  # spec §15a: a length or count above §12's limits
+            raise TapeLimitError(f"{self.name} payload: {e}", field=fname) from None
         except (struct.error, UnicodeDecodeError, ValueError, IndexError) as e:
             raise TapeFormatError(f"malformed {self.name} payload: {e}", field=fname) from None
         if pos != len(mv):
@@ -188,7 +195,9 @@ def _count(mv: memoryview, pos: int, s: struct.Struct, each_min: int) -> tuple[i
     (n,) = s.unpack_from(mv, pos)
     pos += s.size
     # Refuse a count the remaining bytes cannot possibly hold before building a list.
-    if n > MAX_LIST or n * each_min > len(mv) - pos:
+    if n > MAX_LIST:
+        raise _OverLimit(f"count {n} above the limit {MAX_LIST}")
+    if n * each_min > len(mv) - pos:
         raise ValueError(f"count {n} exceeds what the payload can hold")
     return n, pos
 
@@ -241,9 +250,12 @@ def _dec_msgpack(mv: memoryview, pos: int) -> tuple[Any, int]:
     (n,) = _U32.unpack_from(mv, pos)
     pos += 4
     if n > MAX_MSGPACK:
-        raise ValueError(f"msgpack length {n} above limit {MAX_MSGPACK}")
+        raise _OverLimit(f"msgpack length {n} above limit {MAX_MSGPACK}")
     _need(mv, pos, n)
-    return unpack_msgpack(bytes(mv[pos : pos + n])), pos + n
+    try:
+        return unpack_msgpack(bytes(mv[pos : pos + n])), pos + n
+    except ContainerLimitError as e:
+        raise _OverLimit(str(e)) from None
 
 
 _ENCODERS: dict[str, Callable[[bytearray, Any, str], None]] = {
@@ -421,8 +433,8 @@ class Event:
     def payload(self) -> dict[str, Any]:
         try:
             return self.kind.unpack(self.raw)
-        except TapeFormatError as e:
-            raise TapeFormatError(e.message, **{**e.context, "seq": self.seq}) from None
+        except (TapeFormatError, TapeLimitError) as e:
+            raise type(e)(e.message, **{**e.context, "seq": self.seq}) from None
 
     def same(self, other: "Event") -> bool:
         """Equal in everything replay promises to reproduce (the tape seq is not)."""

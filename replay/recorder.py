@@ -39,10 +39,9 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
-import msgpack
-
 from ckpt.context.config import config_hash
 from ckpt.context.env import capture_env
+from ckpt.tape.payload import pack_msgpack, unpack_msgpack
 from replay import digest as dg
 from replay.clock import VectorClock
 from replay.events import KIND_BY_NAME, Event
@@ -100,9 +99,10 @@ class Stamp:
 
 
 def _roundtrip(value: Any) -> Any:
-    # Record mode returns what force mode would: the msgpack image of the value
-    # (tuples become lists), so code behaves the same in both.
-    return msgpack.unpackb(msgpack.packb(value, use_bin_type=True, use_single_float=False), raw=False)
+    # Record mode returns what force mode would: the value as the tape reader decodes
+    # its msgpack image (tuples become lists; integer map keys stay, as
+    # spec/tape-format.md §6.1.1 allows), so code behaves the same in both.
+    return unpack_msgpack(pack_msgpack(value))
 
 
 class _Core:

@@ -14,7 +14,7 @@ import zstandard
 from ..errors import FormatError, LimitExceededError
 from ..knobs import knobs
 
-__all__ = ["packb", "unpackb", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
+__all__ = ["packb", "unpackb", "ContainerBudget", "ContainerLimitError", "bounded", "value_limit", "zstd_compress", "zstd_decompress", "foreign_value", "strict_map", "DuplicateKeyError"]
 
 
 def packb(obj: Any) -> bytes:
@@ -97,6 +97,81 @@ def strict_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
+class ContainerBudget:
+    """How many more arrays and maps a decode may build (``Knobs.max_containers``).
+
+    msgpack's own limits bound each container's *length* by the input, not how many
+    containers the input makes: one byte (``0x90``) is an empty array, a Python list of
+    56 bytes plus its slot, so 16 MiB of them made 3.6 GiB. Every other value costs at
+    least one input byte and a bounded object, so with this count capped, decoding
+    ``n`` bytes holds at most a small multiple of ``n`` plus ``max_containers`` lists
+    (spec/checkpoint-format.md §14). One budget may span several decodes of one
+    document (tuple payloads decode separately)."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = knobs().max_containers if limit is None else limit
+        self.left = self.limit
+
+    def take(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise ContainerLimitError(self.limit)
+
+
+class ContainerLimitError(ValueError):
+    """Raised inside msgpack's hooks when a decode passes its ``ContainerBudget``.
+    ``unpackb`` turns it into ``LimitExceededError``; the tape and stream decoders into
+    their own limit errors. A ValueError, so a caller that treats every decode failure
+    alike still catches it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"more than {limit} arrays and maps in one msgpack document")
+
+
+def value_limit(file_bytes: int) -> int:
+    """The longest str, bin or ext value a structure file of ``file_bytes`` on disk may
+    hold (spec/checkpoint-format.md §7.1): ``Knobs.value_ratio`` times the file, and at
+    least ``Knobs.value_floor``. Decoding copies each such value out of the decompressed
+    document, so without it a 68 KiB zstd frame holding one 1 GiB bin held 2 GiB."""
+    k = knobs()
+    return max(k.value_ratio * file_bytes, k.value_floor)
+
+
+def bounded(n: int, *, pairs: Callable[[list[tuple[Any, Any]]], Any] | None = None,
+            budget: ContainerBudget | None = None, max_value: int | None = None) -> dict[str, Any]:
+    """``msgpack.unpackb`` keyword arguments that bound a decode of ``n`` input bytes:
+    no container, string or bin longer than the input (nor above the knobs), and at
+    most ``budget`` arrays and maps built (``Knobs.max_containers`` by default).
+    ``pairs``: the map builder (``strict_map`` by default); ``max_value``: the longest
+    str, bin or ext value (:func:`value_limit`), besides the input length."""
+    k = knobs()
+    longest = min(n, k.max_state_raw_bytes, max_value if max_value is not None else n)
+    b = budget if budget is not None else ContainerBudget()
+    take = b.take
+    build = pairs if pairs is not None else strict_map
+
+    def list_hook(v: list[Any]) -> list[Any]:
+        take()
+        return v
+
+    def pairs_hook(items: list[tuple[Any, Any]]) -> Any:
+        take()
+        return build(items)
+
+    return dict(
+        max_str_len=longest,
+        max_bin_len=longest,
+        max_array_len=min(n, k.max_container_len),
+        max_map_len=min(n // 2 + 1, k.max_container_len),
+        max_ext_len=longest,
+        list_hook=list_hook,
+        object_pairs_hook=pairs_hook,
+    )
+
+
 def unpackb(
     data: bytes | memoryview,
     *,
@@ -104,26 +179,21 @@ def unpackb(
     what: str = "msgpack",
     ext_hook: Callable[[int, bytes], Any] | None = None,
     offset: int = 0,
+    budget: ContainerBudget | None = None,
+    max_value: int | None = None,
 ) -> Any:
     """``offset``: where the document starts in its file, named by errors. Inside a
-    compressed file positions do not map to file bytes, so errors name the frame (0)."""
-    k = knobs()
-    n = len(data)
-    kwargs: dict[str, Any] = dict(
-        raw=False,
-        strict_map_key=False,
-        use_list=True,
-        max_str_len=min(n, k.max_state_raw_bytes),
-        max_bin_len=min(n, k.max_state_raw_bytes),
-        max_array_len=min(n, k.max_container_len),
-        max_map_len=min(n // 2 + 1, k.max_container_len),
-        max_ext_len=min(n, k.max_state_raw_bytes),
-        object_pairs_hook=strict_map,
-    )
+    compressed file positions do not map to file bytes, so errors name the frame (0).
+    ``budget``: the containers the document may still build (a fresh one by default)."""
+    b = budget if budget is not None else ContainerBudget()
+    kwargs: dict[str, Any] = dict(raw=False, strict_map_key=False, use_list=True, **bounded(len(data), budget=b, max_value=max_value))
     if ext_hook is not None:
         kwargs["ext_hook"] = ext_hook
     try:
         out = msgpack.unpackb(data, **kwargs)
+    except ContainerLimitError:
+        raise LimitExceededError(f"{what} builds more than {b.limit} arrays and maps (Knobs.max_containers)",
+                                 path=path, offset=offset) from None
     except (FormatError, RecursionError) as e:
         if isinstance(e, RecursionError):
             raise LimitExceededError(f"{what} nests too deeply", path=path, offset=offset) from None

@@ -359,29 +359,45 @@ def _frame(magic: bytes, version: tuple[int, int], body: bytes) -> bytes:
     return head + body + digest_bytes(head + body)
 
 
+def check_depth(doc: Any, *, path: str | None = None, what: str = "manifest body") -> None:
+    """A MANIFEST or part manifest nests at most ``Knobs.max_nesting`` containers below its
+    body (spec §4.2): ``meta`` and ``summary`` are free-form, and a reader walking them
+    (inspect, --json) must not recurse without bound. Iterative, like the walk it guards."""
+    limit = knobs().max_nesting
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        v, d = stack.pop()
+        t = type(v)
+        if t is dict or t is list:
+            if d > limit:
+                raise LimitExceededError(f"{what} nests deeper than {limit} containers", path=path, offset=HEADER_SIZE)
+            stack.extend((x, d + 1) for x in (v.values() if t is dict else v))
+
+
 def encode_manifest(m: Manifest) -> bytes:
     major = m.version[0]
     items = m.parts.listed()
     if major == 1 and uses_v2(items):
         raise ValueError("these parts use format 2.0 features; the manifest must be version 2")
-    body = packb(
-        {
-            "format": "ckpt-replay/checkpoint",
-            "id": m.id,
-            "kind": m.kind,
-            "step": m.step,
-            "created_at": m.created_at,
-            "package_version": m.package_version,
-            "parts": [p.to_wire() if isinstance(p, PartRef) else p.to_wire(major) for p in items],
-            "meta": m.meta,
-        }
-    )
-    return _frame(MAGIC, m.version, body)
+    doc = {
+        "format": "ckpt-replay/checkpoint",
+        "id": m.id,
+        "kind": m.kind,
+        "step": m.step,
+        "created_at": m.created_at,
+        "package_version": m.package_version,
+        "parts": [p.to_wire() if isinstance(p, PartRef) else p.to_wire(major) for p in items],
+        "meta": m.meta,
+    }
+    check_depth(doc)  # a writer never writes what its readers refuse (a deep meta or summary)
+    return _frame(MAGIC, m.version, packb(doc))
 
 
 def encode_part_manifest(part: PartEntry, version: tuple[int, int] = V2) -> bytes:
     """A part manifest file (format-2.md §V.5.1)."""
-    return _frame(PART_MAGIC, version, packb({"format": "ckpt-replay/part", "part": part.to_wire(version[0])}))
+    doc = {"format": "ckpt-replay/part", "part": part.to_wire(version[0])}
+    check_depth(doc, what="part manifest body")
+    return _frame(PART_MAGIC, version, packb(doc))
 
 
 # --- decoding ------------------------------------------------------------------------
@@ -427,6 +443,7 @@ def _unframe(data: bytes, magic_want: bytes, what: str, path: str | None) -> tup
 
         raise ChecksumMismatchError(f"{what} digest does not match its bytes", path=path, offset=end)
     body = unpackb(memoryview(data)[HEADER_SIZE:end], path=path, what=f"{what} body", offset=HEADER_SIZE)
+    check_depth(body, path=path, what=f"{what} body")
     return (major, minor), body
 
 

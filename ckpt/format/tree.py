@@ -31,7 +31,7 @@ import msgpack
 from ..errors import FormatError, LimitExceededError, UnsupportedValueError
 from ..knobs import knobs
 from . import dtypes
-from .codec import DuplicateKeyError, unpackb
+from .codec import ContainerBudget, DuplicateKeyError, unpackb
 
 __all__ = [
     "EXT_TENSOR",
@@ -67,12 +67,14 @@ _U64_MAX = (1 << 64) - 1
 _BIGINT_RE = re.compile(r"-?[1-9][0-9]{0,4095}")
 
 #: Device types a DEVICE value may name (spec §7.3 "Device strings"): the types
-#: torch.device accepts. An index, when present, is a decimal without leading zeros.
+#: torch.device accepts. An index, when present, is a decimal without leading zeros
+#: in 0..127: torch holds a device index in a signed 8 bits, so a larger one cannot be
+#: given back as written (``cuda:128`` read as ``cuda:-128``).
 DEVICE_TYPES = (
     "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga", "maia",
     "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
 )
-_DEVICE_RE = re.compile(r"(%s)(:(0|[1-9][0-9]{0,8}))?" % "|".join(DEVICE_TYPES))
+_DEVICE_RE = re.compile(r"(%s)(:(0|[1-9][0-9]?|1[01][0-9]|12[0-7]))?" % "|".join(DEVICE_TYPES))
 
 
 def check_device(text: str, *, path: str | None = None) -> str:
@@ -166,15 +168,17 @@ class _TuplePayload:
     data: bytes
 
 
-def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
+def decode_tree(data: bytes | memoryview, *, path: str | None = None, max_value: int | None = None) -> Any:
     """Decode a structure file body; extension values become *Ref placeholders.
 
     Tuple payloads are decoded after the enclosing document, never from inside
     msgpack's ext hook: each nested C unpacker call holds tens of KiB of C stack, so
     ~200 nested tuples would overflow it and crash the interpreter. Nesting of every
     container is bounded by ``max_nesting`` (plus the two wrapper maps of the file).
+    ``max_value``: the longest str/bin/ext value (``codec.value_limit`` of the file).
     """
     limit = knobs().max_nesting + 2
+    budget = ContainerBudget()  # one count for the document and every tuple inside it
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == EXT_TUPLE:
@@ -208,7 +212,7 @@ def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
             raise LimitExceededError("containers nest too deeply", path=path, offset=0)
         t = type(obj)
         if t is _TuplePayload:
-            inner = unpackb(obj.data, path=path, what="tuple", ext_hook=ext_hook)
+            inner = unpackb(obj.data, path=path, what="tuple", ext_hook=ext_hook, budget=budget, max_value=max_value)
             if not isinstance(inner, list):
                 raise FormatError("tuple payload is not an array", path=path, offset=0)
             return tuple(expand(inner, depth))
@@ -234,7 +238,7 @@ def decode_tree(data: bytes | memoryview, *, path: str | None = None) -> Any:
             return obj
         return obj
 
-    tree = unpackb(data, path=path, what="state tree", ext_hook=ext_hook)
+    tree = unpackb(data, path=path, what="state tree", ext_hook=ext_hook, budget=budget, max_value=max_value)
     try:
         out = expand(tree, 0)
     except (TypeError, DuplicateKeyError) as e:  # an unhashable value inside a tuple key

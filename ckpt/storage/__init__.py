@@ -58,6 +58,7 @@ __all__ = [
     "walk_files",
     "PendingCheckpoint",
     "Recovery",
+    "FencedStorage",
 ]
 
 
@@ -156,13 +157,49 @@ class Storage(Protocol):
 
 
 class ManifestCommit(Protocol):
-    """The commit protocol of a store without rename (spec/object-storage.md)."""
+    """The commit protocol of a store without rename (spec/object-storage.md). ``fence``,
+    where given, proves the run's lease (§O.6): called right before the MANIFEST put, and
+    before any deletion; it raises ``LeaseLostError`` once the lease was taken over."""
 
     def begin(self, final: str, *, overwrite: bool) -> PendingCheckpoint: ...
-    def publish(self, pending: PendingCheckpoint, manifest: bytes) -> None: ...
+    def publish(self, pending: PendingCheckpoint, manifest: bytes, *, fence: Callable[[], None] | None = None) -> None: ...
     def abort(self, pending: PendingCheckpoint) -> None: ...
-    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Recovery: ...
-    def remove_checkpoint(self, path: str) -> bool: ...
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None,
+                fence: Callable[[], None] | None = None) -> Recovery: ...
+    def remove_checkpoint(self, path: str, *, fence: Callable[[], None] | None = None) -> bool: ...
+
+
+class Fence(Protocol):
+    """A run lease that can prove it is still held (``ckpt.storage.s3.ObjectLock``)."""
+
+    def fence(self) -> None: ...
+
+
+class FencedStorage:
+    """``storage`` as seen by the holder of a run's lease: every commit (``publish``),
+    checkpoint deletion (``remove_checkpoint``) and cleanup (``recover``) passes the
+    lease's ``fence``, so a writer whose lease was taken over commits and deletes nothing
+    (``LeaseLostError``). Everything else is ``storage`` itself. A wrapper, not a copy:
+    whatever wraps ``storage`` (a fault injector, a counter) still sees every request."""
+
+    def __init__(self, storage: Any, lease: Fence) -> None:
+        self.inner = storage
+        self.lease = lease
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return f"FencedStorage({self.inner!r})"
+
+    def publish(self, pending: PendingCheckpoint, manifest: bytes) -> None:
+        self.inner.publish(pending, manifest, fence=self.lease.fence)
+
+    def remove_checkpoint(self, path: str) -> bool:
+        return bool(self.inner.remove_checkpoint(path, fence=self.lease.fence))
+
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Recovery:
+        return self.inner.recover(parent, names=names, fence=self.lease.fence)  # type: ignore[no-any-return]
 
 
 def commits_by_manifest(storage: Any) -> bool:

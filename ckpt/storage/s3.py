@@ -21,6 +21,7 @@ replaces>`` (``overwrite=True``). A prefix without ``MANIFEST`` is not a checkpo
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import stat
 import threading
@@ -32,11 +33,12 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 from obstore.store import S3Store
 
-from ..errors import CheckpointExistsError, CkptError, FormatError, StorageError, UnsafePathError
+from ..errors import CheckpointExistsError, CkptError, FormatError, SaveConflictError, StorageError, UnsafePathError
 from ..format.digest import ChunkHasher
 from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, check_name, decode_manifest
+from ._objlock import LOCK_NAME, ObjectLock
 
-__all__ = ["S3Storage", "S3File", "bucket_of", "Stats"]
+__all__ = ["S3Storage", "S3File", "ObjectLock", "bucket_of", "Stats"]
 
 MiB = 1 << 20
 #: multipart part size and ranged-read block size: 8-16 MiB is where S3 throughput per
@@ -187,7 +189,9 @@ class S3Storage:
         if isinstance(e, PreconditionError):
             # A pinned read whose object changed: for a reader it is gone (replaced).
             return FileNotFoundError(2, f"the object changed since it was opened ({what})", path)
-        return StorageError(f"{what} failed: {type(e).__name__}: {e}", path=path)
+        if "<Code>NoSuchBucket</Code>" in str(e):
+            return StorageError(f"{what} failed: the bucket {self.bucket!r} does not exist (S3 NoSuchBucket)", path=path)
+        return StorageError(f"{what} failed: {type(e).__name__}: {_first_line(e)}", path=path)
 
     # -- metadata ----------------------------------------------------------------------
     def _head(self, key: str) -> dict[str, Any] | None:
@@ -364,11 +368,16 @@ class S3Storage:
         tag = "." + secrets.token_hex(6)
         return PendingCheckpoint(final=final, tmp_dir=final, overwrite=overwrite, tag=tag)
 
-    def publish(self, pending: Any, manifest: bytes) -> None:
+    def publish(self, pending: Any, manifest: bytes, *, fence: Callable[[], None] | None = None) -> None:
         """Make MANIFEST appear atomically: If-None-Match without overwrite, a
         compare-and-swap on the replaced MANIFEST's ETag with it. Then remove the files
-        only the replaced MANIFEST named."""
+        only the replaced MANIFEST named. ``fence``: proves the run's lease (§O.6), called
+        after the named files were checked, right before the put."""
         mpath = f"{pending.final}/{MANIFEST_NAME}"
+        self._check_named(pending.final, manifest)
+        # Last, right before the put: the run's lease, for a writer that holds one.
+        if fence is not None:
+            fence()
         if not pending.overwrite:
             try:
                 self.put(mpath, manifest, mode="create")
@@ -398,6 +407,21 @@ class S3Storage:
         if old is not None:
             self._drop_replaced(pending.final, old, manifest)
 
+    def _check_named(self, final: str, manifest: bytes) -> None:
+        """Every file the MANIFEST about to be put names exists with its declared size
+        (one HEAD each, in parallel): a cleanup by another process may have deleted an
+        uncommitted save's objects (§O.6), and a MANIFEST naming a missing file would
+        commit a checkpoint that cannot load. ``SaveConflictError`` instead."""
+        named = [(f"{final}/{n}", size) for n, size, _ in decode_manifest(manifest, path=final).parts.file_sizes()]
+        metas = list(self.pool().map(lambda ns: self._head(self.key(ns[0])), named))
+        for (path, size), meta in zip(named, metas):
+            if meta is None:
+                raise SaveConflictError("a file of this save was deleted before its MANIFEST was put (another "
+                                        "process cleaned the run prefix?); nothing was committed", path=path)
+            if int(meta["size"]) != size:
+                raise SaveConflictError(f"a file of this save is {int(meta['size'])} bytes, not the {size} it was "
+                                        "written with (another process replaced it); nothing was committed", path=path)
+
     def _drop_replaced(self, final: str, old: bytes, new: bytes) -> None:
         try:
             old_names = {f.name for f in decode_manifest(old, path=final).files}
@@ -416,6 +440,8 @@ class S3Storage:
         self.delete(mine)
 
     def lock(self, run_dir: str, *, owner: dict[str, object] | None = None) -> ObjectLock:
+        """The run's lease (``ObjectLock``): commit and delete through
+        ``ckpt.storage.FencedStorage(storage, lock)``, which passes its ``fence``."""
         return ObjectLock.acquire(self, run_dir, owner=owner)
 
     def ledger_dir(self, run_dir: str) -> str:
@@ -425,58 +451,102 @@ class S3Storage:
 
         return os.path.join(tempfile.gettempdir(), "ckpt-ledger", "s3", self.bucket, *self.key(run_dir).split("/"))
 
-    def remove_checkpoint(self, path: str) -> bool:
-        """MANIFEST first (the checkpoint is uncommitted from that instant), then the rest."""
+    def remove_checkpoint(self, path: str, *, fence: Callable[[], None] | None = None) -> bool:
+        """MANIFEST first (the checkpoint is uncommitted from that instant), then the rest.
+        ``fence``: proves the run's lease first (§O.6)."""
         mpath = f"{path}/{MANIFEST_NAME}"
+        if fence is not None:
+            fence()
         had = self.isfile(mpath)
         if had:
             self.delete([mpath])
         self.remove_tree(path)
         return had
 
-    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None) -> Any:
-        """Orphan cleanup of a run prefix (only the run's lock holder may call it):
-        objects of an uncommitted prefix, and objects a committed MANIFEST does not
-        name (losers of a race, crashed or replaced saves), are deleted."""
-        from . import Recovery
+    def recover(self, parent: str, *, names: Callable[[str], bool] | None = None,
+                fence: Callable[[], None] | None = None) -> Any:
+        """Orphan cleanup of a run prefix: objects of an uncommitted prefix, and objects a
+        committed MANIFEST does not name (losers of a race, crashed or replaced saves),
+        are deleted, unless they may belong to a save still running (§O.6).
 
+        A save's objects share its tag (§O.3): a save whose newest object is younger than
+        ``orphan_grace_s`` is left whole, since a writer without the run's lock (a plain
+        ``ckpt.save``) may still commit them. Ages are read against the store's clock: the
+        ``LastModified`` of the run's lock object, which the caller (the lock holder) has
+        just renewed (``fence``); without a lock object, this machine's clock."""
+        from . import Recovery
+        from ..knobs import knobs
+
+        if fence is not None:
+            fence()
         removed: list[str] = []
         try:
             children = self.listdir(parent)
         except FileNotFoundError:
             return Recovery((), ())
+        cutoff = self._store_now(parent) - knobs().orphan_grace_s
         for name in children:
             child = f"{parent}/{name}"
-            if name.startswith(TMP_PREFIX):
-                objs = [self.url(o["path"]) for o in self.walk(child)]
-            else:
+            if not name.startswith(TMP_PREFIX):
                 try:
                     check_name(name, what="checkpoint directory")
                 except CkptError:
                     continue
                 if names is not None and not names(name):
                     continue
-                objs = self._orphans(child)
+            objs = self._orphans(child, cutoff)
             if objs:
                 self.delete(objs)
                 removed += [o[len(parent) + 1 :] for o in objs]
         return Recovery((), tuple(removed))
 
-    def _orphans(self, child: str) -> list[str]:
+    def _store_now(self, parent: str) -> float:
+        """The store's idea of now: the LastModified of the run's lock object (renewed by
+        its holder at most ``lock_heartbeat_s`` ago), else this machine's clock."""
+        import time
+
+        meta = self._head(self.key(f"{parent}/{LOCK_NAME}"))
+        lm = None if meta is None else meta.get("last_modified")
+        return lm.timestamp() if lm is not None else time.time()
+
+    def _orphans(self, child: str, cutoff: float) -> list[str]:
         from ..knobs import knobs
 
-        metas = {self.url(o["path"]): int(o["size"]) for o in self.walk(child)}
-        objs = sorted(metas)
+        metas = {self.url(o["path"]): o for o in self.walk(child)}
         mpath = f"{child}/{MANIFEST_NAME}"
-        if mpath not in metas:
-            return objs  # never committed: all of it is a crashed or abandoned save
-        if metas[mpath] > knobs().max_manifest_bytes + 64:
+        if child.rsplit("/", 1)[-1].startswith(TMP_PREFIX) or mpath not in metas:
+            candidates = sorted(metas)  # never committed: a crashed, abandoned or running save
+        elif int(metas[mpath]["size"]) > knobs().max_manifest_bytes + 64:
             return []  # above the reader's limit: leave it for a reader to report
-        try:
-            named = {f"{child}/{f.name}" for f in decode_manifest(self.read(mpath, 0, metas[mpath]), path=mpath).files}
-        except (CkptError, FileNotFoundError):
-            return []  # corrupt or vanished: leave it for a reader to report
-        return [o for o in objs if o != mpath and o not in named]
+        else:
+            try:
+                blob = self.read(mpath, 0, int(metas[mpath]["size"]))
+                named = {f"{child}/{n}" for n, _, _ in decode_manifest(blob, path=mpath).parts.file_sizes()}
+            except (CkptError, FileNotFoundError):
+                return []  # corrupt or vanished: leave it for a reader to report
+            candidates = [o for o in sorted(metas) if o != mpath and o not in named]
+        # One save's objects stand or fall together: its newest object says whether it
+        # may still be running.
+        newest: dict[str, float] = {}
+        for o in candidates:
+            t = _tag_of(o)
+            newest[t] = max(newest.get(t, 0.0), _modified(metas[o]))
+        return [o for o in candidates if newest[_tag_of(o)] < cutoff]
+
+
+_TAG_RE = re.compile(r"\.([0-9a-f]{12})(?=\.|$)")
+
+
+def _tag_of(url: str) -> str:
+    """The save tag in an object's name (§O.3), or the name itself where there is none."""
+    name = url.rsplit("/", 1)[-1]
+    m = _TAG_RE.search(name)
+    return m.group(1) if m else "/" + name
+
+
+def _modified(meta: dict[str, Any]) -> float:
+    lm = meta.get("last_modified")
+    return lm.timestamp() if lm is not None else float("inf")  # no date: treat as new (kept)
 
 
 class S3File:
@@ -721,94 +791,8 @@ class S3Sink:
             self._thread.join()
 
 
-class ObjectLock:
-    """The run lock on an object store (spec/object-storage.md §O.6): the object
-    ``<run>/.ckpt-writer.lock``, created with ``If-None-Match: *`` and deleted with
-    ``If-Match`` on release. An object store cannot tell a dead holder from a live one,
-    so a lock left by a killed process is taken over only when it names this host (same
-    boot) and a pid that is no longer alive; any other holder is named in the
-    ``RunDirLockedError``, with the object to remove once that process is known dead."""
-
-    NAME = ".ckpt-writer.lock"
-
-    def __init__(self, storage: S3Storage, path: str, etag: str | None) -> None:
-        self.path = path
-        self._s = storage
-        self._etag = etag
-
-    @classmethod
-    def acquire(cls, storage: S3Storage, run_dir: str, *, owner: dict[str, object] | None = None) -> ObjectLock:
-        import json
-        import socket
-        import time
-
-        from ..errors import RunDirLockedError
-
-        path = f"{run_dir}/{cls.NAME}"
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "boot": _boot_id(), "since": time.time(), **(owner or {})}
-        body = json.dumps(info, sort_keys=True).encode()
-        for _ in range(3):
-            try:
-                res = storage.put(path, body, mode="create")
-                return cls(storage, path, res.get("e_tag"))
-            except (AlreadyExistsError, PreconditionError):
-                pass
-            etag = storage.etag(path)
-            try:
-                holder = json.loads(storage.read(path, 0, 4096)) if etag else {}  # ours: one short line
-            except (FileNotFoundError, ValueError):
-                holder = {}
-            if not isinstance(holder, dict):
-                holder = {}
-            if etag is not None and _dead_here(holder):
-                try:  # a killed process of this host: take its lock over (CAS on its ETag)
-                    storage.put(path, body, mode={"e_tag": etag})
-                    return cls(storage, path, storage.etag(path))
-                except (AlreadyExistsError, PreconditionError):
-                    continue
-            if etag is None:
-                continue  # released meanwhile: try to create it again
-            raise RunDirLockedError(
-                f"another writer holds this run (pid {holder.get('pid')} on {holder.get('host')}, since "
-                f"{holder.get('since')}); if that process is dead, delete {path}",
-                path=run_dir, holder=holder,
-            )
-        raise RunDirLockedError("the run lock kept changing hands", path=run_dir)
-
-    def release(self) -> None:
-        if self._etag is None:
-            return
-        etag, self._etag = self._etag, None
-        try:
-            self._s.stats.add(deletes=1)
-            # Only our own lock: a lock taken over after we were presumed dead stays.
-            current = self._s.etag(self.path)
-            if current == etag:
-                obstore.delete(self._s._store, self._s.key(self.path))
-        except (BaseError, FileNotFoundError):
-            pass
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _dead_here(holder: dict[str, Any]) -> bool:
-    import socket
-
-    pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname() or holder.get("boot") != _boot_id() or not isinstance(pid, int):
-        return False
-    if pid == os.getpid():
-        return False  # this process holds it (a second manager here): refuse like flock does
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+def _first_line(e: BaseException) -> str:
+    """An obstore error's own sentence, without the multi-line debug dump it appends
+    ("Debug source: Generic { ... }"): an error is one line (spec/cli.md §1)."""
+    text = str(e).split("\n\nDebug source:", 1)[0].split("<?xml", 1)[0].strip()
+    return " ".join(text.split()) if text else type(e).__name__

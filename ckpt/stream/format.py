@@ -19,8 +19,9 @@ from typing import Any, Callable, Mapping
 import msgpack
 import xxhash
 
-from ..errors import (ChecksumMismatchError, FormatError, LimitExceededError, SizeMismatchError,
+from ..errors import (CheckpointExistsError, ChecksumMismatchError, FormatError, LimitExceededError, SizeMismatchError,
                       UnsafePathError, UnsupportedVersionError)
+from ..format.codec import ContainerLimitError, bounded
 from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, check_name
 
 __all__ = ["MAGIC", "END_MAGIC", "VERSION", "MAX_HEADER", "MIN_CHUNK", "MAX_CHUNK", "DEFAULT_CHUNK", "DEFAULT_MAX_BYTES",
@@ -165,7 +166,9 @@ def _header(r: _Reader, max_bytes: int) -> tuple[dict[str, Any], list[tuple[str,
     if xxhash.xxh3_128_digest(pre + raw) != want:
         raise ChecksumMismatchError("stream header digest mismatch", offset=16 + hlen)
     try:
-        h = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext)
+        h = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext, **bounded(len(raw)))
+    except ContainerLimitError as e:
+        raise LimitExceededError(f"stream header: {e}", offset=16) from None
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as e:
         raise FormatError(f"stream header is not msgpack: {e}", offset=16) from None
     if not isinstance(h, dict) or set(h) != {"name", "chunk", "files", "meta"}:
@@ -201,8 +204,15 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} is not allowed in a stream header")
 
 
-def read_stream(read: Read, dest: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> StreamInfo:
+def read_stream(read: Read, dest: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
+                unread: Callable[[], int] | None = None) -> StreamInfo:
     """Receive a stream into the new checkpoint directory ``dest`` (it must not exist).
+
+    The receiver reads exactly up to the trailer and no further (spec §2: nothing follows
+    it; on a live transport, reading on would wait for bytes that never come).
+    ``unread()``, when given, says how many bytes the transport already holds past what
+    ``read`` returned: any is refused (``FormatError``), since a sender that wrote after
+    its trailer is not following the format.
 
     Each frame is checked before it is written; the files land in a temporary directory
     that is renamed to ``dest`` only after the trailer checked out, and ``dest`` is then
@@ -211,7 +221,7 @@ def read_stream(read: Read, dest: str | os.PathLike[str], *, max_bytes: int = DE
 
     final = _local_only(dest)
     if os.path.lexists(final):
-        raise FileExistsError(f"{final} exists: a stream is received into a new directory")
+        raise CheckpointExistsError("the destination exists: a stream is received into a new directory", path=final)
     r = _Reader(read)
     h, files, chunk = _header(r, max_bytes)
     parent = os.path.dirname(os.path.abspath(final))
@@ -251,6 +261,9 @@ def read_stream(read: Read, dest: str | os.PathLike[str], *, max_bytes: int = DE
             raise SizeMismatchError(f"trailer says {t} data bytes, {total} arrived", offset=at + 8)
         if sd != digests.digest():
             raise ChecksumMismatchError("stream digest in the trailer does not match the frames", offset=at + 16)
+        extra = unread() if unread is not None else 0
+        if extra:
+            raise FormatError(f"{extra} bytes follow the stream trailer (nothing may)", offset=r.offset)
         os.rename(tmp, final)
         placed = True
         CheckpointReader(final)  # the MANIFEST parses and names exactly these files

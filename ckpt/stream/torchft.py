@@ -132,7 +132,8 @@ class TorchftTransport(CheckpointTransport[dict]):
             raise FormatError(f"the source replica serves {metadata!r}, not a checkpoint stream ({METADATA})")
         spool = self._spool or tempfile.gettempdir()
         dest = os.path.join(spool, f"ckpt-recv-{uuid.uuid4().hex}")
-        info = read_stream(self._reader(src_rank, timeout), dest, max_bytes=self._max)
+        read = self._reader(src_rank, timeout)
+        info = read_stream(read, dest, max_bytes=self._max, unread=read.unread)  # type: ignore[attr-defined]
         r = ckpt.open(dest)
         if r.step != step:
             shutil.rmtree(dest, ignore_errors=True)
@@ -195,4 +196,5 @@ class TorchftTransport(CheckpointTransport[dict]):
             del pending[:n]
             return out
 
+        read.unread = lambda: len(pending)  # type: ignore[attr-defined]  # bytes past the trailer, checked there
         return read

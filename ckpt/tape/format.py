@@ -42,7 +42,7 @@ import msgpack
 import xxhash
 import zstandard
 
-from ckpt.format.codec import foreign_value
+from ckpt.format.codec import ContainerLimitError, bounded, foreign_value
 from ckpt.errors import TapeCorruptError, TapeFormatError, TapeLimitError, TapeTruncatedError
 
 __all__ = [
@@ -161,9 +161,12 @@ def decode_segment_header(buf: bytes | memoryview) -> SegmentHeader:
         raise TapeCorruptError("segment header checksum mismatch", offset=end)
     if flags & ~_KNOWN_FLAGS:
         raise TapeFormatError(f"reserved header flag bits set: {flags:#x}", offset=12)
+    raw_meta = bytes(mv[HEADER_FIXED:end])
     try:
-        meta = msgpack.unpackb(bytes(mv[HEADER_FIXED:end]), raw=False, strict_map_key=False, ext_hook=_ext_refused,
-                               object_pairs_hook=strict_pairs)
+        meta = msgpack.unpackb(raw_meta, raw=False, strict_map_key=False, ext_hook=_ext_refused,
+                               **bounded(len(raw_meta), pairs=strict_pairs))
+    except ContainerLimitError as e:
+        raise TapeLimitError(f"segment metadata: {e}", offset=HEADER_FIXED) from None
     except Exception as e:  # msgpack raises several unrelated types; all mean "bad metadata"
         raise TapeFormatError(f"segment metadata is not valid msgpack: {e}", offset=HEADER_FIXED) from None
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
@@ -341,6 +344,8 @@ def scan_segment(buf: bytes | memoryview, hdr: SegmentHeader, *, final: bool, sc
             st.end = pos + RECORD_HEADER
             return
         if kind == BLOCK_KIND:
+            if not hdr.zstd:  # §5.4: blocks exist only on a tape whose header says ZSTD
+                raise TapeFormatError(f"zstd block on a tape without the ZSTD flag{where}", offset=pos, seq=seq)
             if prev != 0:
                 raise TapeFormatError(f"block frame with non-zero prev{where}", offset=pos, seq=seq)
             yield from _expand_block(body, pos, seq, hdr, st, where)

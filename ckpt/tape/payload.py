@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 import msgpack
 
-from ..errors import TapeFormatError
-from ..format.codec import foreign_value
+from ..errors import TapeFormatError, TapeLimitError
+from ..format.codec import ContainerLimitError, bounded, foreign_value
 from .format import strict_pairs
 
 __all__ = ["PayloadWriter", "PayloadReader", "pack_msgpack", "unpack_msgpack", "MAX_LIST", "MAX_MSGPACK"]
@@ -39,7 +39,7 @@ def unpack_msgpack(data: bytes) -> Any:
     """Decode one msgpack object under the tape rules; ``ValueError`` says what is wrong."""
     try:
         v = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_ext_refused,
-                            object_pairs_hook=strict_pairs)
+                            **bounded(len(data), pairs=strict_pairs))
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError, RecursionError) as e:
         raise ValueError(f"bad msgpack: {e}") from None
     bad = foreign_value(v)
@@ -118,7 +118,8 @@ class PayloadWriter:
 
 
 class PayloadReader:
-    """Reads typed fields off a payload; every failure is ``TapeFormatError`` + ``where``."""
+    """Reads typed fields off a payload; every failure is ``TapeFormatError`` + ``where``
+    (``TapeLimitError`` for a count or length above spec/tape-format.md §12)."""
 
     def __init__(self, body: bytes | memoryview, where: str = "", what: str = "event") -> None:
         self.mv = memoryview(body)
@@ -160,7 +161,9 @@ class PayloadReader:
 
     def _count(self, s: struct.Struct, each_min: int) -> int:
         (n,) = self.unpack(s)
-        if n > MAX_LIST or n * each_min > len(self.mv) - self.pos:
+        if n > MAX_LIST:  # spec/tape-format.md §12, §15a
+            raise TapeLimitError(f"{self.what} count {n} above the {MAX_LIST} limit{self.where}")
+        if n * each_min > len(self.mv) - self.pos:
             raise TapeFormatError(f"{self.what} count {n} does not fit the body{self.where}")
         return int(n)
 
@@ -173,9 +176,11 @@ class PayloadReader:
     def msgpack(self) -> Any:
         (n,) = self.unpack(_U32)
         if n > MAX_MSGPACK:
-            raise TapeFormatError(f"{self.what} msgpack length {n} above the {MAX_MSGPACK} limit{self.where}")
+            raise TapeLimitError(f"{self.what} msgpack length {n} above the {MAX_MSGPACK} limit{self.where}")
         try:
             return unpack_msgpack(bytes(self.take(n)))
+        except ContainerLimitError as e:
+            raise TapeLimitError(f"{self.what}: {e}{self.where}") from None
         except ValueError as e:
             raise TapeFormatError(f"{self.what}: {e}{self.where}") from None
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import torch
 
-from ckpt.format.codec import foreign_value
+from ckpt.format.codec import bounded, foreign_value
 from replay.channel.base import MessageKind
 from replay.clock import VectorClock
 from replay.errors import ChannelError
@@ -162,8 +162,7 @@ def encode_meta(src: str, dst: str, clock: VectorClock, meta: Mapping[str, Any],
 
 def decode_meta(data: bytes, *, n_tensors: int, payload_len: int) -> MetaBlob:
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=len(data), max_str_len=len(data),
-                              max_array_len=len(data), max_map_len=len(data))
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, **bounded(len(data)))
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise ChannelError(f"undecodable message metadata: {exc}") from exc
     bad = foreign_value(obj)

@@ -61,6 +61,9 @@ def decode_event(frame: fmt.Frame, names: list[str], where: str = "") -> Event:
         raise TapeFormatError(f"event clock runs past the body{where}", seq=frame.seq, offset=frame.offset)
     raw = bytes(body[pos:])
     if kind.code == _ACTOR_KIND:
+        if ncl:  # §6.1: a declaration happens before its actor has a clock
+            raise TapeFormatError(f"actor declaration carries a {ncl}-entry clock (must be empty){where}",
+                                  seq=frame.seq, offset=frame.offset)
         if actor_id != len(names):
             raise TapeFormatError(f"actor declared with id {actor_id}, expected {len(names)}{where}", seq=frame.seq,
                                   offset=frame.offset)

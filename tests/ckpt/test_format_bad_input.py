@@ -836,3 +836,26 @@ def test_pipelined_verification_reports_the_bad_chunk(tmp_path: Path, monkeypatc
         fresh = ckpt.open(tmp_path / "c")
         with pytest.raises(ChecksumMismatchError):
             fresh.state()
+
+
+def test_a_manifest_nesting_past_the_limit_is_refused_and_never_written(tmp_path: Path) -> None:
+    """spec §4.2: a MANIFEST nests at most 256 containers (meta and summary are free-form);
+    readers refused nothing before, and a writer wrote whatever meta it was given."""
+    from tests.ckpt._manifest_kit import manifest_body, sign_manifest
+    from ckpt.errors import LimitExceededError
+
+    ck = tmp_path / "c"
+    ckpt.save(ck, {"w": torch.ones(2)}, step=1)
+    deep: Any = "bottom"
+    for _ in range(300):
+        deep = [deep]
+    body = manifest_body(ck)
+    body["meta"] = {"deep": deep}
+    sign_manifest(ck, body)
+    with pytest.raises(LimitExceededError, match="nests deeper than 256 containers"):
+        ckpt.open(ck)
+    pending = ckpt.begin(tmp_path / "d")
+    part = ckpt.write_part(pending, "rank-00000", {"w": torch.ones(2)}, step=1)
+    with pytest.raises(LimitExceededError, match="nests deeper than 256"):
+        ckpt.commit(pending, [part], meta={"deep": deep})
+    assert not (tmp_path / "d").exists()

@@ -17,6 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 import xxhash
@@ -178,3 +179,72 @@ def test_a_sparse_uncompressed_state_file_above_the_limit(small: Path) -> None:
     _resign(small)
     (got,) = probe(small, "state")
     assert got["outcome"] == "FormatError" and got["growth"] <= SLACK, got
+
+
+def test_a_state_file_of_empty_arrays_is_bounded_by_the_container_limit(small: Path) -> None:
+    """2^24 one-byte empty arrays (16 MiB, a few KiB compressed) made 3.6 GiB of lists:
+    each is within msgpack's per-container limits. Knobs.max_containers bounds how many
+    a document builds, so memory stays within a small multiple of the document."""
+    sf = small / "rank-00000.state.msgpack.zst"
+    n = 1 << 24
+    doc = (b"\x82" + msgpack.packb("state") + b"\x81" + msgpack.packb("x") + b"\xdd" + n.to_bytes(4, "big")
+           + b"\x90" * n + msgpack.packb("context") + b"\x80")
+    sf.write_bytes(zstandard.ZstdCompressor(level=3, write_content_size=True).compress(doc))
+    assert sf.stat().st_size < 64 * 1024
+    _resign(small, raw_size={sf.name: len(doc)})
+    (got,) = probe(small, "state")
+    assert got["outcome"] == "LimitExceededError", got
+    # the document (16 MiB), msgpack's slots for the outer array (8 bytes per input byte)
+    # and max_containers empty lists: a multiple of the document plus a constant
+    assert got["growth"] <= 10 * len(doc) + SLACK, got
+
+
+def test_the_container_limit_counts_arrays_maps_and_tuples_of_one_document() -> None:
+    from ckpt.errors import LimitExceededError
+    from ckpt.format.codec import unpackb
+    from ckpt.format.tree import decode_tree, to_wire
+
+    with override(max_containers=10):
+        assert unpackb(msgpack.packb([[]] * 4 + [{}] * 5)) == [[]] * 4 + [{}] * 5  # 10 containers: at the limit
+        with pytest.raises(LimitExceededError, match="more than 10 arrays and maps"):
+            unpackb(msgpack.packb([[]] * 10))
+        with pytest.raises(LimitExceededError, match="more than 10 arrays and maps"):
+            unpackb(msgpack.packb([{}] * 10))
+        body = msgpack.packb(to_wire({"state": {"t": tuple((i,) for i in range(8))}, "context": {}},
+                                     lambda v, where: None), use_bin_type=True)
+        with pytest.raises(LimitExceededError):  # 9 tuples (arrays in their own payloads) + 3 maps
+            decode_tree(body)
+
+
+def test_a_small_state_file_holding_a_huge_bin_is_not_copied(small: Path) -> None:
+    """A few KiB of zstd frame declaring (honestly) a document of one 256 MiB bin: decoding
+    copied the bin out of the document, so the reader held twice the declared size. A
+    value is at most Knobs.value_ratio times the file (or value_floor): refused before the
+    copy, so the reader holds the document it declares and no second copy."""
+    sf = small / "rank-00000.state.msgpack.zst"
+    # the checkpoint's own document (a valid context), with one more entry: a 256 MiB bin
+    tree = msgpack.unpackb(zstandard.ZstdDecompressor().decompress(sf.read_bytes()), raw=False,
+                           strict_map_key=False, ext_hook=msgpack.ExtType)
+    tree["state"]["b"] = bytes(256 * MiB)
+    doc = msgpack.packb(tree, use_bin_type=True)
+    del tree
+    sf.write_bytes(zstandard.ZstdCompressor(level=3, write_content_size=True).compress(doc))
+    assert sf.stat().st_size < 128 * 1024
+    _resign(small, raw_size={sf.name: len(doc)})
+    (got,) = probe(small, "state")
+    assert got["outcome"] == "FormatError", got  # on 3930a40: "ok", after holding 2 x 256 MiB
+    assert got["growth"] <= len(doc) + SLACK, got
+
+
+def test_a_state_that_compresses_past_the_value_ratio_is_stored_uncompressed(tmp_path: Path) -> None:
+    """The writer never writes what the reader refuses: a state whose zstd frame would be
+    more than value_ratio times smaller than a value in it is stored with codec nil."""
+    blob = bytes(80 * MiB)  # above value_floor, compresses ~10000-fold
+    ckpt.save(tmp_path / "c", {"s": {"blob": blob, "n": 1}}, step=1)
+    r = ckpt.open(tmp_path / "c")
+    (state_file,) = [f for f in r.manifest.parts[0].files if f.role == "state"]
+    assert state_file.codec is None and state_file.raw_size is None and state_file.size > len(blob)
+    assert r.state()["s"] == {"blob": blob, "n": 1}
+    ckpt.save(tmp_path / "d", {"s": {"blob": bytes(1 * MiB)}}, step=1)  # small: compressed as always
+    (state_file,) = [f for f in ckpt.open(tmp_path / "d").manifest.parts[0].files if f.role == "state"]
+    assert state_file.codec == "zstd"

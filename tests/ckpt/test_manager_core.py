@@ -102,6 +102,7 @@ def test_resume_falls_back_past_corrupt_newest_with_named_warning(tmp_path):
     raw[-3] ^= 0x40
     tensors.write_bytes(bytes(raw))
     (tmp_path / ".tmp-step-00000006-abc").mkdir()  # a crashed save: never a candidate
+    os.utime(tmp_path / ".tmp-step-00000006-abc", (0, 0))  # crashed long ago: cleanup removes it
     m, o, s = _model_opt(seed=1)
     mgr = CheckpointManager(tmp_path, {"model": m, "optim": o, "sched": s}, signals=())
     assert mgr.removed_orphans == (".tmp-step-00000006-abc",)
@@ -119,6 +120,7 @@ def test_resume_falls_back_past_corrupt_newest_with_named_warning(tmp_path):
 
 def test_resume_with_nothing_returns_none_and_never_reads_tmp(tmp_path):
     (tmp_path / ".tmp-step-00000002-x").mkdir()
+    os.utime(tmp_path / ".tmp-step-00000002-x", (0, 0))  # left long ago: cleanup removes it
     m, o, s = _model_opt()
     mgr = CheckpointManager(tmp_path, {"model": m}, signals=())
     assert mgr.resume() is None and mgr.start_step == 0

@@ -140,6 +140,44 @@ def test_header_refusals(saved, tmp_path):
     _refused(_resign_header(raw, dict(h, chunk=17)), dest, FormatError)
 
 
+def test_an_existing_destination_is_refused_with_the_documented_error(saved, tmp_path):
+    p, *_ = saved
+    raw = _stream(p, chunk_bytes=4096)
+    dest = tmp_path / "there"
+    dest.mkdir()
+    with pytest.raises(ckpt.errors.CheckpointExistsError, match="the destination exists") as ei:
+        cs.read_stream(io.BytesIO(raw).read, dest)
+    assert ei.value.path == str(dest) and os.listdir(dest) == []
+
+
+def test_a_header_repeating_a_key_is_refused(saved, tmp_path):
+    """spec §3: exactly these keys; a repeated one (msgpack lets the last win) is refused."""
+    p, *_ = saved
+    raw = _stream(p, chunk_bytes=4096)
+    (tmp_path / "rx").mkdir()
+    h = _header(raw)
+    body = msgpack.packb(h, use_bin_type=True)
+    # a fifth pair repeating "name": a map of 5 entries (fixmap 0x85) over the same bytes
+    dup = b"\x85" + body[1:] + msgpack.packb("name") + msgpack.packb("other")
+    pre = b"CKSTREAM" + struct.pack("<HHI", 1, 0, len(dup)) + dup
+    bad = pre + xxhash.xxh3_128_digest(pre) + raw[_frames_start(raw):]
+    e = _refused(bad, str(tmp_path / "rx" / "got"), FormatError)
+    assert "repeats the key 'name'" in str(e)
+
+
+def test_bytes_after_the_trailer_are_refused_when_the_transport_holds_them(saved, tmp_path):
+    p, *_ = saved
+    raw = _stream(p, chunk_bytes=4096) + b"junk"
+    src = io.BytesIO(raw)
+    (tmp_path / "rx").mkdir()
+    dest = str(tmp_path / "rx" / "got")
+    with pytest.raises(FormatError, match="4 bytes follow the stream trailer"):
+        cs.read_stream(src.read, dest, unread=lambda: len(raw) - src.tell())
+    assert os.listdir(tmp_path / "rx") == []
+    src = io.BytesIO(raw[:-4])
+    cs.read_stream(src.read, dest, unread=lambda: len(raw) - 4 - src.tell())  # exactly the stream: received
+
+
 def test_a_file_longer_than_announced_is_refused(saved, tmp_path):
     p, *_ = saved
     raw = _stream(p, chunk_bytes=4096)

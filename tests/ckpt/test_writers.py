@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt import knobs
 from ckpt.errors import RunDirLockedError
 from ckpt.manager import CheckpointManager, RetentionPolicy, list_checkpoints
 from ckpt.runlock import LOCK_NAME
@@ -150,6 +151,21 @@ def test_lock_file_symlink_is_not_followed(tmp_path):
     with pytest.raises(RunDirLockedError, match="symbolic link"):
         CheckpointManager(run, {"c": {}}, signals=())
     assert victim.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("planted", ["fifo", "directory"])
+def test_lock_file_of_another_kind_is_refused_by_name(tmp_path, planted):
+    """A FIFO would block a plain open (and fail ftruncate), a directory fails open with
+    EISDIR: both were raw OSErrors; now RunDirLockedError naming the lock file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if planted == "fifo":
+        os.mkfifo(run / LOCK_NAME)
+    else:
+        (run / LOCK_NAME).mkdir()
+    with pytest.raises(RunDirLockedError, match="lock file is (not a regular file|a directory)") as ei:
+        CheckpointManager(run, {"c": {}}, signals=())
+    assert ei.value.path == str(run / LOCK_NAME)
 
 
 # --- 10. ckpt.save under a process group; overwrite=False is atomic -------------------
@@ -323,8 +339,10 @@ def test_a_kill_at_any_step_of_the_commit_leaves_a_complete_copy_that_cleanup_ke
         assert p.returncode == -signal.SIGKILL, p.stderr
         killed_at.append(k)
         # At least one complete copy, whatever its name; then the manager's cleanup
-        # (it runs at start, under the lock) must put one under the final name.
-        mgr = CheckpointManager(run, {"w": torch.zeros(64)}, signals=())
+        # (it runs at start, under the lock) must put one under the final name. (The
+        # leftovers are aged: a young one might be a live lock-less writer's, and stays.)
+        with knobs.override(orphan_grace_s=0):
+            mgr = CheckpointManager(run, {"w": torch.zeros(64)}, signals=())
         res = mgr.resume()
         assert res is not None and res.step == 5, (k, os.listdir(run))
         w = mgr.state["w"]
@@ -351,6 +369,10 @@ def test_recover_restores_only_complete_copies_and_prefers_the_new_one(tmp_path)
     (run / ".tmp-step-00000003-dddddddddddd.del").mkdir()  # retention mid-delete
     rec = recover(run)
     assert rec.restored == ((".tmp-step-00000001-bbbbbbbbbbbb", "step-00000001"),)
+    assert rec.removed == ()  # young: a writer holding no lock may be between two of its steps
+    with knobs.override(orphan_grace_s=0):
+        assert sorted(recover(run).removed) == [".tmp-step-00000001-aaaaaaaaaaaa.old", ".tmp-step-00000002-cccccccccccc",
+                                                ".tmp-step-00000003-dddddddddddd.del"]
     assert sorted(os.listdir(run)) == ["step-00000001"]
     assert ckpt.open(run / "step-00000001").state()["v"].tolist() == [2]
 

@@ -191,3 +191,17 @@ def test_public_names_exist() -> None:
     for name in replay.__all__:
         assert getattr(replay, name) is not None, name
     assert len(set(replay.__all__)) == len(replay.__all__)
+
+
+def test_decide_takes_the_map_keys_the_tape_allows(tmp_path: Path) -> None:
+    """spec/tape-format.md §6.1.1 allows integer map keys (besides strings) in a msgpack
+    field; decide() crashed on them (a strict str-key round trip) before taping."""
+    from replay import Recorder
+    from replay.tape import TapeReader
+
+    value = {1: "a", -7: [1, 2], "s": {3: (4, 5)}}
+    tape = tmp_path / "k.tape"
+    with Recorder.open(str(tape), rng_every=0) as rec:
+        assert rec.decide("route", "k", lambda: value) == {1: "a", -7: [1, 2], "s": {3: [4, 5]}}
+    (ev,) = [e for e in TapeReader(tape).events() if e.kind.name == "decision"]
+    assert ev.payload["value"] == {1: "a", -7: [1, 2], "s": {3: [4, 5]}}

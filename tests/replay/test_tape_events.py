@@ -128,6 +128,27 @@ def test_decoders_are_strict() -> None:
                                         + struct.pack("<I", len(stamp)) + stamp)
     with pytest.raises(ValueError, match="digest must be 16 bytes"):
         KIND_BY_NAME["rng"].pack("torch", b"short")
+
+
+def test_a_count_or_length_above_the_limits_is_a_limit_error() -> None:
+    """spec/tape-format.md §15a: a length or count above §12's limits is TapeLimitError
+    (it was TapeFormatError), and so in the ckpt payload reader the ledger kinds use."""
+    from ckpt import errors as ce
+    from ckpt.tape.payload import PayloadReader
+    from replay.errors import TapeLimitError
+    from replay.events import MAX_LIST, MAX_MSGPACK
+
+    with pytest.raises(TapeLimitError, match=f"count {MAX_LIST + 1} above the limit"):
+        KIND_BY_NAME["batch"].unpack(struct.pack("<I", MAX_LIST + 1) + b"\0" * 8)
+    with pytest.raises(TapeLimitError, match=f"msgpack length {MAX_MSGPACK + 1} above limit"):
+        KIND_BY_NAME["decision"].unpack(KIND_BY_NAME["note"].pack("a") + KIND_BY_NAME["note"].pack("b")
+                                        + struct.pack("<I", MAX_MSGPACK + 1))
+    with pytest.raises(ce.TapeLimitError, match="above the 1048576 limit"):
+        PayloadReader(struct.pack("<I", MAX_LIST + 1), what="ledger_step").digests()
+    with pytest.raises(ce.TapeLimitError, match="msgpack length"):
+        PayloadReader(struct.pack("<I", MAX_MSGPACK + 1), what="ledger_step").msgpack()
+    with pytest.raises(ce.TapeFormatError, match="does not fit the body"):  # short, but under the limit: format
+        PayloadReader(struct.pack("<I", 1000), what="ledger_step").digests()
     with pytest.raises(TypeError, match="takes 1 fields"):
         KIND_BY_NAME["loss"].pack()
 

@@ -198,3 +198,38 @@ def test_encoder_refuses_a_map_no_reader_accepts(value: dict) -> None:
     with pytest.raises(ValueError, match="keys must be str or int"):
         KIND_BY_NAME["decision"].pack("order", "k", value)
     assert KIND_BY_NAME["decision"].pack("order", "k", {"a": {7: [1]}})  # str and int keys are fine
+
+
+# -- issue 22 item 12: reader rules made explicit ---------------------------------------------------
+def _resign(tape: Path, out: Path, kind: int, edit) -> None:
+    """``out``: ``tape`` with the body of its first record of ``kind`` replaced by ``edit(body)``."""
+    data = tape.read_bytes()
+    fr = next(f for _, f in TapeReader(tape).frames() if f.kind == kind)
+    hdr = fmt.decode_segment_header(data)
+    rec, _ = fmt.encode_record(fr.seq, fr.kind, edit(bytes(fr.body)), hdr.salt, 0)
+    out.write_bytes(data[: fr.offset] + rec + data[fr.offset + 40 + len(fr.body):])
+
+
+def test_an_actor_declaration_with_a_clock_is_refused(tmp_path: Path) -> None:
+    tape = tmp_path / "run.tape"
+    _record(tape, steps=1)
+    bad = tmp_path / "bad.tape"
+    # the declaration's head (step, actor id, n=0) with n=1 and one (id 0, counter 1) entry
+    _resign(tape, bad, KIND_BY_NAME["actor"].code,
+            lambda b: b[:10] + struct.pack("<HHQ", 1, 0, 1) + b[12:])
+    with pytest.raises(TapeFormatError, match="actor declaration carries a 1-entry clock"):
+        TapeReader(bad).verify()
+
+
+def test_a_zstd_block_on_a_tape_without_the_flag_is_refused(tmp_path: Path) -> None:
+    tape = tmp_path / "run.tape"
+    _record(tape, steps=30, zstd=True)
+    data = tape.read_bytes()
+    hdr = fmt.decode_segment_header(data)
+    assert hdr.zstd and any(f.in_block for _, f in TapeReader(tape).frames())
+    plain = fmt.encode_segment_header(run_id=hdr.run_id, salt=hdr.salt, segment=hdr.segment, first_seq=hdr.first_seq,
+                                      chain_prev=hdr.chain_prev, flags=hdr.flags & ~fmt.FLAG_ZSTD, meta=hdr.meta)
+    bad = tmp_path / "bad.tape"
+    bad.write_bytes(plain + data[hdr.size:])
+    with pytest.raises(TapeFormatError, match="zstd block on a tape without the ZSTD flag"):
+        TapeReader(bad).verify()

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt import knobs
 from ckpt.errors import (
     ChecksumMismatchError,
     CheckpointExistsError,
@@ -189,8 +190,12 @@ def test_sigkill_during_a_save_never_leaves_a_committed_checkpoint(s3, where: st
     if where == "before-manifest":
         assert isinstance(ei.value, IncompleteCheckpointError)  # parts uploaded, never committed
         assert _objects(s3, "run/step-00000002")
-    # The run's owner cleans what the dead writer left.
-    rec = ckpt.writer.recover(s3.url("run"))
+    # Cleanup leaves a save's objects alone while they are young (a writer without the
+    # run's lock may still commit them), and removes them once older than the grace.
+    left = _objects(s3, "run")
+    assert ckpt.writer.recover(s3.url("run")).removed == () and _objects(s3, "run") == left
+    with knobs.override(orphan_grace_s=0):
+        rec = ckpt.writer.recover(s3.url("run"))
     assert _objects(s3, "run") == []
     assert bool(rec.removed) == (where == "before-manifest")
 
@@ -204,7 +209,8 @@ def test_sigkill_while_replacing_keeps_the_old_checkpoint(s3) -> None:
         r = ckpt.open(url)  # leftovers of the dead save are ignored by readers...
         assert torch.equal(r.state()["w"], torch.full((16,), 1.0))
         r.verify()
-    ckpt.writer.recover(s3.url("run"))  # ...and removed by cleanup, the committed files kept
+    with knobs.override(orphan_grace_s=0):  # (aged: see the test above)
+        ckpt.writer.recover(s3.url("run"))  # ...and removed by cleanup, the committed files kept
     assert len(_objects(s3, "run")) == 3
     ckpt.open(url).verify()
 
