@@ -59,12 +59,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from .writer import CheckpointInfo, PendingCheckpoint, abort, begin, commit, write_part
 
 
-def save(path: Any, state: Any, **kwargs: Any) -> "CheckpointInfo":
+def save(path: Any, state: Any, *, ledger: bool = True, **kwargs: Any) -> "CheckpointInfo":
     """Save all seven fields of the training state, atomically (``ckpt.writer.save``).
 
     A state whose modules, optimizers or tensors are DTensors (FSDP2, tensor parallel)
     is sharded: every rank calls ``save`` with its own shards and the checkpoint is
     written through DCP, one part per rank (``ckpt.dcp``, spec/sharded-format.md).
+
+    ``ledger``: feed the default step ledger (``ckpt.ledger.auto``): from the first
+    save or load on, every optimizer step is recorded in ``ledger/`` next to the
+    checkpoint, and a later ``ckpt.load`` that resumes the run verifies the re-run steps.
+    ``False`` (or ``CKPT_AUTO_LEDGER=0`` for the process) leaves it out. Like any save,
+    it refuses to replace an existing checkpoint unless ``overwrite=True``.
     """
     from .dcp.integration_probe import holds_dtensor
 
@@ -74,6 +80,12 @@ def save(path: Any, state: Any, **kwargs: Any) -> "CheckpointInfo":
         return save_sharded(path, state, **kwargs)
     from .writer import save as _save
 
+    if ledger:
+        from .ledger.auto import before_save
+
+        mark = before_save(path, state, kwargs)
+        if mark:
+            kwargs["meta"] = {**(kwargs.get("meta") or {}), **mark}
     return _save(path, state, **kwargs)
 
 
@@ -94,6 +106,7 @@ def load(
     verify: bool = True,
     exactness: str = "warn",
     cast: bool = False,
+    ledger: bool = True,
 ) -> "LoadResult":
     """Load a checkpoint into ``state`` in place (the resume path). All or nothing.
 
@@ -108,6 +121,12 @@ def load(
     ``load_state_dict``. RNG streams are restored last. ``exactness`` compares the
     saving environment with this one: ``strict`` refuses, ``warn`` names every
     difference, ``off`` skips the check.
+
+    ``ledger``: when an optimizer step follows, this load is a resume, verified by the
+    default step ledger (``ckpt.ledger.auto``; ``False`` leaves it out): the re-run steps
+    are compared with what the run recorded before, and one line says the verdict.
+    ``restore_rng=False`` holds the streams back: restore them with
+    ``ckpt.rng.restore_rng(result.context["rng"])`` right before the first step.
     """
     from ._torchio import load_into
 
@@ -120,7 +139,7 @@ def load(
         return load_sharded(reader, state, data=data, generators=generators, restore_rng=restore_rng, verify=verify, exactness=exactness)
     if part is None and len(reader.parts) > 1:
         part = _default_part(reader)
-    return load_into(
+    result = load_into(
         reader,
         state,
         part=part,
@@ -132,6 +151,11 @@ def load(
         exactness=exactness,
         cast=cast,
     )
+    if ledger and part is None:
+        from .ledger.auto import after_load
+
+        after_load(path, state, result, restore_rng=restore_rng)
+    return result
 
 
 def _default_part(reader: CheckpointReader) -> str:

@@ -3,8 +3,11 @@
 Categories are kept apart so a caller compares what it asked for: ``tensors`` (bytes
 compared exactly after chunk verification; the maximum absolute difference is computed
 only for tensors that differ), ``rng`` (per stream: ``python``, ``numpy``,
-``torch_cpu``, ``cuda:N``, ``generator:NAME``), ``data``, ``config``, ``commit``,
-``topology`` and ``env``. ``ignore`` takes category names, RNG streams as ``rng.NAME``
+``torch_cpu``, ``cuda:N``, ``generator:NAME``), ``values`` (every plain value stored:
+the state's non-tensor leaves, ``iter_num``, ``best_val_loss``, and ``extra`` under
+``extra.``; floats by their bits), ``data``, ``config``, ``commit``, ``topology`` and
+``env``. ``config_only``: the configs differ and nothing of the state does (a resume with
+``out_dir``/``init_from`` changed); ``ckpt diff`` gives that its own exit code. ``ignore`` takes category names, RNG streams as ``rng.NAME``
 and tensor keys or key prefixes (``model/`` or ``optim``); ignored items are listed,
 never compared. Streams named in ``unused`` (never drawn from in either run, as the
 step ledger knows) are reported "unused, not compared". ``ckpt diff`` is this module
@@ -17,10 +20,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-__all__ = ["diff_checkpoints", "rng_streams", "tensor_diff", "TensorDelta", "max_abs_diff", "CATEGORIES",
+__all__ = ["diff_checkpoints", "plain_values", "STATE", "rng_streams", "tensor_diff", "TensorDelta", "max_abs_diff", "CATEGORIES",
            "ledger_unused_streams"]
 
-CATEGORIES = ("tensors", "rng", "data", "config", "commit", "topology", "env")
+CATEGORIES = ("tensors", "rng", "values", "data", "config", "commit", "topology", "env")
+#: the categories that are the training state (a difference in any is "the state differs")
+STATE = ("parts", "tensors", "rng", "values", "data")
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -30,6 +35,39 @@ def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
             out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: obj}
+
+
+def plain_values(tree: Any, context: Mapping[str, Any]) -> dict[str, Any]:
+    """Every plain (non-tensor) value a part stores: the state tree's leaves by their
+    dotted path, and ``extra``'s under ``extra.`` (tensors are compared as tensors)."""
+    from .format.tree import TensorRef
+
+    out: dict[str, Any] = {}
+
+    def walk(v: Any, path: str) -> None:
+        if isinstance(v, TensorRef):
+            return
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{path}.{k}" if path else str(k))
+        elif isinstance(v, (list, tuple)) and any(isinstance(x, (dict, list, tuple, TensorRef)) for x in v):
+            for i, x in enumerate(v):
+                walk(x, f"{path}[{i}]")
+        else:
+            out[path] = v
+
+    walk(tree, "")
+    if context.get("extra") is not None:
+        walk(context["extra"], "extra")
+    return out
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    import struct
+
+    if isinstance(a, float) and isinstance(b, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return type(a) is type(b) and a == b
 
 
 def _read_bytes(r: Any, pe: Any, t: Any) -> bytearray:
@@ -133,7 +171,7 @@ def diff_checkpoints(a_path: str, b_path: str, *, ignore: Iterable[str] = (), un
     for name in sorted(set(pa) & set(pb)):
         x, y = pa[name], pb[name]
         part: dict[str, Any] = {"tensors": [], "config": None, "commit": None, "topology": [], "rng": [],
-                                "rng_unused": [], "env": [], "data": []}
+                                "rng_unused": [], "env": [], "data": [], "values": []}
         if "tensors" not in ign:
             tx = {t.key: t for t in x.tensors}
             ty = {t.key: t for t in y.tensors}
@@ -190,7 +228,14 @@ def diff_checkpoints(a_path: str, b_path: str, *, ignore: Iterable[str] = (), un
             part["env"] = env_differences(ea, eb, keys=sorted(set(ea) | set(eb)))
         if "data" not in ign:
             part["data"] = ["data state differs"] if ca.get("data") != cb.get("data") else []
-        here = {c for c in ("config", "commit", "topology", "rng", "env", "data") if part[c]}
+        if "values" not in ign:
+            va = plain_values(a.tree(name)["state"], ca)
+            vb = plain_values(b.tree(name)["state"], cb)
+            part["values"] = [{"name": k, "a": va.get(k), "b": vb.get(k),
+                               "status": "only in A" if k not in vb else "only in B" if k not in va else "changed"}
+                              for k in sorted(set(va) | set(vb)) if not _ignored(k, ign)
+                              and not (k in va and k in vb and _same_value(va[k], vb[k]))]
+        here = {c for c in ("config", "commit", "topology", "rng", "env", "data", "values") if part[c]}
         if any(t["status"] != "equal" for t in part["tensors"]):
             here.add("tensors")
         part["identical"] = not here
@@ -198,6 +243,8 @@ def diff_checkpoints(a_path: str, b_path: str, *, ignore: Iterable[str] = (), un
         report["parts"][name] = part
     report["differs"] += [c for c in CATEGORIES if c in differs]
     report["identical"] = not report["differs"]
+    report["state_identical"] = not any(c in STATE for c in report["differs"])
+    report["config_only"] = report["differs"] == ["config"]
     return report
 
 

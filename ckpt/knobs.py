@@ -73,6 +73,20 @@ class Knobs:
     #: cleanup at a manager's start leaves an uncommitted save's files alone until they
     #: are this old (a save without the run's lock may still commit them; §O.6).
     orphan_grace_s: float = _env_float("CKPT_ORPHAN_GRACE_S", 60.0)
+    # --- the default step ledger of ckpt.save / ckpt.load (ckpt.ledger.auto) ---
+    #: 0 turns the default ledger off for the whole process (CKPT_AUTO_LEDGER=0); a
+    #: single call opts out with ckpt.save(..., ledger=False) / ckpt.load(..., ledger=False).
+    auto_ledger: int = _env_int("CKPT_AUTO_LEDGER", 1)
+    #: the default ledger digests every parameter every this many optimizer steps (a
+    #: sample of every parameter is digested at every step); 0: never.
+    auto_ledger_params_every: int = _env_int("CKPT_AUTO_LEDGER_PARAMS_EVERY", 10)
+    #: CKPT_LEDGER_DIR: where step ledgers go instead of next to the checkpoints (a
+    #: manager's in DIR/<run dir name>, the default one's in DIR/<checkpoint's dir name>).
+    ledger_dir: str = os.environ.get("CKPT_LEDGER_DIR", "")
+    #: CKPT_CHECK_RUN: set by `ckpt check-resume -- COMMAND` to the attempt's run directory;
+    #: a step ledger outside it is refused (two runs writing one place would be compared
+    #: with themselves).
+    check_run_dir: str = os.environ.get("CKPT_CHECK_RUN", "")
     # --- reader limits (also enforced by writers, so we never write what we refuse) ---
     max_manifest_bytes: int = 64 * MiB
     max_safetensors_header: int = 64 * MiB
@@ -101,7 +115,7 @@ def knobs() -> Knobs:
 
 
 @contextlib.contextmanager
-def override(**changes: float) -> Iterator[Knobs]:
+def override(**changes: float | str) -> Iterator[Knobs]:
     """Temporarily change knobs (tests use small chunk sizes to exercise boundaries)."""
     global _current
     old = _current

@@ -696,24 +696,26 @@ class CheckpointManager:
 
     # -- the loop's calls --------------------------------------------------------------
     def after_step(self, step: int, *, batch: Any = None, loss: Any = None, metrics: Mapping[str, Any] | None = None,
-                   extra: Any = None) -> bool:
+                   extra: Any = None, values: Mapping[str, Any] | None = None) -> bool:
         """Call once per optimizer step, after it. Saves if due; returns True if it did.
 
         ``batch`` (every tensor the step consumed) and ``loss`` go to the step ledger;
         without them it still records the RNG streams and a periodic parameter digest.
+        ``values``: plain values carried across steps that the checkpoint may not hold
+        (``{"lr": lr, "best_val": best}``): a resume whose value differs names it.
         With a ``LossGuard`` attached, call ``guard.after_step`` instead: it judges the
         loss before anything of the step is saved."""
         if self._guard is not None:
             raise CkptError("a LossGuard is attached to this manager: call guard.after_step(step, loss=...) so the "
                             "loss is judged before the step is saved", path=self.run_dir)
-        return self._after_step(step, batch=batch, loss=loss, metrics=metrics, extra=extra)
+        return self._after_step(step, batch=batch, loss=loss, metrics=metrics, extra=extra, values=values)
 
     def _after_step(self, step: int, *, batch: Any = None, loss: Any = None, metrics: Mapping[str, Any] | None = None,
-                    extra: Any = None) -> bool:
+                    extra: Any = None, values: Mapping[str, Any] | None = None) -> bool:
         self._check_open()
         self._raise_failure()
         if self.ledger is not None:
-            self.ledger.step(step, batch=batch, loss=loss, kill=False)
+            self.ledger.step(step, batch=batch, loss=loss, values=values, kill=False)
         saved = self._after_step_save(step, metrics, extra)
         if self.ledger is not None:
             self.ledger.maybe_kill(step)
@@ -894,6 +896,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failure()
+        held_how = "resume(defer_rng=True)" if defer_rng else "resume(restore_rng=False)"
         defer_rng = defer_rng or not restore_rng
         loaded = self._load_first(self._candidates(lambda r: True), defer_rng=defer_rng, exactness=exactness)
         if loaded is None:
@@ -907,8 +910,10 @@ class CheckpointManager:
         self._loaded(result, choice)
         if self.rank == 0:
             warn_config_changed(result.path, result.context, self.config, stacklevel=3)
-        if self.ledger is not None and not defer_rng:
-            self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id)
+        if self.ledger is not None:  # held-back streams are named at the first step unless restore_rng() ran
+            self.ledger.resumed(self._start_step, source=choice, run_id=self.run_id,
+                                rng_held=f"{held_how}|call restore_rng() right after creating the DataLoader "
+                                         "iterator" if defer_rng else "")
         if self._guard is not None:
             self._guard._restore(result, rewound=False)
         return result
@@ -1129,7 +1134,7 @@ class CheckpointManager:
         state, self._deferred_rng = self._deferred_rng, None
         restored = restore_rng(state, self.generators or None, path=self.run_dir)
         if self.ledger is not None and self.resumed_from is not None:
-            self.ledger.resumed(self._start_step, source=self.resumed_from["name"], run_id=self.run_id)
+            self.ledger.rng_restored()
         return restored
 
     # -- saving ------------------------------------------------------------------------

@@ -203,6 +203,7 @@ class RunContext:
             step=step,
             meta=meta,
             overwrite=True,
+            ledger=False,  # a comparison snapshot, not a step of the run
             this_rank_only=True,  # one path per rank: each rank's own state, on purpose
         )
 
@@ -268,6 +269,7 @@ class RunContext:
             step=self.steps,
             overwrite=True,
             this_rank_only=True,
+            ledger=False,
         )
         self._log(kind="finish", step=self.steps)
         self._events.close()

@@ -1,8 +1,10 @@
 """``ckpt diff A B``: renders ``ckpt.diff.diff_checkpoints`` (the comparison lives in the library).
 
-"tensors differ" and "RNG state differs" are separate lines; ``--ignore KEY`` leaves a
-category, an RNG stream (``rng.python``) or a tensor key prefix out, and the exit code
-follows only what was compared. RNG streams that the runs' step ledgers (``ledger/``
+"tensors differ" and "RNG state differs" are separate lines, and every plain value stored
+(``lr``, ``iter_num``, ``extra``) is compared; ``--ignore KEY`` leaves a category, an RNG
+stream (``rng.python``), a value or a tensor key prefix out, and the exit code follows
+only what was compared: 6 when the training state differs, 8 when only the config (or
+commit, topology, environment) does. RNG streams that the runs' step ledgers (``ledger/``
 next to each checkpoint) show were never drawn from are "unused, not compared".
 """
 
@@ -46,6 +48,9 @@ def render(rep: dict[str, Any]) -> str:
             out.append(f"  rng {', '.join(p['rng_unused'])}: unused in both runs (step ledger), not compared")
         for line in p["data"]:
             out.append(f"  data: {line}")
+        for v in p.get("values", []):
+            out.append(f"  value {v['name']}: {v['a']!r} -> {v['b']!r}" if v["status"] == "changed"
+                       else f"  value {v['name']}: {v['status']}")
     for n in rep["notes"]:
         out.append(f"note: {n}")
     if rep.get("ignored"):
@@ -54,7 +59,12 @@ def render(rep: dict[str, Any]) -> str:
         out.append("tensors differ")
     if any(p["rng"] for p in rep["parts"].values()):
         out.append("RNG state differs")
-    out.append("identical" if rep["identical"] else "different: " + ", ".join(rep["differs"]))
+    if rep["identical"]:
+        out.append("identical")
+    elif rep.get("state_identical"):
+        out.append("state identical; different: " + ", ".join(rep["differs"]) + " (not the training state)")
+    else:
+        out.append("different: " + ", ".join(rep["differs"]))
     return "\n".join(out)
 
 
@@ -67,7 +77,10 @@ def render(rep: dict[str, Any]) -> str:
 @json_option("§4.4")
 @handle_errors
 def diff_cmd(a: str, b: str, ignore: tuple[str, ...], as_json: bool) -> None:
-    """Exit 0 when everything compared is identical, 6 when something compared differs."""
+    """Exit 0 when everything compared is identical; 6 when the training state differs
+    (tensors, RNG, plain values, data position, parts); 8 when the state is identical and
+    only the config, commit, topology or environment differ (a resume whose config
+    changed out_dir or init_from)."""
     from ckpt.diff import diff_checkpoints, ledger_unused_streams
 
     rep = diff_checkpoints(a, b, ignore=ignore, unused=ledger_unused_streams(a, b))
@@ -76,4 +89,4 @@ def diff_cmd(a: str, b: str, ignore: tuple[str, ...], as_json: bool) -> None:
     else:
         click.echo(render(rep))
     if not rep["identical"]:
-        raise click.exceptions.Exit(6)
+        raise click.exceptions.Exit(8 if rep.get("state_identical") else 6)

@@ -13,6 +13,19 @@ import click
 from ckpt_cli._common import classify, dump_json, handle_errors, human_bytes, json_option, not_found, when, wrong_kind
 
 
+def _values(r: Any, part: str) -> dict[str, Any] | str:
+    """Every plain value the part stores (``ckpt.diff.plain_values``), JSON-safe; the
+    reason when the structure file cannot be read (the rest of the summary stands)."""
+    from ckpt.diff import plain_values
+    from ckpt.errors import CkptError
+
+    try:
+        vals = plain_values(r.tree(part)["state"], r.context(part))
+    except CkptError as e:
+        return f"unreadable: {e}"
+    return {k: (v.hex() if isinstance(v, (bytes, bytearray)) else v) for k, v in vals.items()}
+
+
 def manifest_summary(r: Any) -> dict[str, Any]:
     m = r.manifest
     parts = []
@@ -50,6 +63,7 @@ def manifest_summary(r: Any) -> dict[str, Any]:
                 "env": s.get("env"),
                 "lineage": s.get("lineage"),
                 "step": s.get("step"),
+                "values": _values(r, p.name),
             }
         )
     return {
@@ -212,6 +226,13 @@ def render(s: dict[str, Any], *, tensors: bool = True, max_tensors: int = 50) ->
             out.append(f"  messages     {'; '.join(by_field['messages'])}")
         if by_field.get("other"):  # not one of the seven: plain values next to them
             out.append(f"  other state  {'; '.join(by_field['other'])}")
+        vals = p.get("values")
+        if isinstance(vals, str):
+            out.append(f"  values       {vals}")
+        elif vals:
+            shown = [f"{k} {v!r}" for k, v in list(vals.items())[:max_tensors]]
+            more = f", ... {len(vals) - max_tensors} more (--json)" if len(vals) > max_tensors else ""
+            out.append(f"  values       {', '.join(shown)}{more}")
         env = p.get("env") or {}
         out.append("  environment  " + ", ".join(f"{k} {v}" for k, v in env.items()))
         lin = p.get("lineage") or {}

@@ -16,6 +16,8 @@ Exit codes (one table for every command and every kind of bad path: spec/cli.md 
 7     not a checkpoint: a file, a run directory, a step ledger, a tape, a DCP or
       a Hugging Face directory where a checkpoint (or tape) was expected; the
       message names what it is and the command that reads it
+8     ``diff``: the training state is identical, only the config (or commit,
+      topology, environment) differs
 ====  ==========================================================================
 
 Several paths (``verify``): the smallest non-zero code of the outcomes.

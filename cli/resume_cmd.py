@@ -66,10 +66,22 @@ def check_resume_cmd(
     sizes differ (no exactness claim is made); 1 when an attempt crashed.
 
     Or ``ckpt check-resume [--kill-at K | --kills N] -- COMMAND ...``: run an unmodified
-    script (its CheckpointManager or ckpt.ledger.Ledger takes its instructions from the
-    environment), SIGKILL it at chosen or random steps, let it resume, and compare the
-    step ledgers and final checkpoints (ckpt.ledger.check). Exit 0 IDENTICAL, 6
-    DIFFERENT, 2 NO CLAIM (no ledger, no checkpoint reached, or the command failed).
+    script in this directory (it finds its config and data files as always), SIGKILL it at
+    chosen or random steps, let it resume, and compare the step ledgers and final
+    checkpoints (ckpt.ledger.check). Its ckpt.save/ckpt.load default ledger,
+    CheckpointManager or ckpt.ledger.Ledger takes the kill instruction from the
+    environment. Each run needs its own output place: write {run} where the command
+    names its output directory (--out_dir={run}); it becomes WORK/straight or
+    WORK/resumed (also $CKPT_CHECK_RUN). A ledger outside it is refused, naming both
+    directories. A script that resumes only when told (--init_from=resume) gets
+    {resume}: 'scratch' in a run's first attempt, 'resume' after a kill
+    (--init_from={resume}; also $CKPT_CHECK_RESUME=0/1):
+
+    \b
+      ckpt check-resume --kill-at 40 -- python train.py --out_dir={run} --init_from={resume}
+
+    Exit 0 IDENTICAL, 6 DIFFERENT, 2 NO CLAIM (no ledger, no checkpoint reached, or the
+    command failed).
     """
     if command:
         if entry:

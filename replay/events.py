@@ -276,7 +276,7 @@ for _t, _s in (("u32", _U32), ("u64", _U64), ("i64", _I64), ("f64", _F64)):
 # once never hands out one code twice (reuse the generic kinds above where they fit):
 #   25-31 DiLoCo (runs/diloco)             32-47 replicas and SDC (runs/replicas)
 #   48-55 loss-spike rollback and routing  56-71 pipeline stages (runs/stages)
-#   72-95 free
+#   72 the step ledger's plain values  73-95 free
 # 33/34 (recovery_sent / recovery_loaded) are every run's peer-recovery pair, one rule for all.
 KINDS: tuple[Kind, ...] = (
     Kind(1, "actor", (("name", "str"),),
@@ -402,6 +402,10 @@ KINDS: tuple[Kind, ...] = (
          "sent and in total, and the payload bytes sent to each peer."),
     Kind(61, "stage_stall", (("reason", "str"),),
          "This stage is live but idles this step (its replica waits: reason wait or edge-down)."),
+    Kind(72, "ledger_values", (("values", "msgpack"),),
+         "The plain values of the ledger step of the same step field, right after its ledger_step: a map of names to "
+         "nil, bool, int, float, str or bytes (the script's values, e.g. lr; names starting ckpt. are the ledger's "
+         "own), compared exactly on a resume."),
 )
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}

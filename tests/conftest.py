@@ -30,6 +30,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_default_ledger():
+    """ckpt.save/ckpt.load's default step ledger is one per process (torch's global
+    optimizer hooks): each test starts with none, as a fresh script would."""
+    yield
+    mod = sys.modules.get("ckpt.ledger.auto")
+    if mod is not None:
+        mod.reset()
+
+
 @pytest.fixture
 def small_state():
     """A tiny model + AdamW with one step taken, so optimizer state exists."""

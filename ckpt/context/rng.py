@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ..errors import StateMismatchError
 
@@ -83,6 +83,11 @@ def rng_kinds(state: Mapping[str, Any]) -> list[str]:
     return kinds
 
 
+#: called after every successful restore_rng (ckpt.ledger.auto registers here; a list,
+#: not an import, so this module stays below ckpt.ledger)
+RESTORE_LISTENERS: list[Callable[[], None]] = []
+
+
 def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None = None, *, path: str | None = None) -> list[str]:
     """Restore every captured stream; returns the list of streams restored."""
     import torch
@@ -122,6 +127,8 @@ def restore_rng(state: Mapping[str, Any], generators: Mapping[str, Any] | None =
         except RuntimeError as e:
             raise StateMismatchError(f"generator {name!r} does not restore: {e}", path=path, key=f"rng/generators/{name}") from None
         restored.append(f"generator:{name}")
+    for listener in list(RESTORE_LISTENERS):  # the default step ledger: streams a load held back are back
+        listener()
     return restored
 
 

@@ -5,19 +5,21 @@ Per optimizer step the ledger records, as ``ledger_step`` events in the tape for
 (every tensor in it), the loss bits, the digest of each captured RNG stream, and every
 ``params_every`` steps a digest of the parameters. ``CheckpointManager`` keeps one in
 ``<run_dir>/ledger`` by default; ``Ledger`` is the same for a plain ``ckpt.save`` /
-``ckpt.load`` script. After a resume, the re-executed steps are compared with what the
+``ckpt.load`` script, and a script that only calls ``ckpt.save``/``ckpt.load`` gets one
+without a line of code (``ckpt.ledger.auto``). After a resume, the re-executed steps are compared with what the
 ledger recorded before the crash (``ResumeReport``).
 """
 
 from __future__ import annotations
 
 from .compare import CAUSES, ResumeReport, StepDiff, compare_runs, used_streams
-from .ledger import ENV_DIR, ENV_KILL_AT, ENV_VERIFY, Ledger, ResumeVerificationWarning
-from .record import LedgerOpen, LedgerStep, ResumeCheck
+from .ledger import (ENV_DIR, ENV_KILL_AT, ENV_VERIFY, Ledger, ResumeNotice, ResumeVerificationWarning,
+                     ResumeVerified, announce)
+from .record import LedgerOpen, LedgerStep, LedgerValues, ResumeCheck
 from .tapefile import LedgerTape, ledger_tapes, read_ledger_dir, read_ledger_tape
 
 __all__ = [
-    "Ledger", "ResumeReport", "ResumeVerificationWarning", "StepDiff", "CAUSES", "compare_runs", "used_streams",
-    "LedgerOpen", "LedgerStep", "ResumeCheck", "LedgerTape", "ledger_tapes", "read_ledger_dir", "read_ledger_tape",
+    "Ledger", "ResumeReport", "ResumeVerificationWarning", "ResumeVerified", "ResumeNotice", "announce", "StepDiff", "CAUSES", "compare_runs", "used_streams",
+    "LedgerOpen", "LedgerStep", "LedgerValues", "ResumeCheck", "LedgerTape", "ledger_tapes", "read_ledger_dir", "read_ledger_tape",
     "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY",
 ]

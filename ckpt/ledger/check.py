@@ -1,20 +1,25 @@
 """``check_command``: kill an unmodified training command, resume it, compare ledgers.
 
-The command runs as is, twice, each time in a fresh working directory under ``work``
-(so relative output paths of the two runs do not meet): once straight through, and
-once as a chain of attempts, the first SIGKILLed right after step ``kill_at[0]`` (the
-ledger inside the script reads ``CKPT_LEDGER_KILL_AT``), the next resumed by the script
-itself and killed at ``kill_at[1]``, and so on, the last run to the end. Arguments that
-name existing files are made absolute, and the caller's directory leads PYTHONPATH, so
-``python train.py`` and ``python -m pkg.train`` keep working from the new directory.
+The command runs as is, in the caller's working directory (so it finds its config and
+data files where it always does), twice: once straight through, and once as a chain of
+attempts, the first SIGKILLed right after step ``kill_at[0]`` (the ledger inside the
+script reads ``CKPT_LEDGER_KILL_AT``), the next resumed by the script itself and killed
+at ``kill_at[1]``, and so on, the last run to the end. Each of the two runs writes to a
+place of its own under ``work``: ``{run}`` in the command becomes that directory
+(``WORK/straight``, ``WORK/resumed``), and the environment says it too
+(``CKPT_CHECK_RUN``). ``{resume}`` becomes ``scratch`` for a run's first attempt and
+``resume`` for the attempts that follow a kill (``--init_from={resume}``; also
+``CKPT_CHECK_RESUME=0/1``). A step ledger that would land outside its run's place is
+refused by the script's own ledger (``ckpt.ledger.Ledger``), naming both directories:
+two runs writing one place would compare a run with itself.
 
 Then, bit for bit: every step of every ledger directory the command wrote (straight
 run against the resumed chain's newest record of each step: batch digest, loss bits,
-parameter digests, each used RNG stream), and every committed checkpoint both runs left
-at the same relative path (``ckpt.diff``; streams unused in both runs not compared).
-Verdicts: ``IDENTICAL``, ``DIFFERENT`` (with the first divergence and its likely cause),
-or ``NO CLAIM`` when the command wrote no ledger, never reached a checkpoint before a
-kill, or failed: such a check does not pass.
+parameter digests, each used RNG stream, plain values), and every committed checkpoint
+both runs left at the same relative path (``ckpt.diff``; streams unused in both runs not
+compared). Verdicts: ``IDENTICAL``, ``DIFFERENT`` (with the first divergence and its
+likely cause), or ``NO CLAIM`` when the command wrote no ledger, never reached a
+checkpoint before a kill, or failed: such a check does not pass.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from .ledger import ENV_KILL_AT
 from .record import LedgerStep
 from .tapefile import LedgerTape, read_ledger_dir
 
-__all__ = ["CommandCheck", "check_command"]
+__all__ = ["CommandCheck", "check_command", "expand", "ENV_RUN", "ENV_RESUME"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +64,23 @@ class CommandCheck:
         return "\n".join([*self.lines, self.verdict])
 
 
-def _absolutize(argv: Sequence[str], cwd: str) -> list[str]:
-    out = []
-    for a in argv:
-        cand = os.path.join(cwd, a)
-        out.append(os.path.abspath(cand) if not os.path.isabs(a) and os.path.isfile(cand) else a)
-    return out
+#: the environment a command's attempt gets: its run directory, and whether it follows a kill
+ENV_RUN = "CKPT_CHECK_RUN"
+ENV_RESUME = "CKPT_CHECK_RESUME"
+
+
+def expand(argv: Sequence[str], run: str, resume: bool) -> list[str]:
+    """``argv`` with ``{run}`` -> ``run`` and ``{resume}`` -> ``resume``/``scratch``."""
+    return [a.replace("{run}", run).replace("{resume}", "resume" if resume else "scratch") for a in argv]
+
+
+def _tail(log: str, n: int = 3) -> str:
+    try:
+        with open(log, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f.read().splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return ("; its last lines: " + " | ".join(lines[-n:])) if lines else ""
 
 
 def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, timeout: float) -> int:
@@ -117,23 +133,37 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
     tick = progress or (lambda done, total: None)
     if not argv:
         raise ValueError("no command to check")
-    caller = os.getcwd()
-    work = os.path.abspath(work or tempfile.mkdtemp(prefix="ckpt-check-resume-"))
-    cmd = _absolutize(argv, caller)
-    base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
-    base["PYTHONPATH"] = os.pathsep.join([caller, *filter(None, [os.environ.get("PYTHONPATH")])])
+    given = work or tempfile.mkdtemp(prefix="ckpt-check-resume-")
+    work = os.path.abspath(given)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_LEDGER_", "CKPT_CHECK_"))}
     lines = [f"command: {shlex.join(argv)}", f"work dir: {work}"]
+    if not any("{run}" in a for a in argv):
+        lines.append("the command has no {run}: the script must put its output under $CKPT_CHECK_RUN itself")
     straight = os.path.join(work, "straight")
-    os.makedirs(straight, exist_ok=True)
+    resumed = os.path.join(work, "resumed")
+    for d in (straight, resumed):
+        if os.path.isdir(d) and os.listdir(d):
+            return CommandCheck("NO CLAIM", (*lines, f"{d} is not empty: a check needs fresh run directories (give "
+                                             "another --work-dir); nothing is claimed"), work=work)
+        os.makedirs(d, exist_ok=True)
+
+    def run(place: str, log: str, resume: bool, extra: dict[str, str] | None = None) -> int:
+        rel = os.path.join(given, os.path.basename(place))  # as the caller wrote the work dir
+        env = {**base, ENV_RUN: place, ENV_RESUME: "1" if resume else "0", **(extra or {})}
+        return _run(expand(argv, rel, resume), os.getcwd(), env, log, timeout)
+
     tick(0, 2 + max(len(set(kill_at)), kills if not kill_at else 0))
-    rc = _run(cmd, straight, base, os.path.join(work, "straight.log"), timeout)
+    slog = os.path.join(work, "straight.log")
+    rc = run(straight, slog, False)
     if rc != 0:
-        return CommandCheck("NO CLAIM", (*lines, f"the straight run exited with status {rc} "
-                                         f"(log: {os.path.join(work, 'straight.log')}); nothing is claimed"), work=work)
+        return CommandCheck("NO CLAIM", (*lines, f"the straight run exited with status {rc} (log: {slog}{_tail(slog)}); "
+                                         "nothing is claimed"), work=work)
     ref = _ledgers(straight)
     if not ref:
-        return CommandCheck("NO CLAIM", (*lines, "the command wrote no step ledger (no CheckpointManager and no "
-                                         "ckpt.ledger.Ledger): nothing to compare, nothing is claimed"), work=work)
+        return CommandCheck("NO CLAIM", (*lines, f"the command wrote no step ledger under {straight} (its output "
+                                         "goes elsewhere? give it {run}; or no ckpt.save/ckpt.load, no "
+                                         "CheckpointManager and no ckpt.ledger.Ledger): nothing to compare, nothing "
+                                         "is claimed"), work=work)
     ref_ckpts = _checkpoints(straight)
     if not ref_ckpts:
         return CommandCheck("NO CLAIM", (*lines, "the command never reached a checkpoint: a resume cannot be "
@@ -147,22 +177,21 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
         pool = list(range(max(2, last // 2), last)) or [1]
         kills_at = tuple(sorted(rnd.sample(pool, min(kills, len(pool)))))
     lines.append(f"straight run: {last} steps; kills at step {', '.join(map(str, kills_at))}")
-    resumed = os.path.join(work, "resumed")
-    os.makedirs(resumed, exist_ok=True)
     log = os.path.join(work, "resumed.log")
     runs = 2 + len(kills_at)
     tick(1, runs)
     for i, k in enumerate(kills_at):
-        rc = _run(cmd, resumed, {**base, ENV_KILL_AT: str(k)}, log, timeout)
+        rc = run(resumed, log, i > 0, {ENV_KILL_AT: str(k)})
         tick(2 + i, runs)
         if rc != -signal.SIGKILL:
             return CommandCheck("NO CLAIM", (*lines, f"the attempt told to die at step {k} exited with status {rc} "
-                                             f"instead (log: {log}); nothing is claimed"), kills_at, work=work)
-    rc = _run(cmd, resumed, base, log, timeout)
+                                             f"instead (log: {log}{_tail(log)}); nothing is claimed"), kills_at,
+                                work=work)
+    rc = run(resumed, log, True)
     tick(runs, runs)
     if rc != 0:
-        return CommandCheck("NO CLAIM", (*lines, f"the last resumed attempt exited with status {rc} (log: {log}); "
-                                         "nothing is claimed"), kills_at, work=work)
+        return CommandCheck("NO CLAIM", (*lines, f"the last resumed attempt exited with status {rc} (log: {log}"
+                                         f"{_tail(log)}); nothing is claimed"), kills_at, work=work)
     got = _ledgers(resumed)
     opens = [o for tapes in got.values() for t in tapes for o in t.opens]
     if not any(o.start_step > 0 for o in opens):
@@ -194,15 +223,20 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
             different = True
             continue
         d = diff_checkpoints(a, b, ignore=("env", "commit"), unused=ledger_unused_streams(a, b))
-        if d["identical"]:
+        config = sorted({k for p in d["parts"].values() if p["config"] for k in p["config"]["keys"]})
+        if d["identical"] or d["state_identical"]:
             lines.append(f"checkpoint {rel}: identical (tensors and used RNG streams, bit for bit)")
         else:
             bad = [t["name"] for p in d["parts"].values() for t in p["tensors"] if t["status"] != "equal"]
             rng = sorted({s for p in d["parts"].values() for s in p["rng"]})
-            lines.append(f"checkpoint {rel}: differs in {', '.join(d['differs'])}"
+            lines.append(f"checkpoint {rel}: differs in {', '.join(c for c in d['differs'] if c != 'config')}"
                          + (f" ({len(bad)} tensors, first {bad[0]})" if bad else "")
                          + (f" (RNG streams {', '.join(rng)})" if rng else ""))
             different = True
+        if "config" in d["differs"]:
+            # the runs' own places (out_dir={run}) or init_from={resume} differ by design: not state
+            lines.append(f"checkpoint {rel}: config differs in {', '.join(config) or 'its hash'} (not state; not "
+                         "a difference of the resume)")
     return CommandCheck("DIFFERENT" if different else "IDENTICAL", tuple(lines), kills_at, tuple(reports), work,
                         checks)
 

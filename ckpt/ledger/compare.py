@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .record import LedgerOpen, LedgerStep
 
 __all__ = ["StepDiff", "ResumeReport", "CAUSES", "used_streams", "compare_step", "likely_cause", "compare_runs",
-           "find_batch"]
+           "find_batch", "find_hint", "SAMPLE", "RNG_BEFORE"]
 
 #: The documented cause table (README "Porting a training script"): what diverged -> likely cause.
 CAUSES: dict[str, str] = {
@@ -32,19 +32,42 @@ CAUSES: dict[str, str] = {
                  "or sampling run again on resume? an augmentation? run it inside ckpt.rng.isolated()), and/or "
                  "the data position was not captured (a batch prefetched before the step boundary and not saved? "
                  "put in-flight state into the checkpoint)",
-    "rng": "RNG stream(s) {streams} differ while the batch is equal: something drew from them outside the "
+    "rng": "RNG stream(s) {streams} differ{while_batch}: something drew from them outside the "
            "checkpointed state between the checkpoint and this step (an evaluation or sampling run again on "
            "resume? an augmentation?); run it inside ckpt.rng.isolated()",
-    "loss": "batch and RNG streams are equal but the loss differs: a nondeterministic kernel or a different "
-            "environment{env}",
+    "rng-moved": "RNG stream(s) {streams} moved between the resume (the load restored {them} at step {start}) and "
+                 "step {step}, and not as the first run's moved between its save and step {step}: something drew "
+                 "from {them} after the load and before the step (a batch drawn after ckpt.load, e.g. the first "
+                 "batch fetched after it? an evaluation run again on resume? a model built after the load?); "
+                 "load where the first run saved (after those draws), or load with restore_rng=False and restore "
+                 "the streams right before the loop (ckpt.rng.restore_rng(result.context['rng']))",
+    "rng-held": "the RNG streams were held back at the resume ({how}) and never restored before step {step}: "
+                "restore them before the first step ({fix})",
+    "value": "{names} differ{while_equal}: a value carried across steps that the checkpoint does not hold "
+             "(a learning rate set outside the optimizer and scheduler? a best-so-far metric?); save it with the "
+             "checkpoint (extra= or the state) and restore it on resume",
+    "env": "{what}{while_equal}, in a different environment: a nondeterministic kernel or the environment "
+           "difference ({env})",
+    "state": "{what}{while_equal}, in the same environment: state that the checkpoint does not hold (a "
+             "variable carried across steps: a recurrent hidden state, a learning rate outside the optimizer and "
+             "scheduler, a best-so-far metric); {hint}",
     "params": "the parameter digest differs while everything recorded before it was equal: state that the "
               "checkpoint does not hold (pass batch= to after_step to find the first step)",
 }
+#: the old name of "state" when only the loss differs (kept: tools match on it)
+CAUSES["loss"] = CAUSES["state"]
+
+#: values the ledger records itself (spec/tape-format.md §6.3): digests, not shown as values
+SAMPLE = "ckpt.params_sample"
+RNG_BEFORE = "ckpt.rng_before."
 
 
 @dataclass(frozen=True, slots=True)
 class StepDiff:
-    """What differs at one step (empty fields: equal or not compared)."""
+    """What differs at one step (empty fields: equal or not compared). ``values``:
+    (name, expected, actual) of each plain value that differs; ``sample``: the ledger's
+    per-step parameter sample differs; ``rng_before``: streams that differ just before
+    the optimizer step (recorded at the first step after a save or resume)."""
 
     step: int
     batch: bool = False
@@ -52,19 +75,30 @@ class StepDiff:
     loss: tuple[float, float] | None = None
     params: bool = False
     not_compared: tuple[str, ...] = ()
+    values: tuple[tuple[str, Any, Any], ...] = ()
+    sample: bool = False
+    rng_before: tuple[str, ...] = ()
+    batch_compared: bool = True
 
     @property
     def differs(self) -> bool:
-        return self.batch or bool(self.rng) or self.loss is not None or self.params
+        return (self.batch or bool(self.rng) or self.loss is not None or self.params or bool(self.values)
+                or self.sample or bool(self.rng_before))
 
     def what(self) -> str:
         parts = []
         if self.batch:
             parts.append("batch differs")
+        if self.rng_before:
+            parts.append("RNG stream " + ", ".join(self.rng_before) + " differs before the optimizer step")
         if self.rng:
             parts.append("RNG stream " + ", ".join(self.rng) + " differs")
         if self.loss is not None:
             parts.append(f"loss differs ({self.loss[0]!r} vs {self.loss[1]!r})")
+        for name, a, b in self.values:
+            parts.append(f"{name} differs ({a!r} vs {b!r})")
+        if self.sample:
+            parts.append("parameters differ after the step (sampled)")
         if self.params:
             parts.append("parameter digest differs")
         return "; ".join(parts) or "equal"
@@ -88,11 +122,18 @@ def used_streams(opens: Sequence[LedgerOpen], steps: Iterable[LedgerStep]) -> se
     return used
 
 
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return _bits(a) == _bits(b)
+    return type(a) is type(b) and a == b
+
+
 def compare_step(expected: LedgerStep, actual: LedgerStep, compared: set[str] | None) -> StepDiff:
     """``compared``: the RNG streams to compare (None: every stream both recorded)."""
     nc: list[str] = []
     batch = False
-    if expected.batch is not None and actual.batch is not None:
+    batch_compared = expected.batch is not None and actual.batch is not None
+    if batch_compared:
         batch = expected.batch != actual.batch
     elif expected.batch is not None or actual.batch is not None:
         nc.append("batch (recorded on one side only)")
@@ -109,7 +150,23 @@ def compare_step(expected: LedgerStep, actual: LedgerStep, compared: set[str] | 
     if expected.loss is not None and actual.loss is not None and _bits(expected.loss) != _bits(actual.loss):
         loss = (expected.loss, actual.loss)
     params = expected.params is not None and actual.params is not None and expected.params != actual.params
-    return StepDiff(expected.step, batch, tuple(rng), loss, params, tuple(nc))
+    ev, av = dict(expected.values), dict(actual.values)
+    values, before, sample = [], [], False
+    for name in sorted(set(ev) & set(av)):
+        if _same(ev[name], av[name]):
+            continue
+        if name == SAMPLE:
+            sample = True
+        elif name.startswith(RNG_BEFORE):
+            stream = name[len(RNG_BEFORE):]
+            if compared is None or stream in compared:
+                before.append(stream)
+        else:
+            values.append((name, ev[name], av[name]))
+    nc += [f"value {n} (recorded on one side only)" for n in sorted(set(ev) ^ set(av))
+           if not n.startswith(RNG_BEFORE)]
+    return StepDiff(expected.step, batch, tuple(rng), loss, params, tuple(nc), tuple(values), sample, tuple(before),
+                    batch_compared)
 
 
 def find_batch(expected: Mapping[int, LedgerStep], batch: bytes | None, step: int) -> int | None:
@@ -120,9 +177,18 @@ def find_batch(expected: Mapping[int, LedgerStep], batch: bytes | None, step: in
     return min(hits, key=lambda k: (abs(k - step), k)) if hits else None
 
 
-def likely_cause(d: StepDiff, env_diffs: Sequence[str] = (), *, batch_seen_at: int | None = None) -> str:
+def _them(streams: Sequence[str]) -> str:
+    return "it" if len(streams) == 1 else "them"
+
+
+def likely_cause(d: StepDiff, env_diffs: Sequence[str] = (), *, batch_seen_at: int | None = None,
+                 held: str = "", moved: Sequence[str] = (), start: int | None = None, hint: str = "") -> str:
     """The row of ``CAUSES`` for a divergence. ``batch_seen_at``: the step whose batch in
-    the expected run equals this step's batch, if any (a shifted data position)."""
+    the expected run equals this step's batch, if any (a shifted data position).
+    ``held``: how the RNG streams were held back at the resume and never restored (empty:
+    they were restored). ``moved``: streams that moved between the resume (at ``start``)
+    and this step in this process. ``hint``: how to find state the checkpoint does not
+    hold (which logged values or parameter digests first differ)."""
     if d.batch and batch_seen_at is not None:
         k = batch_seen_at - d.step
         ahead = f"{k} batch{'es' if abs(k) != 1 else ''} ahead" if k > 0 else f"{-k} batch{'es' if k != -1 else ''} behind"
@@ -131,13 +197,32 @@ def likely_cause(d: StepDiff, env_diffs: Sequence[str] = (), *, batch_seen_at: i
         return CAUSES["rng-batch"].format(streams=", ".join(d.rng))
     if d.batch:
         return CAUSES["batch"]
-    if d.rng:
-        return CAUSES["rng"].format(streams=", ".join(d.rng))
-    if d.loss is not None:
-        env = ("; environment differences: " + ", ".join(env_diffs)) if env_diffs else " (no environment difference recorded)"
-        return CAUSES["loss"].format(env=env)
-    if d.params:
-        return CAUSES["params"]
+    if held and (d.rng or d.rng_before or d.sample or d.loss is not None or d.params):
+        how, fix = held.split("|", 1) if "|" in held else (held, "")
+        return CAUSES["rng-held"].format(how=how, step=d.step, fix=fix or "restore the saved streams")
+    rng = d.rng_before or d.rng
+    if rng and start is not None and (d.rng_before or set(moved) & set(rng)):
+        streams = d.rng_before or tuple(s for s in d.rng if s in moved)
+        return CAUSES["rng-moved"].format(streams=", ".join(streams), them=_them(streams), start=start, step=d.step)
+    while_batch = " while the batch is equal" if d.batch_compared else ""
+    if rng:
+        return CAUSES["rng"].format(streams=", ".join(rng), while_batch=while_batch)
+    equal = "batch and RNG streams are equal" if d.batch_compared else "the RNG streams are equal (the batch is not recorded)"
+    while_equal = f" while {equal}"
+    if d.values:
+        names = ", ".join(n for n, _, _ in d.values)
+        return CAUSES["value"].format(names=f"the logged value{'s' if len(d.values) > 1 else ''} {names}",
+                                      while_equal=while_equal)
+    if d.loss is not None or d.sample or d.params:
+        what = "the loss and the parameters differ" if d.loss is not None and (d.sample or d.params) else (
+            "the loss differs" if d.loss is not None else "the parameters after the step differ")
+        if env_diffs:
+            return CAUSES["env"].format(what=what, while_equal=while_equal, env=", ".join(env_diffs))
+        find = hint or ("to find it, log the variables carried across steps with values= (after_step(step, "
+                        "values={'lr': lr}) or Ledger.step): the ledger names the first that differs")
+        if not d.batch_compared:
+            find = ("or the batch (pass batch= to compare it); " + find)
+        return CAUSES["state"].format(what=what, while_equal=while_equal, hint=find)
     return ""
 
 
@@ -158,6 +243,7 @@ class ResumeReport:
     unused: tuple[str, ...] = ()
     planned_last: int = 0
     label: str = "resume"
+    matched: int = 0  # steps compared equal (exact: all of them)
 
     @property
     def exact(self) -> bool:
@@ -168,7 +254,10 @@ class ResumeReport:
         if self.verdict == "skipped":
             return f"{self.label} not verified: {self.reason}"
         if self.verdict == "exact":
-            s = f"{self.label} verified exact over steps {self.first}..{self.last}"
+            n = self.matched or self.last - self.first + 1
+            s = (f"{self.label} verified exact over steps {self.first}..{self.last}: {n} re-run step"
+                 f"{'s' if n != 1 else ''} matched; state used only later, such as a best-so-far metric, is not "
+                 "covered")
             if self.planned_last > self.last:
                 s += f" (the ledger went on to step {self.planned_last}; the run stopped before)"
             if self.unused:
@@ -193,9 +282,27 @@ def compare_runs(expected: Mapping[int, LedgerStep], actual: Mapping[int, Ledger
     compared = expected_used | actual_used
     all_streams = {n for s in steps for n, _ in expected[s].rng} | {n for s in steps for n, _ in actual[s].rng}
     unused = tuple(sorted(all_streams - compared))
-    for s in steps:
+    for i, s in enumerate(steps):
         d = compare_step(expected[s], actual[s], compared)
         if d.differs:
-            cause = likely_cause(d, env_diffs, batch_seen_at=find_batch(expected, actual[s].batch, s))
-            return ResumeReport("diverged", steps[0], s, d, cause, unused=unused, label=label)
-    return ResumeReport("exact", steps[0], steps[-1], unused=unused, label=label)
+            cause = likely_cause(d, env_diffs, batch_seen_at=find_batch(expected, actual[s].batch, s),
+                                 hint=find_hint(expected, actual, s))
+            return ResumeReport("diverged", steps[0], s, d, cause, unused=unused, label=label, matched=i)
+    return ResumeReport("exact", steps[0], steps[-1], unused=unused, label=label, matched=len(steps))
+
+
+def find_hint(expected: Mapping[int, LedgerStep], actual: Mapping[int, LedgerStep], step: int) -> str:
+    """How to find state the checkpoint does not hold, from what the two ledgers hold:
+    the logged values, and the last parameter digest that agreed before ``step``."""
+    names = sorted({n for s in (expected.get(step), actual.get(step)) if s is not None for n, _ in s.values
+                    if not n.startswith("ckpt.")})
+    agreed = [k for k in sorted(set(expected) & set(actual)) if k <= step and expected[k].params is not None
+              and actual[k].params is not None and expected[k].params == actual[k].params]
+    parts = []
+    if names:
+        parts.append(f"the logged values ({', '.join(names)}) are equal at this step, so the state is none of them")
+    if agreed:
+        parts.append(f"the parameter digests last agreed at step {agreed[-1]}")
+    parts.append("log each variable carried across steps with values= (after_step(step, values={'lr': lr}) or "
+                 "Ledger.step): the ledger names the first that differs")
+    return "; ".join(parts)

@@ -20,18 +20,20 @@ of step K has been started), ``CKPT_LEDGER_VERIFY`` overrides the verification p
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import warnings
 from typing import Any, Callable, Iterable, Literal, Mapping
 
 from ..errors import ResumeDivergedError
-from .compare import ResumeReport, compare_step, find_batch, likely_cause, used_streams
+from .compare import RNG_BEFORE, ResumeReport, compare_step, find_batch, find_hint, likely_cause, used_streams
 from .digest import batch_digest, params_digest, rng_digests
-from .record import GuardEntry, LedgerOpen, LedgerStep, ResumeCheck
+from .record import GuardEntry, LedgerOpen, LedgerStep, ResumeCheck, Value
 from .tapefile import LedgerTapeWriter, read_ledger_dir
 
-__all__ = ["Ledger", "ResumeVerificationWarning", "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY"]
+__all__ = ["Ledger", "ResumeVerificationWarning", "ResumeVerified", "ResumeNotice", "announce", "plain_values",
+           "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY"]
 
 ENV_DIR = "CKPT_LEDGER_DIR"
 ENV_KILL_AT = "CKPT_LEDGER_KILL_AT"
@@ -42,6 +44,71 @@ Policy = Literal["strict", "warn", "off"]
 
 class ResumeVerificationWarning(RuntimeWarning):
     """A resume was not exact, or could not be verified (the message is the whole report)."""
+
+
+#: OWN_LEDGER[0]: a Ledger of the script's own (or a manager's) exists in this process;
+#: ON_OWN_LEDGER: called when one is created (ckpt.ledger.auto stands down then)
+OWN_LEDGER: list[bool] = [False]
+ON_OWN_LEDGER: list[Callable[[], None]] = []
+
+
+class ResumeNotice(UserWarning):
+    """The verdict line of a resume that needs no action; filter it with
+    ``warnings.filterwarnings("ignore", category=ckpt.ledger.ResumeNotice)``."""
+
+
+class ResumeVerified(ResumeNotice):
+    """A resume was verified exact over the re-run steps it names."""
+
+
+log = logging.getLogger("ckpt.ledger")
+
+
+def announce(report: ResumeReport, *, ok: bool) -> None:
+    """One line on stderr for a verdict, filterable by its warning category
+    (``ResumeVerified`` for exact, ``ResumeVerificationWarning`` otherwise), and the same
+    text to the ``ckpt.ledger`` logger at INFO (for a configured log; INFO is not
+    printed by default, so the console shows the line once). The warning carries no
+    source line: the verdict is about the run, not about a line of ckpt."""
+    text = report.text
+    log.info("%s", text)
+    category: type[Warning] = ResumeVerified if ok else ResumeVerificationWarning
+    warnings.warn_explicit(text, category, filename="ckpt.ledger", lineno=0, module="ckpt.ledger")
+
+
+def _refuse_outside_check_run(directory: str) -> None:
+    """Under ``ckpt check-resume -- COMMAND``, a ledger outside the attempt's run directory
+    is refused: every attempt would write (and later compare) one shared place."""
+    from ..errors import CkptError
+    from ..knobs import knobs
+
+    run = knobs().check_run_dir
+    if not run:
+        return
+    a, b = os.path.realpath(directory), os.path.realpath(run)
+    if os.path.commonpath([a, b]) != b:
+        raise CkptError(f"ckpt check-resume: this run's step ledger {directory} (and so its checkpoints) is outside "
+                        f"the attempt's run directory {run}: give the command its output directory as {{run}} "
+                        f"(--out {{run}}) or write under $CKPT_CHECK_RUN", path=directory)
+
+
+def plain_values(values: Mapping[str, Any] | None) -> tuple[tuple[str, Value], ...]:
+    """``values`` as the ledger tapes them: sorted (name, value); a tensor of one element
+    becomes its number; anything else that is not nil/bool/int/float/str/bytes is refused."""
+    if not values:
+        return ()
+    out = []
+    for k, v in values.items():
+        if not isinstance(k, str):
+            raise TypeError(f"ledger value names must be str, got {k!r}")
+        if hasattr(v, "numel") and hasattr(v, "item") and v.numel() == 1:
+            v = v.detach().item() if hasattr(v, "detach") else v.item()
+        elif hasattr(v, "item") and hasattr(v, "dtype") and getattr(v, "shape", None) == ():
+            v = v.item()  # a numpy scalar
+        if not isinstance(v, (bool, int, float, str, bytes, type(None))):
+            raise TypeError(f"ledger value {k!r} must be a plain number, string or bytes, got {type(v).__name__}")
+        out.append((k, v))
+    return tuple(sorted(out))
 
 
 def _named_tensors(params: Any) -> Callable[[], Iterable[tuple[str, Any]]]:
@@ -74,13 +141,18 @@ class Ledger:
 
     def __init__(self, directory: str | os.PathLike[str], *, params: Any = None, params_every: int = 10,
                  generators: Mapping[str, Any] | None = None, verify: Policy = "warn",
-                 run_id: str | None = None, meta: Mapping[str, Any] | None = None) -> None:
+                 run_id: str | None = None, meta: Mapping[str, Any] | None = None, _auto: bool = False) -> None:
+        if not _auto:  # the script keeps its own ledger (or a manager does): the default one stands down
+            OWN_LEDGER[0] = True
+            for f in list(ON_OWN_LEDGER):
+                f()
         verify = os.environ.get(ENV_VERIFY, verify)  # type: ignore[assignment]
         if verify not in ("strict", "warn", "off"):
             raise ValueError(f"verify must be 'strict', 'warn' or 'off', not {verify!r}")
         if params_every < 0:
             raise ValueError(f"params_every must be >= 0, got {params_every}")
         self.directory = os.path.abspath(os.fspath(directory))
+        _refuse_outside_check_run(self.directory)
         self.params_every = params_every if params is not None else 0
         self._params = _named_tensors(params) if params is not None else None
         self.generators = dict(generators or {})
@@ -102,6 +174,11 @@ class Ledger:
         self._last = 0
         self._done = True
         self._checked = 0
+        self._matched = 0
+        self._seen: dict[int, LedgerStep] = {}
+        self._start: int | None = None  # the step resumed from (None: a fresh start)
+        self._held = ""
+        self._first_after = False
         self.report: ResumeReport | None = None
         self.problems: list[str] = []
 
@@ -128,15 +205,25 @@ class Ledger:
         """Start this process's tape now (at ``step``) if no step has started it yet."""
         self._open(step, "")
 
-    def resumed(self, step: int, *, source: str = "", run_id: str | None = None) -> None:
+    def resumed(self, step: int, *, source: str = "", run_id: str | None = None,
+                baseline: tuple[tuple[str, bytes], ...] | None = None, rng_held: str = "") -> None:
         """Call right after a checkpoint of ``step`` was loaded and its RNG restored: the
-        ledger's earlier tapes for this run become the expectation for steps after it."""
+        ledger's earlier tapes for this run become the expectation for steps after it.
+        ``baseline``: the streams' digests right after the load (default: now).
+        ``rng_held``: the load held the RNG streams back (how, and after ``|`` how to
+        restore them); :meth:`rng_restored` says they were restored; a step before that
+        names it as the cause of any difference."""
         from ..context.env import capture_env, env_differences
 
-        self._baseline = tuple(rng_digests(self.generators))
+        self._baseline = tuple(baseline) if baseline is not None else tuple(rng_digests(self.generators))
         self._last_rng = dict(self._baseline)
         self._used = set()
         self._done = True
+        self._start = step
+        self._held = rng_held
+        self._first_after = True
+        self._matched = 0
+        self._seen = {}
         tapes, problems = read_ledger_dir(self.directory)
         self.problems = problems
         if run_id is None and tapes:
@@ -169,7 +256,8 @@ class Ledger:
                 self._first, self._last = min(expected), max(expected)
                 self._done = False
             else:
-                why = f"the ledger in {self.directory} has no step after step {step}"
+                why = (f"no steps to compare: the ledger in {self.directory} has no step after step {step} (the "
+                       "run stopped right after that checkpoint)")
                 if problems:
                     why += "; unreadable tapes: " + "; ".join(problems)
                 if others and not mine:
@@ -177,13 +265,23 @@ class Ledger:
                            f"this run {self.run_id})")
                 elif not tapes and not problems:
                     why = f"no ledger in {self.directory}"
-                self._finish(ResumeReport("skipped", reason=why), warn=bool(problems or others or not tapes))
+                self._finish(ResumeReport("skipped", reason=why), warn=True)
+
+    def rng_restored(self) -> None:
+        """The RNG streams held back at the resume were restored just now: they are the
+        baseline the steps after it are measured from."""
+        self._held = ""
+        self._baseline = tuple(rng_digests(self.generators))
+        self._last_rng = dict(self._baseline)
 
     # -- the loop's call -----------------------------------------------------------------
-    def step(self, step: int, *, batch: Any = _MISSING, loss: Any = None, kill: bool = True) -> None:
-        """Record step ``step`` (after the optimizer step). With ``kill`` (the default),
-        honour ``CKPT_LEDGER_KILL_AT``; a manager passes False and calls :meth:`maybe_kill`
-        after its save."""
+    def step(self, step: int, *, batch: Any = _MISSING, loss: Any = None, values: Mapping[str, Any] | None = None,
+             kill: bool = True) -> None:
+        """Record step ``step`` (after the optimizer step). ``values``: plain values the
+        step used that the checkpoint may not hold (``{"lr": lr, "best_val": best}``):
+        compared exactly on a resume, and named when they differ. With ``kill`` (the
+        default), honour ``CKPT_LEDGER_KILL_AT``; a manager passes False and calls
+        :meth:`maybe_kill` after its save."""
         if self._writer is None:
             self._open(step - 1, "")
         rng = tuple(rng_digests(self.generators))
@@ -200,11 +298,18 @@ class Ledger:
             batch_digest(batch) if batch is not _MISSING and batch is not None else None,
             float(loss.detach().double().item()) if hasattr(loss, "detach") else (None if loss is None else float(loss)),
             params,
+            plain_values(values),
         )
         assert self._writer is not None
         self._writer.append(rec)
+        first_after, self._first_after = self._first_after, False
+        if first_after and self._held and self.verify != "off":
+            how, _, fix = self._held.partition("|")
+            warnings.warn_explicit(f"resume at step {self._start}: the RNG streams were held back ({how}) and never "
+                                   f"restored before step {rec.step}" + (f": {fix}" if fix else ""),
+                                   ResumeVerificationWarning, filename="ckpt.ledger", lineno=0, module="ckpt.ledger")
         if not self._done:
-            self._check(rec)
+            self._check(rec, first_after)
             self._checked = max(self._checked, rec.step)
         if kill:
             self.maybe_kill(step)
@@ -237,22 +342,30 @@ class Ledger:
                 self._writer.sync()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _check(self, rec: LedgerStep) -> None:
+    def _check(self, rec: LedgerStep, first_after: bool) -> None:
         exp = self._expected.get(rec.step)
         if exp is None:
             return
         d = compare_step(exp, rec, self._expected_used | self._used)
         if d.differs:
             seen = find_batch(self._expected_all, rec.batch, rec.step) if d.batch else None
-            self._finish(ResumeReport("diverged", self._first, rec.step, d,
-                                      likely_cause(d, self._env_diffs, batch_seen_at=seen)))
-        elif rec.step >= self._last:
-            self._finish(self._exact(rec.step))
+            base = dict(self._baseline)
+            moved = tuple(n[len(RNG_BEFORE):] for n, v in rec.values if n.startswith(RNG_BEFORE)
+                          and base.get(n[len(RNG_BEFORE):], v) != v) if first_after else ()
+            cause = likely_cause(d, self._env_diffs, batch_seen_at=seen, held=self._held if first_after else "",
+                                 moved=moved, start=self._start if first_after else None,
+                                 hint=find_hint(self._expected_all, {rec.step: rec, **self._seen}, rec.step))
+            self._finish(ResumeReport("diverged", self._first, rec.step, d, cause, matched=self._matched))
+        else:
+            self._matched += 1
+            self._seen[rec.step] = rec
+            if rec.step >= self._last:
+                self._finish(self._exact(rec.step))
 
     def _exact(self, last: int) -> ResumeReport:
         names = {n for n, _ in self._baseline}
         unused = tuple(sorted(names - self._expected_used - self._used))
-        return ResumeReport("exact", self._first, last, unused=unused, planned_last=self._last)
+        return ResumeReport("exact", self._first, last, unused=unused, planned_last=self._last, matched=self._matched)
 
     def _finish(self, report: ResumeReport, *, warn: bool | None = None) -> None:
         self._done = True
@@ -263,8 +376,8 @@ class Ledger:
             self._writer.sync()
         if report.verdict == "diverged" and self.verify == "strict":
             raise ResumeDivergedError(report.text, path=self.directory)
-        if (report.verdict == "diverged" or warn) and self.verify != "off":
-            warnings.warn(report.text, ResumeVerificationWarning, stacklevel=4)
+        if self.verify != "off" and (report.verdict != "skipped" or warn):
+            announce(report, ok=report.verdict == "exact")
 
     def close(self) -> ResumeReport | None:
         """Finish: a resume whose re-executed range was cut short reports what it saw."""

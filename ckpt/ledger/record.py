@@ -2,7 +2,8 @@
 
 The ledger is written in the one tape format (spec/tape-format.md): one actor,
 ``ledger``, declared by an ``actor`` event, then ``ledger_open`` (22), one
-``ledger_step`` (23) per optimizer step and ``resume_check`` (24) events. The payload
+``ledger_step`` (23) per optimizer step, each followed by a ``ledger_values`` (72) event
+when the step recorded plain values, and ``resume_check`` (24) events. The payload
 schemas are rows of the event table in ``replay/events.py`` (and §6.2 of the spec);
 ``tests/ckpt/test_ledger.py`` checks that ``replay``'s generic decoder reads what this
 module writes, field for field.
@@ -14,11 +15,15 @@ import struct
 from dataclasses import dataclass
 from typing import Union
 
+#: a plain value on the ledger: compared exactly (floats by their bits)
+Value = Union[bool, int, float, str, bytes, None]
+
+from ..errors import TapeFormatError
 from ..guard import events as guard_events
 from ..tape.payload import PayloadReader, PayloadWriter
 
 __all__ = [
-    "KIND_ACTOR", "KIND_OPEN", "KIND_STEP", "KIND_CHECK", "HAS_BATCH", "HAS_LOSS", "HAS_PARAMS",
+    "KIND_ACTOR", "KIND_OPEN", "KIND_STEP", "KIND_CHECK", "KIND_VALUES", "LedgerValues", "Value", "HAS_BATCH", "HAS_LOSS", "HAS_PARAMS",
     "LedgerOpen", "LedgerStep", "ResumeCheck", "GuardEntry", "encode_event", "decode_event", "event_head", "read_head",
 ]
 
@@ -26,6 +31,7 @@ KIND_ACTOR = 1
 KIND_OPEN = 22
 KIND_STEP = 23
 KIND_CHECK = 24
+KIND_VALUES = 72
 HAS_BATCH, HAS_LOSS, HAS_PARAMS = 1, 2, 4
 ACTOR_NAME = "ledger"
 _ZERO = bytes(16)
@@ -47,13 +53,26 @@ class LedgerOpen:
 
 @dataclass(frozen=True, slots=True)
 class LedgerStep:
-    """One optimizer step. ``batch``/``loss``/``params`` are None when not recorded."""
+    """One optimizer step. ``batch``/``loss``/``params`` are None when not recorded.
+    ``values``: plain values the step recorded, sorted by name (the script's
+    ``values={"lr": lr}``; names starting ``ckpt.`` are the ledger's own, spec §6.3),
+    taped as a ``ledger_values`` event right after the ``ledger_step``."""
 
     step: int
     rng: tuple[tuple[str, bytes], ...]
     batch: bytes | None = None
     loss: float | None = None
     params: bytes | None = None
+    values: tuple[tuple[str, Value], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerValues:
+    """The plain values of step ``step`` (the ``ledger_values`` event); a reader folds
+    them into that step's ``LedgerStep``."""
+
+    step: int
+    values: tuple[tuple[str, Value], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +91,7 @@ class GuardEntry:
     record: guard_events.GuardRecord
 
 
-LedgerRecord = Union[LedgerOpen, LedgerStep, ResumeCheck, GuardEntry, str]
+LedgerRecord = Union[LedgerOpen, LedgerStep, LedgerValues, ResumeCheck, GuardEntry, str]
 
 
 def encode_event(rec: LedgerRecord, counter: int, *, step: int = 0) -> tuple[int, bytes]:
@@ -85,7 +104,7 @@ def encode_event(rec: LedgerRecord, counter: int, *, step: int = 0) -> tuple[int
     if isinstance(rec, str):
         w.out += _HEAD.pack(0, 0, 0)
         return KIND_ACTOR, bytes(w.str(rec, cut=True))
-    at = rec.step if isinstance(rec, LedgerStep) else (rec.start_step if isinstance(rec, LedgerOpen) else step)
+    at = rec.step if isinstance(rec, (LedgerStep, LedgerValues)) else (rec.start_step if isinstance(rec, LedgerOpen) else step)
     w.out += event_head(at, counter)
     if isinstance(rec, LedgerOpen):
         w.str(rec.run_id, cut=True).i64(rec.start_step).str(rec.source, cut=True).digests(rec.rng)
@@ -97,6 +116,9 @@ def encode_event(rec: LedgerRecord, counter: int, *, step: int = 0) -> tuple[int
         w.f64(rec.loss if rec.loss is not None else 0.0).digests(rec.rng)
         w.d128(rec.params if rec.params is not None else _ZERO)
         return KIND_STEP, bytes(w)
+    if isinstance(rec, LedgerValues):
+        w.msgpack(dict(rec.values))
+        return KIND_VALUES, bytes(w)
     w.str(rec.verdict, cut=True).i64(rec.first).i64(rec.last).str(rec.report, cut=True)
     return KIND_CHECK, bytes(w)
 
@@ -120,7 +142,7 @@ def decode_event(kind: int, body: bytes | memoryview, *, where: str = "") -> Led
     if kind in guard_events.KINDS:
         step, c = read_head(body, where)
         return GuardEntry(step, guard_events.decode_payload(kind, b"", reader=c))
-    if kind not in (KIND_ACTOR, KIND_OPEN, KIND_STEP, KIND_CHECK):
+    if kind not in (KIND_ACTOR, KIND_OPEN, KIND_STEP, KIND_CHECK, KIND_VALUES):
         return None
     step, c = read_head(body, where)
     if kind == KIND_ACTOR:
@@ -137,6 +159,14 @@ def decode_event(kind: int, body: bytes | memoryview, *, where: str = "") -> Led
         params = c.d128()
         rec = LedgerStep(step, rng, batch if has & HAS_BATCH else None, loss if has & HAS_LOSS else None,
                          params if has & HAS_PARAMS else None)
+    elif kind == KIND_VALUES:
+        raw = c.msgpack()
+        if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+            raise TapeFormatError(f"ledger_values is not a map of names to values{where}")
+        bad = [k for k, v in raw.items() if not isinstance(v, (bool, int, float, str, bytes, type(None)))]
+        if bad:
+            raise TapeFormatError(f"ledger_values {bad[0]!r} is not a plain value{where}")
+        rec = LedgerValues(step, tuple(sorted(raw.items())))
     else:
         verdict = c.str()
         first = c.i64()

@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import CkptError, TapeDataError, TapeTruncatedError
 from ..tape import format as fmt
 from ..guard.events import RollbackEvent
-from .record import ACTOR_NAME, GuardEntry, LedgerOpen, LedgerRecord, LedgerStep, ResumeCheck, decode_event, encode_event
+from .record import (ACTOR_NAME, GuardEntry, LedgerOpen, LedgerRecord, LedgerStep, LedgerValues, ResumeCheck,
+                     decode_event, encode_event)
 
 __all__ = ["LedgerTapeWriter", "LedgerTape", "read_ledger_tape", "read_ledger_dir", "ledger_tapes"]
 
@@ -62,8 +63,14 @@ class LedgerTapeWriter:
         self.append(ACTOR_NAME)
 
     def append(self, rec: LedgerRecord, *, step: int = 0) -> None:
+        """Tape one record; a step with plain values is followed by its ``ledger_values``."""
         if self._fd < 0:
             raise CkptError("the ledger tape is closed", path=self.path)
+        self._append(rec, step)
+        if isinstance(rec, LedgerStep) and rec.values:
+            self._append(LedgerValues(rec.step, rec.values), rec.step)
+
+    def _append(self, rec: LedgerRecord, step: int) -> None:
         if not isinstance(rec, str):
             self._counter += 1
         kind, body = encode_event(rec, self._counter, step=step)
@@ -124,6 +131,11 @@ def read_ledger_tape(path: str) -> LedgerTape:
                 tape.opens.append(rec)
             elif isinstance(rec, LedgerStep):
                 tape.steps.append(rec)
+            elif isinstance(rec, LedgerValues):
+                if not tape.steps or tape.steps[-1].step != rec.step:
+                    raise TapeDataError(f"ledger_values of step {rec.step} does not follow that step's ledger_step",
+                                        path=path, offset=fr.offset)
+                tape.steps[-1] = replace(tape.steps[-1], values=rec.values)
             elif isinstance(rec, ResumeCheck):
                 tape.checks.append(rec)
             elif isinstance(rec, GuardEntry):

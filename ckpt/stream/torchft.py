@@ -54,7 +54,7 @@ class ReceivedState:
         import ckpt
 
         t = self.transport
-        kw: dict[str, Any] = {"data": t.data, "generators": t.generators, "exactness": "off"}
+        kw: dict[str, Any] = {"data": t.data, "generators": t.generators, "exactness": "off", "ledger": False}
         kw.update(load_kwargs)
         try:
             return ckpt.load(self.path, dict(state), **kw)
@@ -117,7 +117,8 @@ class TorchftTransport(CheckpointTransport[dict]):
         try:
             path = os.path.join(spool, f"step-{step:08d}")
             ckpt.save(path, dict(state), config=self.config, data=self.data, step=step, generators=self.generators,
-                      extra={"torchft": dict(state_dict["torchft"]), "key": key}, this_rank_only=True)
+                      extra={"torchft": dict(state_dict["torchft"]), "key": key}, this_rank_only=True,
+                      ledger=False)
             for dst in dst_ranks:
                 info = self._send_stream(path, dst, step, timeout)
                 if self.on_sent is not None:

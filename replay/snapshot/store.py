@@ -290,7 +290,8 @@ class CkptSnapshotStore:
     def load_into(self, name: str, part: str, state: Mapping[str, Any], *, restore_rng: bool) -> None:
         import ckpt
 
-        ckpt.load(self.path(name), dict(state), part=part, restore_rng=restore_rng, exactness=self.exactness)
+        ckpt.load(self.path(name), dict(state), part=part, restore_rng=restore_rng, exactness=self.exactness,
+                  ledger=False)
 
     def pending_leftovers(self) -> list[str]:
         from ckpt import TMP_PREFIX

@@ -33,7 +33,7 @@ def main(rec: Any) -> None:
     if rec.resume_from:  # `ckpt replay TAPE --from CHECKPOINT`
         import ckpt
 
-        start = int(ckpt.load(rec.resume_from, {"model": model, "optim": opt}).step) + 1
+        start = int(ckpt.load(rec.resume_from, {"model": model, "optim": opt}, ledger=False).step) + 1  # the tape checks it
     rec.watch(model)  # parameter digests every K steps (K=10 by default)
     for step in range(start, int(cfg.get("steps", 20))):
         with rec.step(step):  # step begin/end, RNG digests
@@ -49,5 +49,6 @@ def main(rec: Any) -> None:
                 if not rec.replaying:  # a replay re-executes; it does not rewrite checkpoints
                     import ckpt
 
-                    ckpt.save(path, {"model": model, "optim": opt}, step=step, config=dict(cfg), overwrite=True)
+                    ckpt.save(path, {"model": model, "optim": opt}, step=step, config=dict(cfg), overwrite=True,
+                              ledger=False)  # the tape is this run's record
                 rec.checkpoint(f"step-{step:08d}", path)

@@ -263,7 +263,7 @@ class Worker:
         # One stage's state, written by this process alone (this_rank_only: under the job's
         # process group every worker writes its own recoveries).
         ckpt.save(self.run_dir / rel, self.recovery_state(), step=t, config={"stages": self.cfg.to_dict()},
-                  this_rank_only=True)
+                  this_rank_only=True, ledger=False)
         named = self.recovery_named()
         digest = state_digest(named)
         msg = self.ep.send(target, {"kind": "recover", "step": t, "path": rel, "digest": digest})
@@ -275,7 +275,7 @@ class Worker:
 
     def recover(self, src: str, t: int) -> None:
         msg = self.recv(src, "recover", t)
-        ckpt.load(self.run_dir / str(msg.meta["path"]), self.recovery_state(), restore_rng=False)
+        ckpt.load(self.run_dir / str(msg.meta["path"]), self.recovery_state(), restore_rng=False, ledger=False)
         self.ef["e"].zero_()  # the source's residual is its own (spec/stages.md §7)
         digest = state_digest(self.recovery_named())
         if digest != bytes(msg.meta["digest"]):

@@ -224,8 +224,9 @@ def _st(step, batch, rng=0, loss=1.0, params=None):
     ({5: _st(5, 99), 6: _st(6, 98)}, "the batch differs: the data position was not captured"),
     ({5: _st(5, 99, rng=3)}, "the batch and RNG stream(s) torch_cpu differ, and the batch is none the first run consumed"),
     ({5: _st(5, 5, rng=3)}, "RNG stream(s) torch_cpu differ while the batch is equal"),
-    ({5: _st(5, 5, loss=2.0)}, "batch and RNG streams are equal but the loss differs"),
-    ({5: _st(5, 5, loss=-0.0), 6: _st(6, 6)}, "batch and RNG streams are equal but the loss differs"),  # bits, not ==
+    ({5: _st(5, 5, loss=2.0)}, "the loss differs while batch and RNG streams are equal, in the same environment: "
+                               "state that the checkpoint does not hold"),
+    ({5: _st(5, 5, loss=-0.0), 6: _st(6, 6)}, "the loss differs while batch"),  # bits, not ==
 ])
 def test_cause_table(actual, cause):
     from ckpt.ledger import compare_runs

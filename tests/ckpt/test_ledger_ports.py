@@ -39,7 +39,7 @@ def _check_resume(tmp_path, *flags):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
     return subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "9", "--work-dir",
-                           str(tmp_path), "--", sys.executable, SCRIPT, "--out", "run", *STEPS, *flags],
+                           str(tmp_path), "--", sys.executable, SCRIPT, "--out", "{run}/run", *STEPS, *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -85,7 +85,9 @@ def test_correct_port_verifies_and_is_bit_identical(tmp_path):
     assert "checkpoint run/ckpt: identical" in res.stdout
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     (check,) = _checks(resumed)
-    assert check.report == "resume verified exact over steps 7..9; unused, not compared: rng numpy, python"
+    assert check.report == (
+        "resume verified exact over steps 7..9: 3 re-run steps matched; state used only later, such as a best-so-far "
+        "metric, is not covered; unused, not compared: rng numpy, python")
     a, b = _tensors(str(straight / "run" / "ckpt")), _tensors(str(resumed / "run" / "ckpt"))
     assert a.keys() == b.keys() and a
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -99,16 +101,16 @@ def test_correct_port_verifies_and_is_bit_identical(tmp_path):
 
 
 NO_CHECKPOINT = """
-import torch, ckpt
-led = ckpt.ledger.Ledger("out/ledger")
+import os, sys, torch, ckpt
+led = ckpt.ledger.Ledger(os.path.join(sys.argv[1], "ledger"))
 for step in range(1, 13):
     led.step(step, batch=torch.randn(2), loss=0.5)
 led.close()
 """
 
 NO_LEDGER = """
-import torch, ckpt
-ckpt.save("out/ckpt", {"w": torch.zeros(2)}, step=1)
+import os, sys, torch, ckpt
+ckpt.save(os.path.join(sys.argv[1], "ckpt"), {"w": torch.zeros(2)}, step=1)  # no optimizer step: no tape
 """
 
 
@@ -119,6 +121,7 @@ def test_check_resume_command_makes_no_claim(tmp_path, body, said):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
     res = subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--work-dir", str(tmp_path / "w"), "--",
-                          sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          sys.executable, str(script), "{run}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 2, res.stdout + res.stderr
     assert said in res.stdout and res.stdout.rstrip().endswith("NO CLAIM")

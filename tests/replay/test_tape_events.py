@@ -43,6 +43,7 @@ SAMPLES = {
     "ledger_open": ("0123456789abcdef", 40, "step-00000040", [("python", D), ("torch_cpu", D[::-1])]),
     "ledger_step": (3, D, -0.0, [("torch_cpu", D)], bytes(16)),
     "resume_check": ("exact", 41, 47, "resume verified exact over steps 41..47"),
+    "ledger_values": ({"lr": 0.5, "ckpt.params_sample": D, "phase": "warmup"},),
     "step_commit": ("q-7", 1, 3, D, D[::-1]),
     "recovery_sent": ("g2.0", D, D[::-1], 4096),
     "recovery_loaded": ("g1.0", D, D[::-1]),

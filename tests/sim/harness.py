@@ -663,12 +663,13 @@ def check(trial: Trial, root: str, got: dict[str, Any]) -> list[str]:
 
 
 def run_many(trials: int, seed0: int = 0, paths: list[str] | None = None,
-             progress: Callable[[Outcome], None] | None = None, fault: str | None = None) -> list[Outcome]:
-    paths = paths or list(WRITE_PATHS)
+             progress: Callable[[Outcome], None] | None = None, fault: str | None = None,
+             s3: dict[str, Any] | None = None) -> list[Outcome]:
+    paths = paths or list(S3_PATHS if s3 else WRITE_PATHS)
     out = []
     for i in range(trials):
         path = paths[i % len(paths)]
-        o = run_trial(path, seed0 + i, fault=fault)
+        o = run_trial(path, seed0 + i, fault=fault, s3=s3 if path in S3_PATHS else None)
         out.append(o)
         if progress is not None:
             progress(o)
@@ -692,13 +693,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=len(WRITE_PATHS) * 4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--path", choices=sorted(WRITE_PATHS), action="append")
+    ap.add_argument("--path", choices=sorted({**WRITE_PATHS, **S3_PATHS}), action="append")
     ap.add_argument("--fault", choices=FAULTS)
+    ap.add_argument("--s3", action="store_true",
+                    help="the object-store write paths, against an S3-compatible server started here (moto)")
     a = ap.parse_args(argv)
     def show(o: Outcome) -> None:
         print(o.report() if o.violations else o.report().splitlines()[0], flush=True)
 
-    outcomes = run_many(a.trials, a.seed, a.path, progress=show, fault=a.fault)
+    server = None
+    s3 = None
+    if a.s3 or any(p in S3_PATHS for p in a.path or ()):
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from s3server import start
+
+        server = start()
+        server.create_bucket("ckpt-sim")
+        s3 = {"env": server.env(), "url": "s3://ckpt-sim"}
+    try:
+        outcomes = run_many(a.trials, a.seed, a.path, progress=show, fault=a.fault, s3=s3)
+    finally:
+        if server is not None:
+            server.stop()
     print(summary(outcomes))
     return 1 if any(o.violations for o in outcomes) else 0
 

@@ -1,6 +1,13 @@
 """Time to localise a divergence with ``ckpt bisect run``, against the time of one run.
 
+<<<<<<<< HEAD:bench/bisect_time.py
     python bench/bisect_time.py [--steps 60] [--rounds 3]
+========
+    python bench/bisect_localise.py [--steps 60] [--rounds 3]
+
+(Not ``bench/bisect.py``: a script's folder comes first on the import path, and that name
+would shadow the standard library's ``bisect``, which ``random`` imports.)
+>>>>>>>> main:bench/bisect_localise.py
 
 Two runs of the GPT-style test script (tests/bisect/plant_script.py), the second with a
 layer changed from step STEPS*3/4 on; then ``ckpt ledger diff`` (the step) and ``ckpt
@@ -10,17 +17,11 @@ script, measured side by side in one process, medians over the rounds, with the 
 
 from __future__ import annotations
 
-import sys
-
-# This file's name is the standard library's `bisect` (which `random` imports): take this
-# folder off the import path before anything imports it.
-if sys.path and sys.path[0] and __file__.startswith(sys.path[0]):
-    sys.path.pop(0)
-
 import argparse
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
