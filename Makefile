@@ -43,12 +43,15 @@ bench: venv
 	for b in save_load async_save resume tape ledger snapshot replicas cli_hf object_store compress dedup scale stages optim_startup; do $(BIN)/python bench/$$b.py || exit 1; done
 
 # the long fuzz run: mutated, re-signed checkpoints and tapes, then the fault simulator over
-# every write path (bench/sim.py); each prints the counts the README quotes
+# every write path (bench/sim.py), then random-kill trials of every trainer integration
+# (bench/trainer_trials.py); each prints the counts the README quotes
 FUZZ_CASES ?= 5000
 SIM_TRIALS ?= 700
+TRAINER_TRIALS ?= 10
 fuzz: venv
 	$(BIN)/python bench/fuzz.py --cases $(FUZZ_CASES)
 	$(BIN)/python bench/sim.py --trials $(SIM_TRIALS)
+	$(BIN)/python bench/trainer_trials.py --trials $(TRAINER_TRIALS)
 
 clean:
 	rm -rf $(VENV) demo-out

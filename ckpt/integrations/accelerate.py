@@ -8,10 +8,11 @@ Usage::
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     acc.register_for_checkpointing(counters)
     ...
+    acc.ledger_step(step, batch=micro_batches, loss=loss)      # after each optimizer step (the ledger)
     acc.save_state("runs/a/step-00000100", step=100)          # at an optimizer-step boundary
     ...
     res = acc.load_state("runs/a/step-00000100", defer_rng=True)
-    it = acc.resumed_iter(loader, res)   # the iterator's setup draws a seed; then the RNG is restored
+    it = acc.resumed_iter(loader, res)   # the RNG is restored where the saved run stood
 
 Or call the functions ``save_state(accelerator, path)`` / ``load_state(accelerator, path)``
 on a plain ``Accelerator``. Accelerate's own ``save_state`` writes optimizer, scheduler,
@@ -27,6 +28,17 @@ checkpoint holding:
 * ``accelerator.step`` (the gradient-accumulation counter), RNG (Python, numpy, torch
   CPU, CUDA), config hash, environment, as every ckpt checkpoint.
 
+Exact (random-kill trials in fresh processes, ``tests/integrations/test_trainer_trials.py``)
+with a prepared ``StatefulDataLoader`` (mid-epoch and after an epoch's last batch; random
+augmentation in workers with the dataset wrapped in ``ckpt.integrations.stateful_data.WorkerRNG``)
+or a registered ``ckpt.data.ResumableLoader``,
+with ``accumulate``, clipping, bf16 autocast. Resume through ``resumed_iter``. Not exact:
+random augmentation in the main process (``num_workers=0``) with a prepared
+``StatefulDataLoader`` resumed mid-epoch: Accelerate's ``DataLoaderShard`` fetches one
+batch ahead, so the saved run drew the next batch's augmentation before the step's own
+draws, and the checkpoint holds the position before that batch (the ledger reports it). The run
+directory keeps the step ledger (``CkptAccelerator``: ``ledger_step`` per optimizer step).
+
 A checkpoint that does not fit the prepared objects (a model of another shape, a missing
 entry) is refused by ``load_state`` with ``ResumeMismatchError`` (key, both shapes,
 checkpoint) before anything is written; ``save_state`` never replaces a checkpoint unless
@@ -40,7 +52,7 @@ plugins, XLA/NPU/MPS RNG.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from accelerate import Accelerator
 
@@ -136,35 +148,105 @@ def restore_rng(result: Any) -> list[str]:
     return _restore(result.context["rng"], None, path=result.path)
 
 
+def _restored_stateful(loader: Any) -> Any:
+    """The ``StatefulDataLoader`` under ``loader`` (prepared or not) holding a restored state
+    its next iterator will start from, else None."""
+    base = getattr(loader, "base_dataloader", loader)
+    if isinstance(getattr(base, "next_iter_state", None), dict) and callable(getattr(base, "state_dict", None)):
+        return base
+    return None
+
+
 def resumed_iter(loader: Any, result: Any) -> Iterator[Any]:
     """Iterate ``loader`` from its restored position with the RNG of ``load_state(...,
-    defer_rng=True)`` restored at the right moment.
+    defer_rng=True)`` restored at the point the saved run stood.
 
-    A prepared dataloader sets itself up (and draws its base seed from the global RNG)
-    only when its first batch is requested, so restoring the RNG before that would be
-    undone by one draw. This fetches the first batch, then restores the streams. Exact
-    when fetching a batch draws nothing from the global RNG (``num_workers=0`` and no
-    random augmentation in the main process; workers get their seeds from the new base
-    seed, so random augmentation inside workers is not exact: use
-    ``ckpt.data.ResumableLoader``).
+    A ``StatefulDataLoader`` (prepared or not) builds the iterator of a restored state with
+    one base-seed draw from the global RNG, which the restored base seed then replaces;
+    the saved run made no such draw. Mid-epoch the next batches are then read (in the main
+    process with ``num_workers=0``, drawing from the global RNG). Saved right after the
+    last batch of an epoch, the restored iterator is finished and ``iter()`` builds a
+    fresh one for the next epoch at once, drawing its base seed as the saved run's next
+    ``iter()`` did. So this builds the restored iterator first (``state_dict()`` builds
+    it), then restores the streams, then iterates: every later draw is the saved run's.
 
-    Not exact yet for a prepared ``StatefulDataLoader`` checkpointed right after the last
-    batch of an epoch: its resumed iterator starts the next epoch drawing fewer seeds from
-    the global RNG than the saved run's fresh iterator did (measured; mid-epoch is exact).
+    Other loaders (``ckpt.data.ResumableLoader``, whose position and order draw nothing
+    from the global RNG): the first batch is fetched, then the streams are restored (a
+    prepared dataloader sets itself up, drawing from the RNG, at its first batch).
+
+    Random augmentation: in ``StatefulDataLoader`` workers it is exact when the dataset is
+    wrapped in ``ckpt.integrations.stateful_data.WorkerRNG`` (the workers' streams are then
+    part of the loader state); ``ckpt.data.ResumableLoader`` reseeds per sample (exact); in
+    the main process of a prepared loader, mid-epoch, it is not (see the module docstring).
     """
+    return _resumed_iter(loader, lambda: restore_rng(result))
+
+
+def _resumed_iter(loader: Any, restore: Callable[[], Any]) -> Iterator[Any]:
+    restored = _restored_stateful(loader)
+    if restored is not None:
+        # Builds the restored iterator now (its base-seed draw is replaced by the restored
+        # one; the saved run made no such draw), so that the streams restored next are
+        # the ones the next batches, or the next epoch's fresh iterator, draw from.
+        restored.state_dict()
+        restore()
+        yield from iter(loader)
+        return
     it = iter(loader)
     try:
         first = next(it)
     except StopIteration:
-        restore_rng(result)
+        restore()
         return
-    restore_rng(result)
+    restore()
     yield first
     yield from it
 
 
 class CkptAccelerator(Accelerator):
-    """``accelerate.Accelerator`` whose ``save_state``/``load_state`` use the ckpt format."""
+    """``accelerate.Accelerator`` whose ``save_state``/``load_state`` use the ckpt format and
+    whose run directory keeps the step ledger.
+
+    Options (keyword-only, besides Accelerator's own): ``ledger`` (default True): the step
+    ledger lives in ``<run directory>/ledger``, the run directory being the parent of the
+    first checkpoint saved or loaded; ``ledger_params_every`` (a parameter digest every N
+    recorded steps); ``verify_resume`` (``"warn"``, ``"strict"``, ``"off"``: what an inexact
+    resume does). Each ``save_state(step=...)`` records its step (RNG streams, and the
+    parameters when due); ``ledger_step(step, batch=, loss=)`` after every optimizer step
+    records the batches and the loss too. After ``load_state`` (with ``defer_rng``: once
+    ``restore_rng``/``resumed_iter`` restored the streams) the re-executed steps are compared
+    with the ledger's earlier records: ``ResumeVerificationWarning`` names the first step
+    that differs, what differs and the likely cause.
+    """
+
+    def __init__(self, *args: Any, ledger: bool = True, ledger_params_every: int = 10, verify_resume: str = "warn",
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ckpt_ledger_on = ledger
+        self._ckpt_params_every = ledger_params_every
+        self._ckpt_verify = verify_resume
+        self._ckpt_recorded: int | None = None
+        self._ckpt_pending: tuple[int, str] | None = None  # (step, source) of a deferred resume
+        #: the step ledger (``ckpt.ledger.Ledger``) once a checkpoint was saved or loaded
+        self.ledger: Any = None
+
+    def _ledger_at(self, checkpoint: str | os.PathLike[str]) -> Any:
+        if self.ledger is None and self._ckpt_ledger_on:
+            from ..ledger import Ledger
+
+            run_dir = os.path.dirname(os.path.abspath(os.fspath(checkpoint)))
+            models = {f"model_{i}": self.unwrap_model(m) for i, m in enumerate(self._models)}
+            self.ledger = Ledger(os.path.join(run_dir, "ledger"), params=models or None,
+                                 params_every=self._ckpt_params_every, verify=self._ckpt_verify)  # type: ignore[arg-type]
+        return self.ledger
+
+    def ledger_step(self, step: int, *, batch: Any = None, loss: Any = None) -> None:
+        """Record optimizer step ``step`` (after it) in the step ledger: ``batch`` (every
+        tensor the step consumed, e.g. the list of its micro-batches) and ``loss``. Before
+        the first save or load the run directory is unknown and nothing is recorded."""
+        if self.ledger is not None:
+            self.ledger.step(step, batch=batch, loss=loss, kill=False)
+            self._ckpt_recorded = step
 
     def save_state(self, output_dir: str | None = None, *, step: int | None = None, config: Any = None,  # type: ignore[override]
                    overwrite: bool = False, **kwargs: Any) -> str:
@@ -172,7 +254,14 @@ class CkptAccelerator(Accelerator):
             raise ValueError("CkptAccelerator.save_state needs output_dir (automatic checkpoint naming is not supported)")
         if kwargs:
             raise TypeError(f"unsupported save_state options for the ckpt format: {sorted(kwargs)}")
-        return str(save_state(self, output_dir, step=step, config=config, overwrite=overwrite).path)
+        path = str(save_state(self, output_dir, step=step, config=config, overwrite=overwrite).path)
+        ledger = self._ledger_at(output_dir)
+        if ledger is not None and step is not None:
+            if self._ckpt_recorded != step:  # a run that only saves: one record per save
+                ledger.step(step, kill=False)
+                self._ckpt_recorded = step
+            ledger.maybe_kill(step)  # CKPT_LEDGER_KILL_AT: after the step and its save
+        return path
 
     def load_state(self, input_dir: str | None = None, *, defer_rng: bool = False, exactness: str = "warn",  # type: ignore[override]
                    config: Any = None, **kwargs: Any) -> Any:
@@ -180,12 +269,30 @@ class CkptAccelerator(Accelerator):
             raise ValueError("CkptAccelerator.load_state needs input_dir")
         if kwargs:
             raise TypeError(f"unsupported load_state options for the ckpt format: {sorted(kwargs)}")
-        return load_state(self, input_dir, defer_rng=defer_rng, exactness=exactness, config=config)
+        result = load_state(self, input_dir, defer_rng=defer_rng, exactness=exactness, config=config)
+        ledger = self._ledger_at(input_dir)
+        step = result.step if isinstance(result.step, int) else None
+        self._ckpt_recorded = step
+        if ledger is not None and step is not None:
+            if defer_rng:
+                self._ckpt_pending = (step, os.path.basename(os.fspath(result.path)))
+            else:
+                ledger.resumed(step, source=os.path.basename(os.fspath(result.path)))
+        return result
 
-    @staticmethod
-    def restore_rng(result: Any) -> list[str]:
-        return restore_rng(result)
+    def restore_rng(self, result: Any) -> list[str]:
+        restored = restore_rng(result)
+        pending, self._ckpt_pending = self._ckpt_pending, None
+        if pending is not None and self.ledger is not None:
+            self.ledger.resumed(pending[0], source=pending[1])
+        return restored
 
-    @staticmethod
-    def resumed_iter(loader: Any, result: Any) -> Iterator[Any]:
-        return resumed_iter(loader, result)
+    def resumed_iter(self, loader: Any, result: Any) -> Iterator[Any]:
+        """:func:`resumed_iter`, and the ledger's resume starts where the streams are restored."""
+        return _resumed_iter(loader, lambda: self.restore_rng(result))
+
+    def end_training(self) -> None:
+        ledger, self.ledger = self.ledger, None
+        if ledger is not None:
+            ledger.close()  # a resume whose re-executed range was cut short reports what it saw
+        super().end_training()

@@ -33,23 +33,35 @@ Lightning itself does not save. Loading reads it back verified.
 
 Why a callback too: Lightning loads the checkpoint before it creates the data iterator,
 and creating it draws from the global RNG. ``io.rng_callback`` restores the saved streams
-at the first ``on_train_epoch_start`` or ``on_train_batch_start`` after a load, whichever
-comes first: resumed mid-epoch, Lightning skips the epoch-start hook and the iterator
-exists by the first batch, which is where the saved run stood; resumed at an epoch
-boundary, the next epoch's iterator is created after its epoch-start hook, as in the
-saved run.
+right after Lightning loaded the data loaders' states and before it creates their
+iterator (Lightning has no hook in between; the callback wraps the fit loop's
+``_load_combined_loader_states``): a restored ``StatefulDataLoader`` first builds the
+iterator of its state (a base-seed draw the saved run never made, replaced by the saved
+base seed), then the streams are restored, so that the next batches, read in the main
+process, and, for a checkpoint taken after an epoch's last batch, the next epoch's fresh
+iterator (whose base-seed draw the saved run did make) draw as in the saved run. A loader
+without a state (none to load) gets the streams at the first ``on_train_epoch_start`` or
+``on_train_batch_start``, whichever comes first.
 
-Checkpoint names may hold only ``A-Z a-z 0-9 . _ -`` (Lightning's default
-``epoch=0-step=5.ckpt`` has ``=``): give ``ModelCheckpoint`` a filename as above.
+Random augmentation: exact in the main process (``num_workers=0``), and in
+``StatefulDataLoader`` workers when the dataset is wrapped in
+``ckpt.integrations.stateful_data.WorkerRNG`` (a restored worker otherwise reseeds its
+streams from the base seed: not exact mid-epoch); ``ckpt.data.ResumableLoader`` reseeds
+per sample (exact).
 
-Exact (tested in fresh processes): model, optimizer, scheduler, loop state, data position
-(``torchdata.stateful_dataloader.StatefulDataLoader``), RNG, for a checkpoint taken
-mid-epoch. Not exact yet: a checkpoint taken at the last batch of an epoch. The epoch
-count and the data order are right (the exhausted loader state is marked finished on
-load), but the global torch RNG ends one draw short: Lightning creates the next epoch's
-iterator (one base-seed draw) before any hook a callback can restore in. Not supported yet: ``ckpt_path="hpc"``,
-``storage_options``, async checkpointing, sharded strategies (FSDP/DeepSpeed), more than
-one process.
+The step ledger: ``io.rng_callback`` keeps one in ``<ModelCheckpoint dirpath>/ledger``
+(``ckpt.ledger.Ledger``): per optimizer step the step's micro-batches, the sum of their
+losses, the RNG streams and, every ``ledger_params_every`` steps, a parameter digest.
+After a resume the re-executed steps are compared with the earlier records; an inexact
+resume is reported in a ``ResumeVerificationWarning`` naming the first step that differs,
+what differs and the likely cause (``verify_resume="strict"`` raises instead).
+
+Exact (random-kill trials in fresh processes, ``tests/integrations/test_trainer_trials.py``):
+model, optimizer, scheduler, loop state, data position (``StatefulDataLoader``,
+``ResumableLoader``), RNG, with gradient accumulation, clipping, bf16 autocast, worker
+processes, for checkpoints mid-epoch and after an epoch's last batch. Not supported yet:
+``ckpt_path="hpc"``, ``storage_options``, async checkpointing, sharded strategies
+(FSDP/DeepSpeed), more than one process.
 """
 
 from __future__ import annotations
@@ -73,27 +85,114 @@ __all__ = ["CkptCheckpointIO", "CkptModelCheckpoint"]
 
 
 class _RestoreRNG(Callback):
+    """Restores the saved RNG at the point the saved run stood, and keeps the step ledger:
+    one record per optimizer step (the step's micro-batches, the sum of their losses, the
+    RNG streams, a periodic parameter digest); after a resume the re-executed steps are
+    compared with what the ledger recorded before (``ResumeVerificationWarning`` naming the
+    likely cause when they differ)."""
+
     def __init__(self, io: CkptCheckpointIO) -> None:
         self._io = io
+        self._trainer: Callable[[], Any] = lambda: None
+        self._batches: list[Any] = []
+        self._losses: list[float] = []
+        self._recorded = -1
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # Lightning calls setup before it restores a checkpoint: the IO can then check
         # the checkpoint against the module before anything is loaded.
         self._io._module = weakref.ref(pl_module)
+        self._trainer = weakref.ref(trainer)
+        fit_loop = getattr(trainer, "fit_loop", None)
+        load = getattr(fit_loop, "_load_combined_loader_states", None)
+        if callable(load) and not getattr(load, "_ckpt_wrapped", False):
+            fit_loop._load_combined_loader_states = self._wrap_loader_restore(fit_loop, load)
+
+    def _wrap_loader_restore(self, fit_loop: Any, load: Callable[[], None]) -> Callable[[], None]:
+        """Lightning loads the data loaders' states and at once creates their iterator (no
+        hook in between). A ``StatefulDataLoader`` builds the iterator of a restored state
+        with one base-seed draw from the global RNG that the saved run never made, and, for
+        a state saved after an epoch's last batch, a fresh iterator for the next epoch right
+        after it, whose draw the saved run did make. So once the states are loaded, the
+        restored iterators are built (``state_dict()`` builds one) and the saved streams are
+        restored: the next-epoch iterator, the main-process reads and the step all draw
+        from the streams as the saved run did."""
+
+        def load_then_restore() -> None:
+            loaders = [] if fit_loop._combined_loader is None else list(fit_loop._combined_loader.flattened)
+            loading = bool(fit_loop.restarting and fit_loop._combined_loader_states_to_load)
+            load()
+            if not loading or self._io._pending_rng is None:
+                return
+            for dl in loaders:
+                if isinstance(getattr(dl, "next_iter_state", None), dict) and callable(getattr(dl, "state_dict", None)):
+                    dl.state_dict()
+            self._restore()
+
+        load_then_restore._ckpt_wrapped = True  # type: ignore[attr-defined]
+        return load_then_restore
+
+    def _ledger(self) -> Any:
+        """The ledger of the run directory (the ``ModelCheckpoint``'s), made at first need."""
+        io, trainer = self._io, self._trainer()
+        if io.ledger is None and io.ledger_enabled and trainer is not None:
+            directory = getattr(getattr(trainer, "checkpoint_callback", None), "dirpath", None)
+            if directory is None:
+                return None  # no ModelCheckpoint: no run directory to keep a ledger in
+            from ..ledger import Ledger
+
+            io.ledger = Ledger(os.path.join(os.fspath(directory), "ledger"), params=trainer.lightning_module,
+                               params_every=io.ledger_params_every, verify=io.verify_resume)  # type: ignore[arg-type]
+        return io.ledger
 
     def _restore(self) -> None:
         from ..context.rng import restore_rng
 
         pending, self._io._pending_rng = self._io._pending_rng, None
         if pending is not None:
-            rng, path = pending
+            rng, path, step = pending
             restore_rng(rng, None, path=path)
+            ledger = self._ledger()
+            if ledger is not None:
+                ledger.resumed(step, source=os.path.basename(path))
+            self._recorded = step
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # the loops are restored by now: the last step a record exists for (or 0)
+        self._recorded = int(trainer.global_step)
+        self._batches, self._losses = [], []
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._restore()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._restore()
+        ledger = self._io.ledger
+        if ledger is not None and self._recorded >= 0:
+            ledger.maybe_kill(self._recorded)  # CKPT_LEDGER_KILL_AT: after the step and its save
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._batches.append(batch)
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(float(loss.detach().double().item()))
+        step = int(trainer.global_step)
+        if step == self._recorded:
+            return  # mid-accumulation: the optimizer step is not done
+        ledger = self._ledger()
+        if ledger is not None:
+            ledger.step(step, batch=self._batches, loss=sum(self._losses) if self._losses else None, kill=False)
+        self._batches, self._losses, self._recorded = [], [], step
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        ledger, self._io.ledger = self._io.ledger, None
+        if ledger is not None:
+            ledger.close()
+
+
+def checkpoint_step(target: Mapping[str, Any]) -> int | None:
+    step = (target.get("checkpoint") or {}).get("global_step")
+    return step if isinstance(step, int) else None
 
 
 def _mark_exhausted_loader_state(checkpoint: dict[str, Any]) -> bool:
@@ -124,14 +223,23 @@ class CkptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` writing and reading ckpt checkpoints.
 
     Options (keyword-only): ``config`` (recorded with its hash in every checkpoint),
-    ``exactness`` (``"warn"``, ``"strict"``, ``"off"``: environment check on load).
+    ``exactness`` (``"warn"``, ``"strict"``, ``"off"``: environment check on load),
+    ``ledger`` (keep the step ledger in ``<checkpoint directory>/ledger``, default True),
+    ``ledger_params_every`` (a parameter digest every N steps), ``verify_resume``
+    (``"warn"``, ``"strict"``, ``"off"``: what an inexact resume does).
     """
 
-    def __init__(self, *, config: Any = None, exactness: str = "warn") -> None:
+    def __init__(self, *, config: Any = None, exactness: str = "warn", ledger: bool = True,
+                 ledger_params_every: int = 10, verify_resume: str = "warn") -> None:
         super().__init__()
         self.config = config
         self.exactness = exactness
-        self._pending_rng: tuple[Any, str] | None = None
+        self.ledger_enabled = ledger
+        self.ledger_params_every = ledger_params_every
+        self.verify_resume = verify_resume
+        #: the step ledger of this fit (``ckpt.ledger.Ledger``), once training started
+        self.ledger: Any = None
+        self._pending_rng: tuple[Any, str, int] | None = None
         self._module: Callable[[], Any] = lambda: None  # the LightningModule, once set up
         #: add to ``Trainer(callbacks=[...])``: restores the saved RNG at the right moment
         self.rng_callback = _RestoreRNG(self)
@@ -189,7 +297,8 @@ class CkptCheckpointIO(CheckpointIO):
                            restore_rng_state=False, exactness=self.exactness)
         warn_config_changed(result.path, result.context, self._config(), stacklevel=2)
         rng = result.context.get("rng")
-        self._pending_rng = (rng, result.path) if rng is not None else None
+        step = result.step if isinstance(result.step, int) else int(checkpoint_step(target) or 0)
+        self._pending_rng = (rng, result.path, step) if rng is not None else None
         checkpoint = target["checkpoint"]
         _mark_exhausted_loader_state(checkpoint)
         return checkpoint

@@ -59,7 +59,8 @@ def test_last_resumes_from_the_newest_valid_checkpoint(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")
         first = _fit(tmp_path, 6)  # "last" with an empty directory: a fresh start, as Lightning does
     assert first.seen[0] == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.ckpt", "step-00000006.ckpt"]
+    # the checkpoints, and the step ledger (issue 25: Lightning run directories keep one)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger", "step-00000003.ckpt", "step-00000006.ckpt"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         again = _fit(tmp_path, 9)
