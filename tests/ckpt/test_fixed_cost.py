@@ -156,3 +156,27 @@ def test_the_fused_limit_is_the_one_the_spec_names() -> None:
     assert FUSED_COMMIT_MAX == 64 << 20
     spec = Path(__file__).resolve().parents[2] / "spec" / "checkpoint-format.md"
     assert "64 MiB" in spec.read_text().split("### 10.7", 1)[1].split("## 11.", 1)[0]
+
+
+def test_a_manifest_last_commit_makes_unsynced_parts_durable_before_the_manifest_put() -> None:
+    """An object store's MANIFEST put makes the checkpoint visible at once: a sealed part
+    file handed to it must be closed (durable) before that put, never beside it."""
+    from ckpt.storage.commit import ManifestLastCommit, PendingCheckpoint
+
+    events: list[str] = []
+
+    class Sink:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def close(self) -> tuple[int, bytes]:
+            events.append(f"close {self.name}")
+            return 0, b""
+
+    class Store:
+        def publish(self, pending: PendingCheckpoint, manifest: bytes, *, fence: Any = None) -> None:
+            events.append("put MANIFEST")
+
+    pending = PendingCheckpoint(final="s3://b/run/c", tmp_dir="s3://b/run/c", tag=".aaaaaaaaaaaa")
+    ManifestLastCommit(Store()).publish(pending, b"m", (), unsynced=[Sink("a"), Sink("b")])  # type: ignore[arg-type]
+    assert sorted(events[:2]) == ["close a", "close b"] and events[2:] == ["put MANIFEST"]
