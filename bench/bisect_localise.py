@@ -1,9 +1,13 @@
 """Time to localise a divergence with ``ckpt bisect run``, against the time of one run.
 
+<<<<<<<< HEAD:bench/bisect_time.py
+    python bench/bisect_time.py [--steps 60] [--rounds 3]
+========
     python bench/bisect_localise.py [--steps 60] [--rounds 3]
 
 (Not ``bench/bisect.py``: a script's folder comes first on the import path, and that name
 would shadow the standard library's ``bisect``, which ``random`` imports.)
+>>>>>>>> main:bench/bisect_localise.py
 
 Two runs of the GPT-style test script (tests/bisect/plant_script.py), the second with a
 layer changed from step STEPS*3/4 on; then ``ckpt ledger diff`` (the step) and ``ckpt

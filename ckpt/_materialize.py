@@ -8,13 +8,12 @@ it lazily without an import cycle; the in-place load (``_torchio``) builds on it
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Mapping, Protocol
 
 import torch
 
 from ._gc import paused as gc_paused
-from ._ranges import check_digests
+from ._ranges import check_digests, verify_view
 from ._statecheck import PartSource, replica_target
 from .errors import FormatError, SizeMismatchError, UnprotectedMappingError
 from .format import dtypes
@@ -198,30 +197,8 @@ _PARALLEL_VERIFY_MIN = 32 << 20
 
 
 def _verify_parallel(reader: TensorSource, f: FileEntry, mv: memoryview) -> None:
-    """Check every chunk of ``mv`` (the whole file), the two halves on two threads: xxh3
-    releases the GIL, and the first touch of each mapped page is paid on both cores."""
-    cs = f.chunk_size
-    nchunks = (f.size + cs - 1) // cs
-    if f.size < _PARALLEL_VERIFY_MIN or nchunks < 2:
-        reader.verify_bytes(f, mv)
-        return
-    mid = nchunks // 2
-    errors: list[BaseException] = []
-
-    def second_half() -> None:
-        try:
-            reader.verify_bytes(f, mv[mid * cs :], first=mid)
-        except BaseException as e:  # re-raised below, after the first half's own error
-            errors.append(e)
-
-    helper = threading.Thread(target=second_half, name="ckpt-verify", daemon=True)
-    helper.start()
-    try:
-        reader.verify_bytes(f, mv[: mid * cs])
-    finally:
-        helper.join()
-    if errors:
-        raise errors[0]
+    """Check every chunk of the mapped file ``mv`` (``ckpt._ranges.verify_view``)."""
+    verify_view(os.path.join(reader.path, f.name), f, mv, parallel_min=_PARALLEL_VERIFY_MIN)
 
 
 def check_mmap_options(mmap: bool | None, unsafe_mmap: bool) -> None:

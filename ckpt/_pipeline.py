@@ -11,7 +11,7 @@ import queue
 import threading
 from typing import Any, Callable
 
-__all__ = ["OrderedFeeder", "Background"]
+__all__ = ["OrderedFeeder"]
 
 
 class OrderedFeeder:
@@ -50,35 +50,3 @@ class OrderedFeeder:
     def abort(self) -> None:
         self._q.put(None)
         self._thread.join()
-
-
-class Background:
-    """``fn(*args)`` on a helper thread; ``join`` waits and re-raises its error.
-
-    Used to overlap two waits that have no order between them (two fsyncs, or an fsync
-    and the next file's writes): fsync, write and xxh3 release the GIL, and on a
-    journaling filesystem two fsyncs issued together are served by one journal commit.
-    """
-
-    __slots__ = ("_fn", "_args", "_thread", "result", "error")
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._fn, self._args = fn, args
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ckpt-sync", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.result = self._fn(*self._args)
-        except BaseException as e:  # re-raised by join() on the caller's thread
-            self.error = e
-
-    def join(self) -> Any:
-        # Unbounded on purpose: the thread runs one local fsync/close, which the calling
-        # thread would otherwise run itself; it takes no lock and waits on no process.
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.result

@@ -20,12 +20,13 @@ region makes a full verification of the file.
 
 from __future__ import annotations
 
+import ctypes
 import queue
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._helpers import run as on_helper
 from ._pipeline import OrderedFeeder
 from .errors import ChecksumMismatchError, FormatError, SizeMismatchError
 from .format.digest import DIGEST_SIZE, ChunkHasher
@@ -36,7 +37,10 @@ if TYPE_CHECKING:
 
     from .storage import ReadHandle
 
-__all__ = ["Target", "RangeWalker", "ChunkVerifier", "read_tiled", "check_digests", "PIECE", "PIPELINE_MIN_BYTES"]
+__all__ = [
+    "Target", "RangeWalker", "ChunkVerifier", "read_tiled", "check_digests", "verify_view", "MappedFile", "PIECE",
+    "PIPELINE_MIN_BYTES",
+]
 
 #: ranges at least this long are hashed on a second thread while the next piece is read
 PIPELINE_MIN_BYTES = 32 << 20
@@ -127,6 +131,60 @@ def check_digests(path: str, entries: Sequence[TensorEntry], mapped: memoryview)
         if t.digest is not None and t.encoding is None:
             if xxhash.xxh3_128_digest(mapped[t.offset : t.offset + t.nbytes]) != t.digest:
                 raise _values_digest_error(path, t)
+
+
+def verify_view(path: str, f: FileEntry, mv: memoryview, *, parallel_min: int = PIPELINE_MIN_BYTES) -> None:
+    """Check every chunk of ``mv`` (the whole file ``f``, in memory or mapped, nothing
+    copied), the two halves on two threads from ``parallel_min`` bytes on: xxh3 releases
+    the GIL, and a mapping's first touch of each page is paid on both cores."""
+    cs = f.chunk_size
+    nchunks = (f.size + cs - 1) // cs
+    if f.size < parallel_min or nchunks < 2:
+        v = ChunkVerifier(path, f)
+        v.update(mv)
+        v.finish()
+        return
+    mid = nchunks // 2
+    second = ChunkVerifier(path, f, first=mid)
+    other = on_helper(lambda: (second.update(mv[mid * cs :]), second.finish()))
+    try:
+        first = ChunkVerifier(path, f)
+        first.update(mv[: mid * cs])
+        first.finish()
+    finally:
+        other.join()  # its error is raised here when the first half matched
+
+
+class MappedFile:
+    """A whole file held in a mapping (a leased one, ``ckpt.storage._lease``), read like a
+    handle: ``pread_into`` copies out of it with ``memmove``, which releases the GIL, so
+    the reads ``read_tiled`` splits between two threads copy at once. ``view`` is the
+    mapping itself, for hashing it in place (:func:`verify_view`). The caller keeps the
+    mapping open while this is used."""
+
+    __slots__ = ("path", "view", "_addr", "_size")
+
+    def __init__(self, path: str, mapping: Any, size: int) -> None:
+        self.path = path
+        self.view = memoryview(mapping)[:size]
+        probe = ctypes.c_char.from_buffer(mapping)
+        self._addr = ctypes.addressof(probe)
+        del probe  # an exported buffer would keep the mapping from closing
+        self._size = size
+
+    def pread_into(self, offset: int, buf: memoryview) -> int:
+        n = max(0, min(len(buf), self._size - offset))
+        if n:
+            dst = ctypes.c_char.from_buffer(_bytes_view(buf))
+            ctypes.memmove(ctypes.addressof(dst), self._addr + offset, n)
+            del dst
+        return n
+
+    def size(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        self.view.release()
 
 
 class _Delivery:
@@ -402,10 +460,12 @@ def _parallel_reads(handle: "ReadHandle", fp: str, jobs: list[tuple[TensorEntry,
         except BaseException as e:  # re-raised by the caller
             errors.append(e)
 
-    helper = threading.Thread(target=guarded, args=(pieces[1::2],), name="ckpt-read", daemon=True)
-    helper.start()
-    guarded(pieces[0::2])
-    helper.join()
+    # a reused thread: starting one per load costs a scheduling round trip on a busy machine
+    helper = on_helper(guarded, pieces[1::2])
+    try:
+        guarded(pieces[0::2])
+    finally:
+        helper.join()
     if errors:
         raise errors[0]
 

@@ -28,6 +28,7 @@ format forbids it; media faults aside). That is detected, raised as
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -35,6 +36,7 @@ from typing import Any, Mapping
 import torch
 
 from ._materialize import TensorSource, empty_for, place, resolve
+from ._ranges import MappedFile, check_digests, verify_view
 from ._statecheck import check_part, replica_target
 from .context.env import capture_env, env_differences
 from .context.rng import capture_rng, restore_rng
@@ -42,6 +44,7 @@ from .errors import CheckpointChangedError, CkptError, EnvironmentMismatchError,
 from .format import dtypes
 from .format.manifest import FileEntry, Manifest, PartEntry, TensorEntry
 from .format.tree import TensorRef
+from .storage import _lease
 from .writer import tensor_memoryview
 
 __all__ = ["load_into", "prepare_load", "PreparedLoad", "LoadResult", "ExactnessWarning"]
@@ -264,6 +267,18 @@ class _Read:
     wanted: set[str]
     whole: bool  # every tensor of the file is wanted: stream the file in order
     done: bool = False  # read in pass 1 (nothing in it lands in a target)
+    #: the file mapped under a read lease: pass 1 hashed the mapping, pass 2 copies from it
+    mapped: MappedFile | None = None
+    mapping: Any = None
+
+    def close(self) -> None:
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+        if self.mapping is not None:
+            mapping, self.mapping = self.mapping, None
+            _lease.close_leased(mapping)
+        self.handle.close()
 
 
 @dataclass(slots=True)
@@ -296,7 +311,7 @@ class PreparedLoad:
         if not self._closed:
             self._closed = True
             for r in self.reads:
-                r.handle.close()
+                r.close()
 
     def __enter__(self) -> "PreparedLoad":
         return self
@@ -310,7 +325,18 @@ class PreparedLoad:
             if r.done:
                 continue
             try:
-                if r.whole:
+                if r.mapped is not None:
+                    # One pass: the bytes pass 1 hashed in the mapping are copied from it.
+                    # The lease kept every writer and truncation out meanwhile, or the
+                    # break handler moved the verified bytes off the file first (§11).
+                    self.reader.stream_file_into(r.pe, r.index, plan.dest(r.pe.name), verify=False, handle=r.mapped)
+                    if not _lease.unchanged(r.mapping):
+                        raise CkptError(
+                            "its read lease was broken and the mapping could not be moved off the file in time "
+                            "(the lease-break time passed): the bytes copied may not be the ones verified",
+                            path=r.mapped.path,
+                        )
+                elif r.whole:
                     self.reader.stream_file_into(
                         r.pe, r.index, plan.dest(r.pe.name), verify=self.verify, handle=r.handle
                     )
@@ -502,6 +528,14 @@ def prepare_load(
                     # Nothing here lands in a target: read it (verified) now, once.
                     _read_now(reader, r, plan, verify)
                     r.done = True
+                elif checked and _map_for_one_pass(r, reader):
+                    # Pass 1 from a leased mapping (nothing read, nothing written): every
+                    # chunk hashed in place, every recorded digest compared; pass 2 copies
+                    # from the same mapping, so each byte is read from the page cache once
+                    # for hashing and once for the copy, not twice through a read each.
+                    assert r.mapped is not None
+                    verify_view(r.mapped.path, f, r.mapped.view)
+                    check_digests(r.mapped.path, entries, r.mapped.view)
                 elif checked:
                     # Pass 1, nothing written: read what pass 2 will read, as it will read
                     # it (ckpt._ranges): every chunk hashed, every packed span decoded under
@@ -512,6 +546,28 @@ def prepare_load(
         prepared.close()
         raise
     return prepared
+
+
+def _map_for_one_pass(r: _Read, reader: TensorSource) -> bool:
+    """Map ``r``'s file under a read lease for a one-pass load (``r.mapped``); False where
+    the two-pass read applies: a file other than a plain safetensors file of this
+    checkpoint read whole, a handle that cannot map (an object store), no lease to be had
+    (``ckpt.storage._lease``), or a load off the main thread, where a lease break is not
+    handled until the main thread runs Python again."""
+    f = r.file
+    if not (r.whole and f.role == "tensors" and f.origin is None and f.size):
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    mapper = getattr(r.handle, "map_private", None)
+    if mapper is None or r.handle.size() != f.size:
+        return False  # a size that differs is reported by the two-pass read, as before
+    mapping = mapper(f.size, require_lease=True)
+    if mapping is None:
+        return False
+    r.mapping = mapping
+    r.mapped = MappedFile(os.path.join(reader.path, f.name), mapping, f.size)
+    return True
 
 
 def _read_now(reader: TensorSource, r: _Read, plan: _Plan, verify: bool) -> None:

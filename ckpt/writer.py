@@ -14,13 +14,12 @@ import functools
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import msgpack
 
 from . import __version__
 from ._gc import paused as gc_paused
-from ._pipeline import Background as _Background
 from .context.config import canonical_config, config_hash
 from .context.env import capture_env
 from .context.provenance import capture_commit
@@ -49,8 +48,9 @@ from .format.safetensors import build_header_rows
 from .format.tree import EXT_DEVICE, EXT_DTYPE, EXT_REPLICA, EXT_TENSOR, render_path, to_wire
 from .knobs import knobs
 from .storage import PendingCheckpoint, Recovery, Storage, resolve
+from .storage import commit as _protocol
 from .storage.commit import is_complete as _is_complete
-from . import _linkcheck, _partfiles
+from . import _helpers, _linkcheck, _partfiles
 from ._partfiles import Compress, Reuse, reuse_from
 from .save_options import SaveOptions, options_from
 from ._tensorbytes import tensor_memoryview
@@ -70,6 +70,8 @@ __all__ = [
     "reuse_from",
     "SaveOptions",
 ]
+
+_R = TypeVar("_R")
 
 @dataclass(frozen=True, slots=True)
 class Replicated:
@@ -224,12 +226,12 @@ def _type_name(obj: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def _holding_part_lock(fn: Callable[..., PartEntry]) -> Callable[..., PartEntry]:
+def _holding_part_lock(fn: Callable[..., _R]) -> Callable[..., _R]:
     """``write_part`` runs holding the save's part lock shared (``Commit.part_lock``): the
     commit takes it exclusively, so that no part adds a file after the commit."""
 
     @functools.wraps(fn)
-    def locked(pending: PendingCheckpoint, *args: Any, storage: Storage | None = None, **kw: Any) -> PartEntry:
+    def locked(pending: PendingCheckpoint, *args: Any, storage: Storage | None = None, **kw: Any) -> _R:
         resolved, _ = resolve(pending.final, storage)
         with resolved.commit.part_lock(pending, exclusive=False):
             return fn(pending, *args, storage=storage, **kw)
@@ -287,6 +289,38 @@ def write_part(
     and ``DistributedUsageError`` when the checkpoint was committed or aborted before the
     part could be written.
     """
+    part, _ = _write_part(
+        pending, name, state, step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
+        lineage=lineage, code_dir=code_dir, storage=storage, compress=compress, reuse=reuse, dedup=dedup,
+        options=options, defer_fsync=False,
+    )
+    return part  # type: ignore[return-value]
+
+
+def _write_part(
+    pending: PendingCheckpoint,
+    name: str,
+    state: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    config: Any = None,
+    data: Any = None,
+    generators: Mapping[str, Any] | None = None,
+    rng: bool | Mapping[str, Any] = True,
+    extra: Any = None,
+    lineage: Mapping[str, Any] | None = None,
+    code_dir: str | None = None,
+    storage: Storage | None = None,
+    compress: Compress = None,
+    reuse: Reuse | None = None,
+    dedup: bool = False,
+    options: SaveOptions | None = None,
+    defer_fsync: bool,
+) -> tuple[PartEntry | PartRef, list[Any]]:
+    """``write_part``'s work. With ``defer_fsync`` (a fused commit, spec §10.7) the files
+    of a small part are sealed, not closed: their sinks are returned, open, for the commit
+    to close (fsync) together with MANIFEST's and the directory's fsyncs. Otherwise the
+    list is empty and the part is durable on return."""
     storage, _ = resolve(pending.final, storage)
     opts = options_from(options, where="ckpt.write_part", path=pending.final, compress=compress, reuse=reuse, dedup=dedup)
     opts.refuse_unsupported(
@@ -353,7 +387,13 @@ def write_part(
         files.append(fe)
         placed.extend((fe.name, e) for e in entries)
     plain = layout.plain
-    closing: _Background | None = None
+    # A fused commit only for a small part with local sinks that can be sealed (§10.7);
+    # part manifests are fsynced on their own before the commit, so their parts never are.
+    defer_fsync = (defer_fsync and not pending.part_manifests
+                   and sum(m[2] for m in collector.meta.values()) <= _protocol.FUSED_COMMIT_MAX)
+    unsynced: list[Any] = []  # sealed sinks the commit closes (defer_fsync)
+    closing: _helpers.Pending | None = None
+    tsize, tdigests = 0, b""
     if plain:
         # Largest element size first (stable): every tensor then starts at a multiple of
         # its element size, as stock safetensors lays files out, so readers can map it.
@@ -373,13 +413,19 @@ def write_part(
                 dname, shape, nbytes, _ = meta[key]
                 write(tensor_memoryview(t, nbytes))
                 placed.append((fname, TensorEntry(key, dname, shape, at, off, nbytes, digests_of.get(key))))
+            seal = getattr(tsink, "seal", None) if defer_fsync else None
+            if seal is not None:
+                tsize, tdigests = seal()
+                unsynced.append(tsink)
         except BaseException:
             tsink.discard()
             raise
-        # Its last digests and its fsync run on a helper thread while this one writes the
-        # next files; all are durable before this function returns (§10.7).
-        closing = _Background(tsink.close)
-        files.append(FileEntry(fname, "tensors", 0, k.chunk_size, b""))  # filled in once closed
+        if seal is None:
+            # Its last digests and its fsync run on a helper thread while this one writes
+            # the next files; all are durable before this function returns (§10.7).
+            closing = _helpers.run(tsink.close)
+        files.append(FileEntry(fname, "tensors", 0, k.chunk_size, b""))  # filled in once closed or sealed
+    plain_written = bool(plain)
     try:
         packed = _partfiles.write_packed(layout, pending.tmp_dir, storage)
         if packed is not None:
@@ -400,10 +446,19 @@ def write_part(
         sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
         try:
             sink.write(comp)
-            size, digests = sink.close()
+            seal = getattr(sink, "seal", None) if defer_fsync else None
+            if seal is not None:
+                size, digests = seal()
+                unsynced.append(sink)
+            else:
+                size, digests = sink.close()
         except BaseException:
             sink.discard()
             raise
+    except BaseException:
+        for u in unsynced:
+            u.discard()
+        raise
     finally:
         if closing is not None:
             try:
@@ -411,7 +466,7 @@ def write_part(
             except BaseException:
                 tsink.discard()
                 raise
-    if closing is not None:
+    if plain_written:
         i = next(i for i, f in enumerate(files) if f.name == fname)
         files[i] = FileEntry(fname, "tensors", tsize, k.chunk_size, tdigests)
     if recording:
@@ -437,8 +492,8 @@ def write_part(
     }
     part = PartEntry(name, tuple(files), tuple(tensors), summary)
     if pending.part_manifests:
-        return _write_part_manifest(pending, part, storage)  # type: ignore[return-value]
-    return part
+        return _write_part_manifest(pending, part, storage), unsynced
+    return part, unsynced
 
 
 def _write_part_manifest(pending: PendingCheckpoint, part: PartEntry, storage: Storage) -> PartRef:
@@ -525,6 +580,25 @@ def commit(
     ``parts`` are what :func:`write_part` returned, or their ``to_dict()`` form (which
     crosses process boundaries as plain data). The MANIFEST is format 1.0 unless a part
     uses a 2.0 feature (packed or shared files, tensor digests, a part reference)."""
+    return _commit(pending, parts, kind=kind, step=step, meta=meta, storage=storage)
+
+
+_write_part_locked = _holding_part_lock(_write_part)
+
+
+def _commit(
+    pending: PendingCheckpoint,
+    parts: Sequence[PartEntry | PartRef | Mapping[str, Any]],
+    *,
+    kind: str = "checkpoint",
+    step: int | None = None,
+    meta: Mapping[str, Any] | None = None,
+    storage: Storage | None = None,
+    unsynced: Sequence[Any] = (),
+) -> Manifest:
+    """``commit``; ``unsynced``: sealed sinks of the parts (``_write_part(defer_fsync=True)``),
+    closed (fsynced) here, together with MANIFEST when the checkpoint is small enough for
+    a fused commit (§10.7), else before MANIFEST is created."""
     storage, _ = resolve(pending.final, storage)
     parts = [p if isinstance(p, (PartEntry, PartRef)) else part_record(dict(p)) for p in parts]
     names = [p.name for p in parts]
@@ -547,15 +621,22 @@ def commit(
     )
     with gc_paused():
         blob = encode_manifest(manifest)
-    storage.commit.publish(pending, blob, ordered)
+    if unsynced and _protocol.files_total(ordered) > _protocol.FUSED_COMMIT_MAX:
+        # Too large to commit fused (recovery re-hashes only a copy up to the limit): the
+        # parts become durable now, as write_part's would have, before MANIFEST exists.
+        _helpers.together([s.close for s in unsynced])
+        unsynced = ()
+    storage.commit.publish(pending, blob, ordered, unsynced=unsynced)
     return manifest
 
 
 # --- crash recovery -------------------------------------------------------------------
 
 def is_complete(path: str, *, storage: Storage | None = None) -> bool:
-    """A committed copy whatever its name: its MANIFEST decodes (own digest included)
-    and every file it names is a regular file of the declared size (``ckpt.storage.commit``)."""
+    """A committed copy whatever its name: its MANIFEST decodes (own digest included),
+    every file it names is a regular file of the declared size, and, for a copy small
+    enough to have been committed fused, every chunk matches its digest
+    (``ckpt.storage.commit.is_complete``)."""
     storage, path = resolve(path, storage)
     return _is_complete(storage, path)
 
@@ -641,8 +722,10 @@ def save(
         _refuse_under_process_group(path)
     storage, path = resolve(path, storage)
     pending = begin(path, overwrite=opts.overwrite, storage=storage)
+    unsynced: list[Any] = []
     try:
-        part = write_part(
+        # One part, written and committed in one call: a small one commits fused (§10.7).
+        part, unsynced = _write_part_locked(
             pending,
             part_name_for_rank(0),
             state,
@@ -655,9 +738,12 @@ def save(
             lineage={"run_id": run_id, "resumed_from": resumed_from},
             code_dir=code_dir,
             storage=storage,
+            defer_fsync=True,
         )
-        manifest = commit(pending, [part], step=step, meta=meta, storage=storage)
+        manifest = _commit(pending, [part], step=step, meta=meta, storage=storage, unsynced=unsynced)
     except BaseException:
+        for u in unsynced:
+            u.discard()
         abort(pending, storage=storage)
         raise
     return CheckpointInfo(pending.final, manifest.id, step, manifest.total_bytes, manifest)

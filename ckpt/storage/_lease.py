@@ -48,7 +48,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["map_leased", "map_private", "lease_signal", "migrations", "LeaseUnavailable"]
+__all__ = ["map_leased", "map_private", "lease_signal", "migrations", "unchanged", "close_leased", "LeaseUnavailable"]
 
 F_SETOWN_EX = 15
 F_OWNER_TID = 0
@@ -247,6 +247,27 @@ def map_leased(fd: int, size: int, path: str) -> mmap.mmap:
     if guard.broken():
         guard.migrate()
     return m
+
+
+def unchanged(m: mmap.mmap) -> bool:
+    """Whether a mapping from :func:`map_leased` still holds exactly the bytes it held when
+    it was made: its lease is held and no one waits for it, or its bytes were moved into
+    anonymous memory while the lease held (a break handled in time). False when the
+    kernel let a writer or a truncation through (the lease-break time ran out while the
+    main thread was stuck in one C call) or the move failed. On the main thread, a break
+    signalled before this call has been handled by the time it runs."""
+    g = getattr(m, "_guard", None)
+    if g is None:
+        return False
+    return g.migrated or (g.fd >= 0 and not g.broken())
+
+
+def close_leased(m: mmap.mmap) -> None:
+    """Unmap ``m`` and release its lease now (not when the garbage collector finds it)."""
+    g = getattr(m, "_guard", None)
+    m.close()
+    if g is not None:
+        g.release()
 
 
 def map_private(fd: int, size: int) -> mmap.mmap:

@@ -35,9 +35,19 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 from .._locks import flock_bounded, unlock_and_close
-from .._pipeline import Background
+from .. import _helpers
 from ..errors import CheckpointExistsError, CkptError, DistributedUsageError, SaveConflictError
-from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, PartEntry, PartList, PartRef, check_name, decode_manifest
+from ..format.digest import digest_bytes
+from ..format.manifest import (
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    Manifest,
+    PartEntry,
+    PartList,
+    PartRef,
+    check_name,
+    decode_manifest,
+)
 from ..knobs import knobs
 
 __all__ = [
@@ -51,6 +61,8 @@ __all__ = [
     "tmp_name",
     "is_complete",
     "recoverable",
+    "files_total",
+    "FUSED_COMMIT_MAX",
     "OLD_SUFFIX",
     "DEL_SUFFIX",
 ]
@@ -59,6 +71,13 @@ __all__ = [
 OLD_SUFFIX = ".old"
 #: suffix of a checkpoint being deleted on purpose (retention)
 DEL_SUFFIX = ".del"
+
+#: A checkpoint whose files total at most this many bytes may be committed *fused*
+#: (spec §10.7): its part files sealed, not yet fsynced, when MANIFEST is created, and
+#: every fsync of the commit issued together. The writer decides which saves are fused
+#: (``ckpt.save`` of a part this small); recovery re-hashes a temporary copy this small
+#: before publishing it (§10.3), since its MANIFEST may be durable before its files.
+FUSED_COMMIT_MAX = 64 << 20
 
 _TMP_RE = re.compile(r"^\.tmp-(?P<name>.+)-[0-9a-f]{12}(?P<suffix>\.old|\.del)?$")
 
@@ -133,9 +152,13 @@ class Commit(Protocol):
         store names every file in MANIFEST): nothing to hold."""
         return contextlib.nullcontext()
 
-    def publish(self, pending: PendingCheckpoint, manifest: bytes, parts: Sequence[PartEntry | PartRef]) -> None:
+    def publish(self, pending: PendingCheckpoint, manifest: bytes, parts: Sequence[PartEntry | PartRef], *,
+                unsynced: Sequence[Any] = ()) -> None:
         """Make ``manifest`` (the encoded MANIFEST naming ``parts``) and the files it names
-        appear as the checkpoint ``pending.final``, atomically."""
+        appear as the checkpoint ``pending.final``, atomically. ``unsynced``: sealed sinks
+        of part files not yet durable (a fused commit, spec §10.7, files totalling at most
+        ``FUSED_COMMIT_MAX``): closed (fsynced) by the commit before the checkpoint appears,
+        together with MANIFEST's fsync where the protocol allows it."""
         ...
 
     def abort(self, pending: PendingCheckpoint) -> None:
@@ -261,13 +284,14 @@ class RenameCommit(Commit):
             return None, 0.0
         return (lambda: unlock_and_close(fd)), mtime
 
-    def publish(self, pending: PendingCheckpoint, manifest: bytes, parts: Sequence[PartEntry | PartRef]) -> None:
+    def publish(self, pending: PendingCheckpoint, manifest: bytes, parts: Sequence[PartEntry | PartRef], *,
+                unsynced: Sequence[Any] = ()) -> None:
         # exclusive: waits for part writers still in flight, so none adds a file after the rename
         release = self._dir_lock(pending, exclusive=True)
         try:
             self._drop_unnamed(pending, parts)
             self._check_named(pending, parts)
-            self._write_manifest_and_rename(pending, manifest)
+            self._write_manifest_and_rename(pending, manifest, unsynced)
         finally:
             release()
 
@@ -300,7 +324,7 @@ class RenameCommit(Commit):
                 else:
                     storage.remove_file(path)
 
-    def _write_manifest_and_rename(self, pending: PendingCheckpoint, blob: bytes) -> None:
+    def _write_manifest_and_rename(self, pending: PendingCheckpoint, blob: bytes, unsynced: Sequence[Any] = ()) -> None:
         storage = self.storage
         sink = storage.create(os.path.join(pending.tmp_dir, MANIFEST_NAME), max(knobs().chunk_size, 4096))
         try:
@@ -312,13 +336,12 @@ class RenameCommit(Commit):
             if flush is not None:
                 flush()
             # MANIFEST's fsync and the directory's (which now lists every file, MANIFEST
-            # included) have no order between them, only both before the rename (§10.7):
-            # issued together they wait for one journal commit, not two.
-            names = Background(storage.fsync_dir, pending.tmp_dir)
-            try:
-                sink.close()
-            finally:
-                names.join()
+            # included) have no order between them, only both before the rename (§10.7);
+            # in a fused commit neither have the part files' fsyncs (recovery re-hashes a
+            # copy that small before publishing it): all are issued together and cost one
+            # journal commit, not one each.
+            _helpers.together([*(u.close for u in unsynced), sink.close,
+                               lambda: storage.fsync_dir(pending.tmp_dir)])
         except BaseException:
             sink.discard()
             raise
@@ -496,10 +519,19 @@ def recoverable(name: str, names: Callable[[str], bool] | None) -> bool:
     return names is None or bool(names(name))
 
 
+def files_total(parts: Sequence[PartEntry | PartRef]) -> int:
+    """Bytes of every file the parts name (MANIFEST itself not counted): what decides
+    whether a checkpoint may be committed fused, and whether recovery re-hashes a copy."""
+    return sum(size for _, size, _ in PartList(parts).file_sizes())
+
+
 def is_complete(storage: Any, path: str) -> bool:
     """A committed copy whatever its name: its MANIFEST decodes (own digest included)
-    and every file it names is a regular file of the declared size. Chunk digests are
-    not re-hashed (resume verifies them); this tells a whole copy from a torn save."""
+    and every file it names is a regular file of the declared size; this tells a whole
+    copy from a torn save. A copy whose files total at most ``FUSED_COMMIT_MAX`` may have
+    been committed fused, its MANIFEST durable before its files (§10.7), so its files'
+    chunks are re-hashed too (cheap at that size); a larger copy's files were durable
+    before its MANIFEST existed, and its digests are left to the load that verifies them."""
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
         st = storage.lstat(mpath)
@@ -510,8 +542,32 @@ def is_complete(storage: Any, path: str) -> bool:
             fst = storage.lstat(os.path.join(path, fname))
             if not stat.S_ISREG(fst.st_mode) or fst.st_size != fsize:
                 return False
+        if files_total(man.parts.listed()) <= FUSED_COMMIT_MAX:
+            return _content_intact(storage, path, man)
     except (OSError, CkptError):
         return False
+    return True
+
+
+def _content_intact(storage: Any, path: str, man: Manifest) -> bool:
+    """Every chunk of every file listed in ``man`` matches its digest (a part listed by
+    reference: its part manifest's digest; its files were durable before it, §10.7).
+    Through the one range walker, in bounded pieces; raises CkptError on a mismatch."""
+    from .._ranges import RangeWalker  # the reader's walker; loaded only when recovery re-hashes
+
+    for part in man.parts.listed():
+        if isinstance(part, PartRef):
+            blob = storage.read(os.path.join(path, part.manifest), 0, part.manifest_size)
+            if digest_bytes(blob) != part.manifest_digest:
+                return False
+            continue
+        for f in part.files:
+            fpath = os.path.join(path, f.name)
+            handle = storage.open_read(fpath)
+            try:
+                RangeWalker(fpath, f, handle.pread_into, verify=True).walk([], whole=True)
+            finally:
+                handle.close()
     return True
 
 
@@ -549,7 +605,11 @@ class ManifestLastCommit(Commit):
     def begin(self, final: str, *, overwrite: bool) -> PendingCheckpoint:
         return self.store.begin(final, overwrite=overwrite)
 
-    def publish(self, pending: PendingCheckpoint, manifest: bytes, parts: Sequence[PartEntry | PartRef]) -> None:
+    def publish(self, pending: PendingCheckpoint, manifest: bytes, parts: Sequence[PartEntry | PartRef], *,
+                unsynced: Sequence[Any] = ()) -> None:
+        # MANIFEST's put makes the checkpoint visible at once: nothing can be made durable
+        # beside it, so every part file is first.
+        _helpers.together([u.close for u in unsynced])
         # Objects MANIFEST does not name are ignored by readers (§O.4): nothing to drop first.
         self.store.publish(pending, manifest)
 

@@ -67,9 +67,15 @@ class _LocalSink:
       ``fsync`` waits for the tail only, instead of the whole file after the last
       write. The fsync is still what makes the file durable; the early kicks change
       when the writes are issued, not what is guaranteed.
+
+    ``seal`` ends the writing without the fsync (every byte handed to the kernel, the
+    digests final); ``close`` then only waits for durability. A small save seals its
+    files, writes MANIFEST from their digests, and closes all of them together (spec
+    §10.7, the fused commit), so their fsyncs are one wait instead of two.
     """
 
-    __slots__ = ("path", "_fd", "_hasher", "_durable", "_feeder", "_iov", "_iov_bytes", "_pos", "_kicked", "_kick_every")
+    __slots__ = ("path", "_fd", "_hasher", "_durable", "_feeder", "_iov", "_iov_bytes", "_pos", "_kicked", "_kick_every",
+                 "_sealed")
 
     def __init__(self, path: str, chunk_size: int, durable: bool) -> None:
         self.path = path
@@ -83,6 +89,7 @@ class _LocalSink:
         self._kicked = 0  # bytes whose writeback was started
         every = knobs().writeback_bytes
         self._kick_every = every if durable and every > 0 and _sync_file_range is not None else 0
+        self._sealed: tuple[int, bytes] | None = None
 
     def write(self, data: memoryview | bytes) -> None:
         mv = data if type(data) is memoryview and data.format == "B" and data.ndim == 1 else memoryview(data).cast("B")
@@ -155,13 +162,22 @@ class _LocalSink:
             _sync_file_range(self._fd, self._kicked, self._pos - self._kicked, _SYNC_FILE_RANGE_WRITE)
             self._kicked = self._pos
 
-    def close(self) -> tuple[int, bytes]:
-        try:
+    def seal(self) -> tuple[int, bytes]:
+        """Hand every byte written to the kernel and finish the digests: (size, chunk
+        digests), what ``close`` will return. Nothing may be written after it, and the
+        file is not durable until ``close`` returns."""
+        if self._sealed is None:
             if self._iov:
                 self._flush()
             if self._feeder is not None:
                 feeder, self._feeder = self._feeder, None
                 feeder.finish()
+            self._sealed = (self._hasher.size, self._hasher.finish())
+        return self._sealed
+
+    def close(self) -> tuple[int, bytes]:
+        try:
+            sealed = self.seal()
             if self._durable:
                 os.fsync(self._fd)
         finally:
@@ -171,7 +187,7 @@ class _LocalSink:
             self._iov = []
             os.close(self._fd)
             self._fd = -1
-        return self._hasher.size, self._hasher.finish()
+        return sealed
 
     def discard(self) -> None:
         if self._feeder is not None:

@@ -2,8 +2,9 @@
 
 spec/checkpoint-format.md §10.7 lists every fsync a save makes and what it protects;
 this pins both the count and the order that makes them sufficient: each file is
-fsynced before MANIFEST exists, MANIFEST before the temporary directory, that directory
-before the publishing rename, and the parent after it. A crash (power loss, not just
+fsynced before MANIFEST exists (or, in the fused commit of a small ``ckpt.save``, with
+it, recovery then re-hashing such a copy), MANIFEST and the temporary directory before
+the publishing rename, and the parent after it. A crash (power loss, not just
 SIGKILL) at any point then leaves either no trace under the final name or a complete,
 durable checkpoint. Operations the durability rules do not need (a directory fsync
 after removing a replaced copy or a retention victim) must not come back.
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import ckpt
+import ckpt.storage.commit
 from ckpt.manager import CheckpointManager, RetentionPolicy
 from ckpt.storage import LocalStorage
 
@@ -87,27 +89,47 @@ def _state() -> dict[str, Any]:
 DATA = ("<tmp>/rank-00000.safetensors", "<tmp>/rank-00000.state.msgpack.zst")
 
 
-def _check_commit_order(ev: list[tuple[str, str]], prefix: str = "") -> int:
+def _check_commit_order(ev: list[tuple[str, str]], prefix: str = "", *, fused: bool = False) -> int:
     """The rules of §10.7 on one save's events; returns the index of the publishing step.
 
-    Two waits with no order between them run together (the tensor file's fsync while
-    the state file is written; MANIFEST's fsync beside the directory's), so the exact
-    interleaving varies; what must hold is this partial order.
+    Waits with no order between them run together (the tensor file's fsync while the
+    state file is written; MANIFEST's fsync beside the directory's; in a fused commit all
+    of them), so the exact interleaving varies; what must hold is this partial order.
+    Strict: every data file fsynced before MANIFEST exists. Fused (a small ``ckpt.save``):
+    MANIFEST created once the data files are written, and every fsync issued after it,
+    all done before the rename.
     """
     def at(event: tuple[str, str]) -> int:
         assert ev.count(event) == 1, (event, ev)
         return ev.index(event)
 
     manifest = at(("create", prefix + "<tmp>/MANIFEST"))
-    for f in DATA:
-        assert at(("create", prefix + f)) < at(("fsync", prefix + f)) < manifest, (f, ev)
     publish = next(i for i, (k, _) in enumerate(ev) if k in ("rename_noreplace", "exchange", "rename_dir"))
+    for f in DATA:
+        if fused:
+            assert at(("create", prefix + f)) < manifest < at(("fsync", prefix + f)) < publish, (f, ev)
+        else:
+            assert at(("create", prefix + f)) < at(("fsync", prefix + f)) < manifest, (f, ev)
     assert manifest < at(("fsync", prefix + "<tmp>/MANIFEST")) < publish
     assert manifest < at(("fsync-dir", prefix + "<tmp>")) < publish
     return publish
 
 
 def test_a_new_save_makes_three_files_three_fsyncs_and_two_directory_fsyncs_in_order(tmp_path: Path, log: Log) -> None:
+    ckpt.save(tmp_path / "c", _state(), step=1)
+    publish = _check_commit_order(log.events, fused=True)
+    assert log.events[publish:] == [("rename_noreplace", "<tmp> -> c"), ("fsync-dir", ".")]
+    assert log.kinds() == {"create": 3, "fsync": 3, "fsync-dir": 2, "rename_noreplace": 1}
+
+
+@pytest.mark.parametrize("limit", [0, 100], ids=["tensors-above", "files-above"])
+def test_a_save_above_the_fused_limit_makes_its_files_durable_before_the_manifest(
+    tmp_path: Path, log: Log, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    """Recovery re-hashes only copies up to FUSED_COMMIT_MAX (§10.3), so a larger save
+    keeps the strict order, whether its tensors (36 bytes here) or only its files (the
+    structure, the header: > 100 bytes) pass the limit."""
+    monkeypatch.setattr(ckpt.storage.commit, "FUSED_COMMIT_MAX", limit)
     ckpt.save(tmp_path / "c", _state(), step=1)
     publish = _check_commit_order(log.events)
     assert log.events[publish:] == [("rename_noreplace", "<tmp> -> c"), ("fsync-dir", ".")]
@@ -120,7 +142,7 @@ def test_an_overwrite_fsyncs_the_parent_once_and_not_after_removing_the_old_copy
     log.events.clear()
     ckpt.save(tmp_path / "c", _state(), step=2, overwrite=True, storage=LocalStorage(renameat2=rename2))
     ev = log.events
-    tail = ev[_check_commit_order(ev):]
+    tail = ev[_check_commit_order(ev, fused=True):]
     if rename2:
         assert tail == [("exchange", "<tmp> -> c"), ("fsync-dir", "."), ("remove", "<tmp>")]
     else:

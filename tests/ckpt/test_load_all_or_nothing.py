@@ -192,10 +192,19 @@ def _change_between_passes(monkeypatch: pytest.MonkeyPatch, path: Path, pos: int
     monkeypatch.setattr(CheckpointReader, "stream_file_into", stream)
 
 
+def _two_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read-twice load (no leased mapping: another user's file, a filesystem without
+    leases, an object store, a load off the main thread)."""
+    import ckpt._torchio
+
+    monkeypatch.setattr(ckpt._torchio, "_map_for_one_pass", lambda r, reader: False)
+
+
 def test_a_file_changed_between_the_passes_is_detected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     m, o = _model_opt(1)
     p = _save(tmp_path / "c", {"model": m, "optim": o})
     m2, o2 = _model_opt(2)
+    _two_pass(monkeypatch)
     _change_between_passes(monkeypatch, p, (p / ST).stat().st_size - 3)
     with pytest.raises(CheckpointChangedError, match="changed after it was verified") as ei:
         ckpt.load(p, {"model": m2, "optim": o2}, exactness="off")
@@ -215,6 +224,7 @@ def test_resume_reloads_an_older_checkpoint_after_a_file_changed_between_passes(
         mgr.close()
     m2, o2 = _model_opt(2)
     newest = tmp_path / "step-00000002"
+    _two_pass(monkeypatch)
     _change_between_passes(monkeypatch, newest, (newest / ST).stat().st_size - 3)
     mgr = CheckpointManager(tmp_path, {"model": m2, "optim": o2}, signals=())
     with pytest.warns(ResumeFallbackWarning, match=r"step-00000002.*CheckpointChangedError"):
@@ -222,6 +232,87 @@ def test_resume_reloads_an_older_checkpoint_after_a_file_changed_between_passes(
     assert res.step == 1
     assert all(torch.equal(a, b) for a, b in zip(older, m2.state_dict().values()))
     mgr.close()
+
+
+def _leases_here(tmp_path: Path) -> None:
+    import fcntl
+
+    from ckpt.storage import _lease
+
+    probe = tmp_path / "lease-probe"
+    probe.write_bytes(b"x")
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        fcntl.fcntl(fd, _lease.F_SETLEASE, fcntl.F_RDLCK)
+        fcntl.fcntl(fd, _lease.F_SETLEASE, fcntl.F_UNLCK)
+    except OSError as e:
+        pytest.skip(f"no read leases here ({e}): the in-place load reads twice instead of mapping")
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+def test_a_one_pass_load_copies_the_bytes_it_verified_even_if_the_file_is_overwritten_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leased mapping (spec §11): opening the file for writing breaks the lease, the
+    handler moves the verified bytes off the file before the writer may go on, and the
+    copy reads those. The load returns what was verified; the file is changed after it."""
+    from ckpt.storage import _lease
+
+    _leases_here(tmp_path)
+    m, o = _model_opt(1)
+    p = _save(tmp_path / "c", {"model": m, "optim": o})
+    m2, o2 = _model_opt(2)
+    moved = len(_lease.migrations())
+    _change_between_passes(monkeypatch, p, (p / ST).stat().st_size - 3)
+    ckpt.load(p, {"model": m2, "optim": o2}, exactness="off")
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+    assert _lease.migrations()[moved:] == (str(p / ST),)
+    with pytest.raises(ChecksumMismatchError):
+        ckpt.open(p).verify()
+
+
+def test_a_one_pass_load_reads_no_tensor_byte_through_pread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resume in one pass (issue 27 item 3): the tensor file is hashed and copied from the
+    leased mapping, not read twice (verify, then copy) through pread."""
+    from ckpt.storage.posix import LocalFile
+
+    _leases_here(tmp_path)
+    m, o = _model_opt(1, width=256)
+    p = _save(tmp_path / "c", {"model": m, "optim": o})
+    read: list[int] = []
+    real = LocalFile.pread_into
+
+    def counting(self: LocalFile, offset: int, buf: memoryview) -> int:
+        got = real(self, offset, buf)
+        if self.path.endswith(ST):
+            read.append(got)
+        return got
+
+    monkeypatch.setattr(LocalFile, "pread_into", counting)
+    m2, o2 = _model_opt(2, width=256)
+    ckpt.load(p, {"model": m2, "optim": o2}, exactness="off")
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+    assert sum(read) < 4096, read  # the safetensors header at most; before: twice the file
+    _two_pass(monkeypatch)
+    read.clear()
+    ckpt.load(p, {"model": m2, "optim": o2}, exactness="off")
+    assert sum(read) >= 2 * (p / ST).stat().st_size - 8192
+
+
+def test_a_lease_lost_before_the_copy_finished_is_a_changed_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel lets a writer through once the lease-break time passes (the main thread
+    stuck in one C call that long): the copied bytes may then not be the verified ones."""
+    from ckpt.storage import _lease
+
+    _leases_here(tmp_path)
+    m, o = _model_opt(1)
+    p = _save(tmp_path / "c", {"model": m, "optim": o})
+    m2, o2 = _model_opt(2)
+    monkeypatch.setattr(_lease, "unchanged", lambda mapping: False)
+    with pytest.raises(CheckpointChangedError, match="read lease was broken"):
+        ckpt.load(p, {"model": m2, "optim": o2}, exactness="off")
 
 
 # --- 2. a restore that does not take effect ------------------------------------------------------------

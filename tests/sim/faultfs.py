@@ -110,6 +110,15 @@ class _Sink:
         self._inner.discard()
 
 
+class _SealableSink(_Sink):
+    """A sink whose inner sink can be sealed (the local one): ``ckpt.save`` of a small
+    state then commits fused (spec §10.7), and the bytes stay unsynced until ``close``."""
+
+    def seal(self) -> tuple[int, bytes]:
+        self._owner._op("seal", self._path)
+        return self._inner.seal()
+
+
 class _Handle:
     def __init__(self, owner: "FaultyStorage", inner: Any) -> None:
         self._owner = owner
@@ -209,7 +218,8 @@ class FaultyStorage:
 
     def create(self, path: str, chunk_size: int, *, durable: bool = True) -> _Sink:
         self._op_plain("create", path)
-        sink = _Sink(self, path, self.inner.create(path, chunk_size, durable=durable), durable)
+        inner = self.inner.create(path, chunk_size, durable=durable)
+        sink = (_SealableSink if callable(getattr(inner, "seal", None)) else _Sink)(self, path, inner, durable)
         with self._lock:
             self._sinks[path] = sink
             self._unsynced[path] = 0

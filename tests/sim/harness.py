@@ -380,8 +380,12 @@ def _quiesce_and_lose_power(fs: FaultyStorage) -> list[str]:
     # chance to reach it (they are not joined: a dead process joins nothing).
     import threading
 
+    from ckpt import _helpers
+
+    # Reused helper threads never exit: wait until none runs a call instead.
+    _helpers.wait_idle(_hang_bound() / 10)
     for t in threading.enumerate():
-        if t is not threading.current_thread() and t.name.startswith("ckpt"):
+        if t is not threading.current_thread() and t.name.startswith("ckpt") and t.name != _helpers.NAME:
             t.join(timeout=_hang_bound() / 10)
     return fs.power_loss(random.Random(fs.rng.random()))
 
