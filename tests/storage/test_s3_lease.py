@@ -32,12 +32,13 @@ from ckpt import knobs
 from ckpt.errors import BackgroundSaveError, LeaseLostError, RunDirLockedError, SaveConflictError
 from ckpt.manager import CheckpointManager, RetentionPolicy, list_checkpoints
 from ckpt.writer import begin, commit, recover, write_part
+from hangs import hang_s
 
 pytest.importorskip("obstore", reason="the s3 extra is not installed (pip install 'ckpt-replay[s3]')")
 from ckpt.storage import _objlock  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HANG = 120  # an event not seen by then will not come: a hang detector, not a verdict
+HANG = hang_s(12.0, floor_s=120.0)  # an event not seen by then will not come: a hang detector (scaled), not a verdict
 
 pytestmark = pytest.mark.filterwarnings("ignore::ckpt.ledger.ResumeVerificationWarning")
 
