@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 import ckpt
 from ckpt.dcp.interop import read_dcp_metadata
 from ckpt.errors import FormatError
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,7 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return hangs.run([sys.executable, "-m", "ckpt_cli", *args], cwd=REPO, capture_output=True, text=True, bound_s=hangs.hang_s(30))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -24,6 +24,7 @@ from ckpt.ledger import LedgerStep, ResumeVerificationWarning, compare_runs, rea
 from ckpt.ledger import auto
 from ckpt.ledger.compare import likely_cause, compare_step
 from ckpt.ledger.ledger import ResumeVerified
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "ckpt", "scripts", "gpt_port.py")
@@ -40,8 +41,8 @@ def _run(cwd, *flags, kill_at=None):
     env["PYTHONPATH"] = ROOT
     if kill_at is not None:
         env["CKPT_LEDGER_KILL_AT"] = str(kill_at)
-    return subprocess.run([sys.executable, SCRIPT, "--out_dir=out", *flags], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return hangs.run([sys.executable, SCRIPT, "--out_dir=out", *flags], cwd=cwd, env=env, capture_output=True,
+                     text=True, bound_s=hangs.hang_s(30))
 
 
 def _kill_and_resume(tmp_path, port):
@@ -288,9 +289,9 @@ def test_values_round_trip_on_the_tape_and_a_differing_value_is_named(tmp_path):
 def _check(cwd, *command, work):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_LEDGER_", "CKPT_CHECK_", "CKPT_AUTO"))}
     env["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "10", "--work-dir", work,
+    return hangs.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "10", "--work-dir", work,
                            "--", sys.executable, SCRIPT, *command], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+                     bound_s=hangs.hang_s(60))
 
 
 @pytest.mark.parametrize("work", ["relative", "absolute"])

@@ -26,6 +26,7 @@ import zstandard
 import ckpt
 from tests.ckpt._manifest_kit import manifest_body, sign_manifest
 from ckpt.knobs import override
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -58,8 +59,8 @@ _PROBE = textwrap.dedent(
 
 
 def probe(path: Path, *actions: str, key: str = "") -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(path), key, *actions], cwd=REPO, capture_output=True, text=True, timeout=300
+    out = hangs.run(
+        [sys.executable, "-c", _PROBE, str(path), key, *actions], cwd=REPO, capture_output=True, text=True, bound_s=hangs.hang_s(30)
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.strip().splitlines()]

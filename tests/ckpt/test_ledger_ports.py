@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckpt
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "docs", "examples", "tiny_gpt.py")
@@ -26,8 +27,8 @@ def _run(cwd, *flags, kill_at=None):
     env["PYTHONPATH"] = ROOT
     if kill_at is not None:
         env["CKPT_LEDGER_KILL_AT"] = str(kill_at)
-    return subprocess.run([sys.executable, SCRIPT, "--out", "run", *STEPS, *flags], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return hangs.run([sys.executable, SCRIPT, "--out", "run", *STEPS, *flags], cwd=cwd, env=env,
+                     capture_output=True, text=True, bound_s=hangs.hang_s(30))
 
 
 def _tensors(path):
@@ -38,9 +39,9 @@ def _tensors(path):
 def _check_resume(tmp_path, *flags):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "9", "--work-dir",
+    return hangs.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "9", "--work-dir",
                            str(tmp_path), "--", sys.executable, SCRIPT, "--out", "{run}/run", *STEPS, *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                     cwd=ROOT, env=env, capture_output=True, text=True, bound_s=hangs.hang_s(60))
 
 
 def _checks(run_dir):
@@ -120,8 +121,8 @@ def test_check_resume_command_makes_no_claim(tmp_path, body, said):
     script.write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
-    res = subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--work-dir", str(tmp_path / "w"), "--",
+    res = hangs.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--work-dir", str(tmp_path / "w"), "--",
                           sys.executable, str(script), "{run}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+                    bound_s=hangs.hang_s(30))
     assert res.returncode == 2, res.stdout + res.stderr
     assert said in res.stdout and res.stdout.rstrip().endswith("NO CLAIM")

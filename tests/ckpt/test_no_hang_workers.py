@@ -30,6 +30,7 @@ from ckpt.manager import list_checkpoints
 from ckpt.writer import begin, commit, write_part
 
 from _hang_kit import PRELUDE, git_checkout, run_script
+import hangs
 
 EPOCHS = 10
 
@@ -289,7 +290,7 @@ SIGNALS = PRELUDE + textwrap.dedent("""
 def test_sigterm_terminates_after_managers_close_in_any_order(tmp_path: Path, order: str) -> None:
     script = tmp_path / "signals.py"
     script.write_text(SIGNALS)
-    p = subprocess.run([sys.executable, str(script), str(tmp_path), order], capture_output=True, timeout=300)
+    p = hangs.run([sys.executable, str(script), str(tmp_path), order], capture_output=True, text=False, bound_s=hangs.hang_s(30))
     out = (p.stdout + p.stderr).decode(errors="replace")
     assert p.returncode == -15, f"closing in order {order} left SIGTERM handled (rc {p.returncode}):\n{out[-3000:]}"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import hangs
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -50,7 +51,7 @@ def _run(run_dir: Path, out: Path, *, world: int, kill_at: int = 0) -> list[int]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     codes, outputs = [], []
     for p in procs:
-        o, _ = p.communicate(timeout=240)
+        o, _ = hangs.communicate(p, bound_s=hangs.hang_s(24))
         codes.append(p.returncode)
         outputs.append(o.decode(errors="replace"))
     if kill_at == 0 and any(codes):
