@@ -40,6 +40,7 @@ def test_bad_options_are_usage_errors(args: list[str]) -> None:
     assert p.returncode == 2 and "error:" in p.stderr, (p.returncode, p.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the run would measure")
 def test_without_cuda_it_says_so_and_exits_0() -> None:
     p = _run("--rounds", "7")

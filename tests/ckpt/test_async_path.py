@@ -98,6 +98,7 @@ print("leaving", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_interpreter_exit_waits_for_the_save_in_flight_and_an_idle_worker_does_not_hold_it(tmp_path: Path) -> None:
     import subprocess
     import sys

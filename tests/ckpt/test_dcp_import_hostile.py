@@ -131,6 +131,7 @@ def test_malformed_metadata_is_a_format_error(tmp_path: Path, case: str) -> None
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_the_cli_reports_each_malformed_metadata_in_one_line(tmp_path: Path) -> None:
     """`ckpt import dcp` as a real process: exit 3, one `error:` line naming the value, no
     traceback, nothing written (these were 9 tracebacks on 3930a40)."""

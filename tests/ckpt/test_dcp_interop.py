@@ -35,6 +35,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return hangs.run([sys.executable, "-m", "ckpt_cli", *args], cwd=REPO, capture_output=True, text=True, bound_s=hangs.hang_s(30))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_dcp_round_trip_through_our_format(tmp_path: Path) -> None:
     m, opt = _trained()
@@ -76,6 +77,7 @@ class _Evil:
         return (os.system, ("echo pwned",))
 
 
+@pytest.mark.slow
 def test_restricted_unpickler_refuses_foreign_globals(tmp_path: Path) -> None:
     d = tmp_path / "evil"
     d.mkdir()

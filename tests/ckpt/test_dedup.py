@@ -215,6 +215,7 @@ def _check_run(run: Path) -> None:
         assert torch.equal(got["ema"]["w"], torch.full((20000,), float(step // 3))), name
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_step_of_a_dedup_save_leaves_no_dangling_reference(tmp_path: Path) -> None:
     run = tmp_path / "run"
     # A save here is 14-24 storage operations (mkdir, links, creates, directory fsyncs, the publishing

@@ -55,6 +55,7 @@ def _kill_and_resume(tmp_path, port):
     return second
 
 
+@pytest.mark.slow
 def test_quick_start_swap_is_caught_at_its_first_resume_naming_the_cause(tmp_path):
     """torch.save/torch.load -> ckpt.save/ckpt.load and nothing else: DIFFERENT at the first
     re-run step, the cause named: the stream moved between the load and that step."""
@@ -71,6 +72,7 @@ def test_quick_start_swap_is_caught_at_its_first_resume_naming_the_cause(tmp_pat
     assert not problems and [c.verdict for t in tapes for c in t.checks] == ["diverged"]
 
 
+@pytest.mark.slow
 def test_guided_port_is_verified_exact_and_is_bit_identical(tmp_path):
     out = _kill_and_resume(tmp_path, "guided")
     assert out.stderr.splitlines() == [
@@ -294,6 +296,7 @@ def _check(cwd, *command, work):
                      bound_s=hangs.hang_s(60))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("work", ["relative", "absolute"])
 def test_check_resume_runs_the_script_where_it_lives_with_its_own_output_per_run(tmp_path, work):
     """The script reads data/input.txt relative to its working directory and resumes only
@@ -318,6 +321,7 @@ def test_check_resume_runs_the_script_where_it_lives_with_its_own_output_per_run
     assert "checkpoint ckpt: config differs in init_from, out_dir (not state" in swap.stdout
 
 
+@pytest.mark.slow
 def test_check_resume_refuses_a_run_whose_output_lands_outside_its_place(tmp_path):
     _data(tmp_path)
     res = _check(tmp_path, "--out_dir=" + str(tmp_path / "shared"), "--init_from={resume}", work="chk")

@@ -742,6 +742,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigkill_at_random_moments_leaves_previous_checkpoints_loadable(tmp_path: Path) -> None:
     script = tmp_path / "child.py"

@@ -90,6 +90,7 @@ def wait_for(cond, what):
 """
 
 
+@pytest.mark.slow
 def test_a_truncation_during_the_load_waits_and_the_load_returns_the_verified_bytes(tmp_path: Path, leases: None) -> None:
     _save(tmp_path / "c")
     code = CHILD_COMMON + """
@@ -117,6 +118,7 @@ print("ok", sum(float(v.double().sum()) for v in got.values()) == sum(float(v.do
         ckpt.open(tmp_path / "c").state()
 
 
+@pytest.mark.slow
 def test_tensors_in_use_survive_a_truncation_after_the_load(tmp_path: Path, leases: None) -> None:
     _save(tmp_path / "c")
     code = CHILD_COMMON + """
@@ -137,6 +139,7 @@ print("ok", round(sum(float(v.double().abs().sum()) for v in got.values()), 3) >
     assert p.stdout.split() == ["ok", "True"]
 
 
+@pytest.mark.slow
 def test_without_a_lease_a_truncation_during_the_read_is_a_clear_error(tmp_path: Path) -> None:
     _save(tmp_path / "c")
     code = CHILD_COMMON + """
@@ -218,6 +221,7 @@ def test_a_corrupt_chunk_in_either_half_is_refused_before_anything_is_returned(t
     assert torch.equal(got["t5"], _state()["t5"])
 
 
+@pytest.mark.slow
 def test_the_first_load_off_the_main_thread_reads_mmap_true_refuses_and_unsafe_mmap_maps(tmp_path: Path) -> None:
     _save(tmp_path / "c")
     code = CHILD_COMMON + """
@@ -250,6 +254,7 @@ offset = next(t.offset for t in ckpt.open(path).tensor_entries() if t.key == "s/
 """
 
 
+@pytest.mark.slow
 def test_mmap_true_without_a_lease_is_refused_where_an_overwrite_would_change_the_tensors(tmp_path: Path) -> None:
     """Issue 22 item 11: no lease (the program owns the lease signal), a file overwritten in
     place. ``mmap=True`` refuses; the default reads fresh memory the write cannot reach; only
@@ -274,6 +279,7 @@ print(torch.equal(fresh["t3"], want["t3"]), torch.equal(unsafe["t3"], want["t3"]
     assert p.stdout.split() == ["refused", "rank-00000.safetensors", "True", "written", "True", "False"], p.stdout
 
 
+@pytest.mark.slow
 def test_an_in_place_overwrite_after_a_leased_mmap_load_leaves_the_tensors_as_verified(tmp_path: Path, leases: None) -> None:
     """With the lease, ``mmap=True`` maps, and a writer opening the file breaks the lease
     first: the bytes are moved away before the write, which the tensors never see."""
@@ -296,6 +302,7 @@ def test_unsafe_mmap_contradicts_mmap_false(tmp_path: Path) -> None:
         ckpt.open(tmp_path / "c").state(mmap=False, unsafe_mmap=True)
 
 
+@pytest.mark.slow
 def test_an_unprotected_mapping_is_what_would_fault(tmp_path: Path) -> None:
     """The control: what the lease prevents. unsafe_mmap=True on a file with no lease possible
     (its signal is taken by the program), then a truncation: the child dies of SIGBUS."""

@@ -119,6 +119,7 @@ def test_the_replayed_window_trains_with_the_cached_experts(tmp_path) -> None:
     assert check_tape(tape.path) == []
 
 
+@pytest.mark.slow
 def test_the_warmup_moves_no_training_stream(tmp_path) -> None:
     # The same run twice: with a warmup whose cache is dropped right after it (so nothing
     # is replayed) and with no warmup at all. Bit-identical: the warmup's forward passes
@@ -131,6 +132,7 @@ def test_the_warmup_moves_no_training_stream(tmp_path) -> None:
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow
 def test_a_resume_inside_the_window_still_replays(tmp_path) -> None:
     straight = moe_run(str(tmp_path / "a"), every=2)
     cut = moe_run(str(tmp_path / "b"), every=2, stop=43)  # killed inside the replayed window

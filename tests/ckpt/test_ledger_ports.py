@@ -50,6 +50,7 @@ def _checks(run_dir):
     return [c for t in tapes for c in t.checks]
 
 
+@pytest.mark.slow
 def test_naive_port_is_caught_at_the_first_resumed_step_naming_the_batch(tmp_path):
     """check-resume -- python script.py: DIFFERENT with the cause; the resumed process's own
     verification (warn policy) named the batch at the first resumed step, on its tape."""
@@ -67,6 +68,7 @@ def test_naive_port_is_caught_at_the_first_resumed_step_naming_the_batch(tmp_pat
     assert "ResumeVerificationWarning: resume diverged at step 7" in log
 
 
+@pytest.mark.slow
 def test_evaluation_outside_isolated_is_named_as_the_cause(tmp_path):
     first = _run(tmp_path, "--save-batch", kill_at=9)
     assert first.returncode == -signal.SIGKILL, first.stderr
@@ -78,6 +80,7 @@ def test_evaluation_outside_isolated_is_named_as_the_cause(tmp_path):
     assert "ckpt.rng.isolated()" in out.stdout
 
 
+@pytest.mark.slow
 def test_correct_port_verifies_and_is_bit_identical(tmp_path):
     """check-resume -- python script.py says IDENTICAL; checked again here with torch.equal."""
     res = _check_resume(tmp_path, "--save-batch", "--isolate-eval")
@@ -115,6 +118,7 @@ ckpt.save(os.path.join(sys.argv[1], "ckpt"), {"w": torch.zeros(2)}, step=1)  # n
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, said", [(NO_CHECKPOINT, "never reached a checkpoint"), (NO_LEDGER, "no step ledger")])
 def test_check_resume_command_makes_no_claim(tmp_path, body, said):
     script = tmp_path / "s.py"

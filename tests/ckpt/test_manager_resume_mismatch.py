@@ -70,6 +70,7 @@ def _script(run_dir: Path, layers: int, width: int = 4) -> subprocess.CompletedP
                      capture_output=True, text=True, bound_s=hangs.hang_s(30))
 
 
+@pytest.mark.slow
 def test_a_changed_model_stops_the_script_and_leaves_the_run_byte_identical(tmp_path: Path) -> None:
     first = _script(tmp_path, layers=2)
     assert first.returncode == 0, first.stderr

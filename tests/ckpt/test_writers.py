@@ -72,6 +72,7 @@ def _start_holder(run: str) -> tuple[subprocess.Popen, int]:
     return p, int(line[1])
 
 
+@pytest.mark.slow
 def test_second_manager_is_refused_naming_pid_and_host_and_sigkill_leaves_no_stale_lock(tmp_path):
     run = str(tmp_path / "run")
     holder, pid = _start_holder(run)
@@ -108,6 +109,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.slow
 def test_a_forked_child_outliving_a_killed_holder_does_not_keep_the_lock(tmp_path):
     run = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD_AND_FORK), run], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -127,6 +129,7 @@ def test_a_forked_child_outliving_a_killed_holder_does_not_keep_the_lock(tmp_pat
             pass
 
 
+@pytest.mark.slow
 def test_lock_is_held_for_the_lifetime_and_released_by_close_and_context_exit(tmp_path):
     run = tmp_path / "run"
     a = CheckpointManager(run, {"c": {"n": 1}}, signals=())
@@ -259,6 +262,7 @@ except CheckpointExistsError as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rename2", [True, False], ids=["renameat2", "fallback"])
 def test_two_processes_racing_overwrite_false_exactly_one_wins(tmp_path, rename2):
     path, meet = tmp_path / "step-00000001", tmp_path / "meet"
@@ -325,6 +329,7 @@ def _crash_cases():
             yield pytest.param(rename2, overwrite, id=f"{'renameat2' if rename2 else 'fallback'}-{'overwrite' if overwrite else 'fresh'}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rename2,overwrite", list(_crash_cases()))
 def test_a_kill_at_any_step_of_the_commit_leaves_a_complete_copy_that_cleanup_keeps(tmp_path, rename2, overwrite):
     killed_at = []
@@ -457,6 +462,7 @@ print(json.dumps({"seen": seen, "stopped": mgr.should_stop, "saved": [r.step for
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
 def test_previous_signal_handler_is_called_and_restored_on_close(tmp_path, signame):
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SIG), str(tmp_path / "run"), signame], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

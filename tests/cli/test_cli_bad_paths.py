@@ -53,6 +53,7 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Complete
                      env=env, cwd=cwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_on_every_bad_path_is_one_line_and_its_code(bad_paths: dict[str, Any], command: str) -> None:
     base: Path = bad_paths["base"]

@@ -58,6 +58,7 @@ def _with_tty_stderr(args: list[str], env: dict[str, str]) -> tuple[int, str, st
     return rc, out, b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_verify_draws_a_bar_on_a_terminal_only(big: Path) -> None:
     rc, out, err = _with_tty_stderr([*CKPT, "verify", str(big)], _env())
     assert rc == 0 and out.startswith(f"ok: {big}")
@@ -74,6 +75,7 @@ def test_export_hf_draws_a_bar_on_a_terminal(big: Path, tmp_path: Path) -> None:
     assert rc == 0 and "exporting" in err and out.startswith("exported 'model'")
 
 
+@pytest.mark.slow
 def test_completion_scripts_generate_and_bash_loads_one() -> None:
     for shell, marker in (("bash", "complete -o nosort -F _ckpt_completion ckpt"), ("zsh", "#compdef ckpt"),
                           ("fish", "complete --no-files --command ckpt")):

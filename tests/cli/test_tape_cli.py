@@ -179,6 +179,7 @@ def test_cli_module_does_not_import_torch() -> None:
               bound_s=hangs.hang_s(6))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_real_subprocess(tape: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

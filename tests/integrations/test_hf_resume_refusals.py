@@ -62,6 +62,7 @@ def run(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_another_model_shape_is_refused_and_the_run_survives(run: Path) -> None:
     before = _tree(run)
     with warnings.catch_warnings():
@@ -76,6 +77,7 @@ def test_another_model_shape_is_refused_and_the_run_survives(run: Path) -> None:
     assert _tree(run) == before
 
 
+@pytest.mark.slow
 def test_a_changed_dropout_and_learning_rate_are_named_in_one_warning(run: Path) -> None:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -87,6 +89,7 @@ def test_a_changed_dropout_and_learning_rate_are_named_in_one_warning(run: Path)
     assert "training.max_steps: 4 -> 6" in msgs[0]
 
 
+@pytest.mark.slow
 def test_an_unchanged_resume_warns_nothing_about_config(run: Path) -> None:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")

@@ -59,6 +59,7 @@ def _assert_continues_identically(orig, rr) -> None:
     assert run.syncer.plans == orig.syncer.plans[rr.syncer_step:]
 
 
+@pytest.mark.slow
 def test_snapshots_committed_kept_by_retention_and_on_the_tape(snap_run) -> None:
     res, d = snap_run
     outcomes = res.extra["snapshots"]
@@ -104,6 +105,7 @@ def test_failed_learners_are_excluded_by_policy_and_taped(snap_run) -> None:
             assert a not in o["parts"]
 
 
+@pytest.mark.slow
 def test_force_replay_with_snapshots_is_identical(snap_run) -> None:
     res, _ = snap_run
     r = replay(res.tape, mode="force")
@@ -122,6 +124,7 @@ def test_restore_mid_run_snapshot_continues_bit_identically(snap_run) -> None:
     _assert_continues_identically(res, rr)
 
 
+@pytest.mark.slow
 def test_restore_earliest_snapshot_replays_the_faults_after_it(tmp_path: Path) -> None:
     # Every snapshot kept: the earliest one with all learners in it (usually syncer step
     # 1, before the kill) is continued; deaths, recoveries and rejoins after the cut are
@@ -219,6 +222,7 @@ class _SyncerCrash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) -> None:
     """The one fault that costs a pause: the syncer dies mid-run. The run goes on from
     a snapshot (dead learners left out of it are replaced), taking fresh decisions, on a new tape
@@ -271,6 +275,7 @@ def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) ->
         _same(theirs[a], mine[a])
 
 
+@pytest.mark.slow
 def test_a_partial_snapshot_continues_live_and_the_left_out_learners_rejoin(tmp_path: Path) -> None:
     """After a syncer fault the run continues from a snapshot that left a learner out while
     it was still recovering: the syncer and the included learners start from their parts,
