@@ -91,6 +91,7 @@ def test_snapshots_committed_kept_by_retention_and_on_the_tape(snap_run) -> None
     assert check_tape(res.tape) == []  # every cut consistent, every crossing message recorded
 
 
+@pytest.mark.slow
 def test_failed_learners_are_excluded_by_policy_and_taped(snap_run) -> None:
     res, _ = snap_run
     outcomes = res.extra["snapshots"]
@@ -113,6 +114,7 @@ def test_force_replay_with_snapshots_is_identical(snap_run) -> None:
     assert r.events_compared == sum(1 for e in TapeReader(res.tape).events() if e.kind.name != "actor")
 
 
+@pytest.mark.slow
 def test_restore_mid_run_snapshot_continues_bit_identically(snap_run) -> None:
     res, d = snap_run
     kept = [k for k in list_snapshots(d / "checkpoints") if k["meta"]["exact"]]  # kept by retention
@@ -162,6 +164,7 @@ def test_restore_refuses_a_non_snapshot(tmp_path: Path) -> None:
         restore_run(tmp_path / "nope.tape", p)
 
 
+@pytest.mark.slow
 def test_snapshot_parts_show_each_field_where_it_belongs(snap_run) -> None:
     """Parameters are the weights, optimizer state the optimizer, the loader state the
     data offsets, the run's config with its hash; and reading a part back gives exactly
