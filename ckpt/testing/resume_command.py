@@ -2,8 +2,8 @@
 
 The command runs as is, in the caller's working directory (so it finds its config and
 data files where it always does), twice: once straight through, and once as a chain of
-attempts, the first SIGKILLed right after step ``kill_at[0]`` (the ledger inside the
-script reads ``CKPT_LEDGER_KILL_AT``), the next resumed by the script itself and killed
+attempts, the first SIGKILLed right after step ``kill_at[0]`` (by the kill switch this
+harness installs in the script's ledger: ``ckpt.testing.kill_switch``), the next resumed by the script itself and killed
 at ``kill_at[1]``, and so on, the last run to the end. Each of the two runs writes to a
 place of its own under ``work``: ``{run}`` in the command becomes that directory
 (``WORK/straight``, ``WORK/resumed``), and the environment says it too
@@ -17,9 +17,9 @@ Then, bit for bit: every step of every ledger directory the command wrote (strai
 run against the resumed chain's newest record of each step: batch digest, loss bits,
 parameter digests, each used RNG stream, plain values), and every committed checkpoint
 both runs left at the same relative path (``ckpt.diff``; streams unused in both runs not
-compared). Verdicts: ``IDENTICAL``, ``DIFFERENT`` (with the first divergence and its
-likely cause), or ``NO CLAIM`` when the command wrote no ledger, never reached a
-checkpoint before a kill, or failed: such a check does not pass.
+compared). Verdicts (``ckpt.testing.verdict``): ``IDENTICAL``, ``DIFFERENT`` (with the
+first divergence and its likely cause), or ``NO CLAIM`` when the command wrote no ledger,
+never reached a checkpoint before a kill, or failed: such a check does not pass.
 """
 
 from __future__ import annotations
@@ -34,17 +34,18 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .compare import ResumeReport, compare_runs, used_streams
-from .ledger import ENV_KILL_AT
-from .record import LedgerStep
-from .tapefile import LedgerTape, read_ledger_dir
+from ..ledger.compare import ResumeReport, compare_runs, used_streams
+from ..ledger.record import LedgerStep
+from ..ledger.tapefile import LedgerTape, read_ledger_dir
+from .kill_switch import kill_env
+from .verdict import Verdict
 
 __all__ = ["CommandCheck", "check_command", "expand", "ENV_RUN", "ENV_RESUME"]
 
 
 @dataclass(frozen=True, slots=True)
 class CommandCheck:
-    verdict: str  # IDENTICAL | DIFFERENT | NO CLAIM
+    verdict: Verdict  # IDENTICAL, DIFFERENT or NO_CLAIM
     lines: tuple[str, ...]
     kill_at: tuple[int, ...] = ()
     reports: tuple[ResumeReport, ...] = field(default=(), repr=False)
@@ -53,11 +54,11 @@ class CommandCheck:
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "IDENTICAL"
+        return self.verdict.passed
 
     @property
     def exit_code(self) -> int:
-        return {"IDENTICAL": 0, "DIFFERENT": 6}.get(self.verdict, 2)
+        return self.verdict.exit_code
 
     @property
     def text(self) -> str:
@@ -143,7 +144,7 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
     resumed = os.path.join(work, "resumed")
     for d in (straight, resumed):
         if os.path.isdir(d) and os.listdir(d):
-            return CommandCheck("NO CLAIM", (*lines, f"{d} is not empty: a check needs fresh run directories (give "
+            return CommandCheck(Verdict.NO_CLAIM, (*lines, f"{d} is not empty: a check needs fresh run directories (give "
                                              "another --work-dir); nothing is claimed"), work=work)
         os.makedirs(d, exist_ok=True)
 
@@ -156,17 +157,17 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
     slog = os.path.join(work, "straight.log")
     rc = run(straight, slog, False)
     if rc != 0:
-        return CommandCheck("NO CLAIM", (*lines, f"the straight run exited with status {rc} (log: {slog}{_tail(slog)}); "
+        return CommandCheck(Verdict.NO_CLAIM, (*lines, f"the straight run exited with status {rc} (log: {slog}{_tail(slog)}); "
                                          "nothing is claimed"), work=work)
     ref = _ledgers(straight)
     if not ref:
-        return CommandCheck("NO CLAIM", (*lines, f"the command wrote no step ledger under {straight} (its output "
+        return CommandCheck(Verdict.NO_CLAIM, (*lines, f"the command wrote no step ledger under {straight} (its output "
                                          "goes elsewhere? give it {run}; or no ckpt.save/ckpt.load, no "
                                          "CheckpointManager and no ckpt.ledger.Ledger): nothing to compare, nothing "
                                          "is claimed"), work=work)
     ref_ckpts = _checkpoints(straight)
     if not ref_ckpts:
-        return CommandCheck("NO CLAIM", (*lines, "the command never reached a checkpoint: a resume cannot be "
+        return CommandCheck(Verdict.NO_CLAIM, (*lines, "the command never reached a checkpoint: a resume cannot be "
                                          "checked, nothing is claimed"), work=work)
     last = max(max(_history(t)) for t in ref.values() if _history(t))
     if kill_at:
@@ -181,21 +182,21 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
     runs = 2 + len(kills_at)
     tick(1, runs)
     for i, k in enumerate(kills_at):
-        rc = run(resumed, log, i > 0, {ENV_KILL_AT: str(k)})
+        rc = run(resumed, log, i > 0, kill_env(k, base))
         tick(2 + i, runs)
         if rc != -signal.SIGKILL:
-            return CommandCheck("NO CLAIM", (*lines, f"the attempt told to die at step {k} exited with status {rc} "
+            return CommandCheck(Verdict.NO_CLAIM, (*lines, f"the attempt told to die at step {k} exited with status {rc} "
                                              f"instead (log: {log}{_tail(log)}); nothing is claimed"), kills_at,
                                 work=work)
     rc = run(resumed, log, True)
     tick(runs, runs)
     if rc != 0:
-        return CommandCheck("NO CLAIM", (*lines, f"the last resumed attempt exited with status {rc} (log: {log}"
+        return CommandCheck(Verdict.NO_CLAIM, (*lines, f"the last resumed attempt exited with status {rc} (log: {log}"
                                          f"{_tail(log)}); nothing is claimed"), kills_at, work=work)
     got = _ledgers(resumed)
     opens = [o for tapes in got.values() for t in tapes for o in t.opens]
     if not any(o.start_step > 0 for o in opens):
-        return CommandCheck("NO CLAIM", (*lines, f"no attempt resumed from a checkpoint: the command never reached "
+        return CommandCheck(Verdict.NO_CLAIM, (*lines, f"no attempt resumed from a checkpoint: the command never reached "
                                          f"a checkpoint before step {kills_at[0]}; nothing is claimed"), kills_at, work=work)
     different = False
     reports = []
@@ -237,11 +238,11 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
             # the runs' own places (out_dir={run}) or init_from={resume} differ by design: not state
             lines.append(f"checkpoint {rel}: config differs in {', '.join(config) or 'its hash'} (not state; not "
                          "a difference of the resume)")
-    return CommandCheck("DIFFERENT" if different else "IDENTICAL", tuple(lines), kills_at, tuple(reports), work,
+    return CommandCheck(Verdict.DIFFERENT if different else Verdict.IDENTICAL, tuple(lines), kills_at, tuple(reports), work,
                         checks)
 
 
-def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - `python -m ckpt.ledger.check -- CMD`
+def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - `python -m ckpt.testing.resume_command -- CMD`
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "--":
         args = args[1:]

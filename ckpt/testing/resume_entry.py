@@ -56,7 +56,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from .errors import CkptError
+from ..errors import CkptError
+from .verdict import Verdict
 
 __all__ = [
     "RunContext",
@@ -130,6 +131,18 @@ class ResumeCheckResult:
     work_dir: str
 
     @property
+    def verdict(self) -> Verdict:
+        """REFUSED whenever a reason refuses the claim, even with differences listed: they
+        may come from the different environments, not from the resume."""
+        if self.refused:
+            return Verdict.REFUSED
+        return Verdict.IDENTICAL if self.identical else Verdict.DIFFERENT
+
+    @property
+    def exit_code(self) -> int:
+        return self.verdict.exit_code
+
+    @property
     def first(self) -> Divergence | None:
         return min(self.divergences, key=lambda d: (d.step if d.step is not None else 1 << 62), default=None)
 
@@ -147,10 +160,10 @@ class ResumeCheckResult:
             lines.append(f"  differs: {d}")
         if first is not None:
             lines.append(f"  first difference: {first}")
-        if self.refused:
+        if self.verdict is Verdict.REFUSED:
             lines.append("REFUSED: no exactness claim is made (see the reasons above)")
         else:
-            lines.append("IDENTICAL" if self.identical else "DIFFERENT")
+            lines.append(str(self.verdict))
         return "\n".join(lines)
 
 
@@ -209,7 +222,7 @@ class RunContext:
 
     def manager(self, state: Mapping[str, Any], **kwargs: Any) -> Any:
         """A ``CheckpointManager`` on ``run_dir`` that saves every ``save_every`` steps."""
-        from .manager import CheckpointManager, RetentionPolicy
+        from ..manager import CheckpointManager, RetentionPolicy
 
         ctx = self
 
@@ -329,7 +342,7 @@ class _Attempt:
     logs: list[Any] = field(default_factory=list)
 
 
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "numpy", "ckpt.resume_check", "ckpt.manager", "ckpt._torchio"]
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "numpy", "ckpt.testing.resume_entry", "ckpt.manager", "ckpt._torchio"]
 
 
 def _forkserver() -> Any:
@@ -408,7 +421,7 @@ def _launch(
         att.logs.append(log)
         att.procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "ckpt.resume_check", _CHILD_FLAG, json.dumps(spec)],
+                [sys.executable, "-m", "ckpt.testing.resume_entry", _CHILD_FLAG, json.dumps(spec)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=child_env,
@@ -544,7 +557,7 @@ def check_resume(
     try:
         attempts = []
         for i, k in enumerate((*kills, None)):
-            from .manager import list_checkpoints
+            from ..manager import list_checkpoints
 
             committed = [r.name for r in list_checkpoints(chain_run) if r.committed]
             att = _launch(base, os.path.join(work, "interrupted", f"attempt-{i}"), chain_run, k, i, world_size, (resume_env or {}) if i else {}, isolation)
@@ -559,8 +572,8 @@ def check_resume(
 
 
 def _compare(entry: str, steps: int, kills: tuple[int, ...], world_size: int, work: str, ref_dir: str, ref_run: str, attempts: list[_Attempt]) -> ResumeCheckResult:
-    from .reader import CheckpointReader
-    from .writer import part_name_for_rank
+    from ..reader import CheckpointReader
+    from ..writer import part_name_for_rank
 
     divergences: list[Divergence] = []
     refused: list[str] = []
@@ -646,7 +659,7 @@ def _fhex(v: str | None) -> str:
 
 def exactness_refusals(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Why a bit-exact claim cannot be made between two part contexts (empty: it can)."""
-    from .context.env import env_differences
+    from ..context.env import env_differences
 
     out = [f"environment {d}" for d in env_differences(saved.get("env") or {}, current.get("env") or {})]
     wa = (saved.get("topology") or {}).get("world_size", 1)
@@ -703,7 +716,7 @@ def _first_diff(x: Any, y: Any, path: str, count: list[int]) -> tuple[str | None
         if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
             return path, f"{type(x).__name__} != {type(y).__name__}"
         count[0] += 1
-        from .diff import tensor_diff
+        from ..diff import tensor_diff
 
         d = tensor_diff(x, y, max_abs=False)
         if d.equal:

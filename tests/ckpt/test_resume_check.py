@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from ckpt.resume_check import ResumeCheckError, check_resume, compare_checkpoints, exactness_refusals
+from ckpt.testing.resume_entry import ResumeCheckError, check_resume, compare_checkpoints, exactness_refusals
 from ckpt.testing import assert_resume_exact
 
 ENTRY = "runs.basic.resume_tiny:train"
