@@ -3,8 +3,8 @@
 The command runs as is, in the caller's working directory (so it finds its config and
 data files where it always does), twice: once straight through, and once as a chain of
 attempts, the first SIGKILLed right after step ``kill_at[0]`` (by the kill switch this
-harness installs in the script's ledger: ``ckpt.testing.kill_switch``), the next resumed by the script itself and killed
-at ``kill_at[1]``, and so on, the last run to the end. Each of the two runs writes to a
+harness installs in the script's ledger: ``ckpt.testing.kill_switch``), the next resumed
+by the script itself and killed at ``kill_at[1]``, and so on, the last run to the end. Each of the two runs writes to a
 place of its own under ``work``: ``{run}`` in the command becomes that directory
 (``WORK/straight``, ``WORK/resumed``), and the environment says it too
 (``CKPT_CHECK_RUN``). ``{resume}`` becomes ``scratch`` for a run's first attempt and
