@@ -1,18 +1,11 @@
-"""Moved to ``ckpt.testing`` (the harness in ``ckpt.testing.resume_entry``); this name
-resolves for one release, with a DeprecationWarning."""
+"""One-release shim: the entry-point harness is ``ckpt.testing.resume_entry`` (its public
+names also in ``ckpt.testing``); importing this name warns and gives that module."""
 
-from __future__ import annotations
-
+import sys
 import warnings
-from typing import Any
 
-from .testing import resume_entry as _moved
+from .testing import resume_entry
 
-__all__ = list(_moved.__all__)
-
-warnings.warn("ckpt.resume_check moved to ckpt.testing (check_resume, RunContext, ...: "
-              "ckpt.testing.resume_entry)", DeprecationWarning, stacklevel=2)
-
-
-def __getattr__(name: str) -> Any:
-    return getattr(_moved, name)
+warnings.warn("ckpt.resume_check moved to ckpt.testing (check_resume, RunContext, ...: ckpt.testing.resume_entry)",
+              DeprecationWarning, stacklevel=2)
+sys.modules[__name__] = resume_entry
