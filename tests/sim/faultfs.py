@@ -11,7 +11,9 @@ operation:
   so that no ``except Exception`` in the code under test can swallow a death). Every
   later operation from any thread dies too, as the threads of a dead process would;
 * ``sigkill``: the real process dies before the operation (SIGKILL), for a test that
-  runs the code under test in a child process and looks at what the death left.
+  runs the code under test in a child process and looks at what the death left;
+* ``refuse``: a ``link`` or ``exchange`` is not done and says so (returns False), as on a
+  backend without the capability; on any other operation it is a plan error.
 
 The plan names operations by index (``kinds``), or by what they are (``rules``: the
 operation's name and the end of its path, e.g. the first ``close`` of a ``.safetensors``
@@ -52,7 +54,7 @@ from typing import Any, Callable, Literal
 
 __all__ = ["SimCrash", "FaultPlan", "FaultRule", "FaultyStorage", "flip_bit", "replace_file", "committed_files"]
 
-FaultKind = Literal["eio", "enospc", "torn", "crash", "sigkill"]
+FaultKind = Literal["eio", "enospc", "torn", "crash", "sigkill", "refuse"]
 
 
 class SimCrash(BaseException):
@@ -234,9 +236,14 @@ class FaultyStorage:
         return kind  # "torn" is the sink's to act on; elsewhere it is a plain crash
         # (see _op_plain)
 
-    def _op_plain(self, name: str, path: str) -> None:
-        if self._op(name, path) == "torn":
+    def _op_plain(self, name: str, path: str, *, refusable: bool = False) -> bool:
+        """Count the operation and inject its fault; False: a ``refuse`` (do not do it)."""
+        kind = self._op(name, path)
+        if kind == "torn":
             self._die(f"crash at operation {self.ops - 1} ({name} {path})")
+        if kind == "refuse" and not refusable:
+            raise ValueError(f"a {name} cannot be refused (only link and exchange report not doing it)")
+        return kind != "refuse"
 
     # -- name bookkeeping (the power-loss model) ------------------------------------
     def _name(self, kind: str, path: str, src: str = "", dirs: tuple[str, ...] = ()) -> None:
@@ -333,7 +340,8 @@ class FaultyStorage:
         self._renamed(src, dst)
 
     def exchange(self, a: str, b: str) -> bool:
-        self._op_plain("exchange", b)
+        if not self._op_plain("exchange", b, refusable=True):
+            return False
         done = self.inner.exchange(a, b)
         if done and self.scheme == "file":
             # An exchange is two renames in one step; the model keeps it whole (both
@@ -375,7 +383,8 @@ class FaultyStorage:
                     n.durable = True
 
     def link(self, src: str, dst: str) -> bool:
-        self._op_plain("link", dst)
+        if not self._op_plain("link", dst, refusable=True):
+            return False
         done = self.inner.link(src, dst)
         if done and self.scheme == "file":
             self._name("link", dst)
