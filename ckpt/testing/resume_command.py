@@ -185,8 +185,11 @@ def check_command(argv: Sequence[str], *, kill_at: Sequence[int] = (), kills: in
         rc = run(resumed, log, i > 0, kill_env(k, base))
         tick(2 + i, runs)
         if rc != -signal.SIGKILL:
+            # the switch rides on PYTHONPATH and sitecustomize: python -E, -I or -S skips it
+            hint = (" (the kill switch was not installed, or the run ended before that step: does it run Python with "
+                    "-E, -I or -S, which skip PYTHONPATH or sitecustomize?)") if rc == 0 else ""
             return CommandCheck(Verdict.NO_CLAIM, (*lines, f"the attempt told to die at step {k} exited with status {rc} "
-                                             f"instead (log: {log}{_tail(log)}); nothing is claimed"), kills_at,
+                                             f"instead{hint} (log: {log}{_tail(log)}); nothing is claimed"), kills_at,
                                 work=work)
     rc = run(resumed, log, True)
     tick(runs, runs)

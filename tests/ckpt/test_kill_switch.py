@@ -101,3 +101,38 @@ def test_the_old_module_names_resolve_with_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "ENV_KILL_AT" not in ckpt.ledger.__all__
+
+
+COMMAND = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[2])  # the repository: found under python -E too
+    import torch
+    import ckpt
+    from ckpt.ledger import Ledger
+    run = sys.argv[1]
+    led = Ledger(os.path.join(run, "ledger"), verify="off")
+    for step in range(1, 7):
+        if step == 3:
+            ckpt.save(os.path.join(run, "ckpt"), {"w": torch.zeros(2)}, step=3, overwrite=True, ledger=False)
+        led.step(step, loss=float(step))
+    led.close()
+    """
+)
+
+
+def test_check_command_kills_through_the_switch_and_names_a_python_that_skips_it(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckpt.testing import check_command
+
+    script = tmp_path / "train.py"
+    script.write_text(COMMAND)
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    # killed at step 4 as told; this script never resumes, so the check claims nothing for that reason
+    res = check_command([sys.executable, str(script), "{run}", ROOT], kill_at=[4], work=str(tmp_path / "w1"))
+    assert res.verdict is Verdict.NO_CLAIM and res.exit_code == 2
+    assert "no attempt resumed from a checkpoint" in res.text, res.text
+    # python -E ignores PYTHONPATH, so the switch is never installed: said so, not passed off as a result
+    res = check_command([sys.executable, "-E", str(script), "{run}", ROOT], kill_at=[4], work=str(tmp_path / "w2"))
+    assert res.verdict is Verdict.NO_CLAIM and "exited with status 0 instead" in res.text
+    assert "-E, -I or -S" in res.text
