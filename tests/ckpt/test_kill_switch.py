@@ -43,6 +43,7 @@ def _steps(cwd: Path) -> list[int]:
     return [s.step for t in tapes for s in t.steps]
 
 
+@pytest.mark.slow
 def test_the_installed_switch_kills_right_after_the_step_and_the_bare_variable_does_nothing(tmp_path: Path) -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     base["PYTHONPATH"] = ROOT
@@ -122,6 +123,7 @@ COMMAND = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_check_command_kills_through_the_switch_and_names_a_python_that_skips_it(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from ckpt.testing import check_command
