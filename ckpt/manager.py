@@ -210,6 +210,7 @@ _NAME_RE = re.compile(r"^step-(\d{8,})$")
 
 
 def checkpoint_name(step: int) -> str:
+    """The directory name of a step's checkpoint in a run directory: ``step-NNNNNNNN``."""
     return f"step-{step:08d}"
 
 

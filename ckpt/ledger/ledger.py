@@ -36,8 +36,11 @@ __all__ = ["Ledger", "ResumeVerificationWarning", "ResumeVerified", "ResumeNotic
            "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY"]
 
 ENV_DIR = "CKPT_LEDGER_DIR"
+"""The variable that puts step ledgers in another directory than next to the checkpoints."""
 ENV_KILL_AT = "CKPT_LEDGER_KILL_AT"
+"""``CKPT_LEDGER_KILL_AT=K``: the process SIGKILLs itself right after step K is recorded (``ckpt check-resume``)."""
 ENV_VERIFY = "CKPT_LEDGER_VERIFY"
+"""The variable that overrides the resume verification policy: ``strict``, ``warn`` or ``off``."""
 _MISSING: Any = object()
 Policy = Literal["strict", "warn", "off"]
 
