@@ -49,7 +49,7 @@ bench: venv
 
 # the long fuzz run: mutated, re-signed checkpoints and tapes, then the fault simulator over
 # every write path (bench/sim.py), then random-kill trials of every trainer integration
-# (bench/trainer_trials.py); each prints the counts the README quotes
+# (bench/trainer_trials.py); each prints the counts the docs quote
 FUZZ_CASES ?= 5000
 SIM_TRIALS ?= 700
 TRAINER_TRIALS ?= 10
