@@ -10,7 +10,6 @@ the reference documents) that has none.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import sys
@@ -33,7 +32,7 @@ def _directives() -> list[str]:
 def _public_objects() -> list[tuple[str, object]]:
     """``(name as exported, griffe object)`` for every non-module name in the ``__all__`` of each
     module the reference renders; a name a package only resolves at run time (its lazy
-    ``__getattr__``) is looked up where it is defined, and that place must be rendered too."""
+    ``__getattr__``, which griffe cannot see) must be rendered from its home module in the package."""
     loader = griffe.GriffeLoader(search_paths=[str(ROOT)])
     for package in ("ckpt", "replay"):
         loader.load(package)
@@ -50,11 +49,10 @@ def _public_objects() -> list[tuple[str, object]]:
                 continue  # __version__: shown by the package's own docstring, not an API object
             exported = f"{dotted}.{name}"
             member = obj.members.get(name)
-            if member is None:  # lazy: defined elsewhere, imported on first use
-                value = getattr(importlib.import_module(dotted), name)
-                home = f"{value.__module__}.{value.__qualname__}"
-                assert home in rendered, f"{exported} is public but no reference page renders it (add `::: {home}`)"
-                member = collection.get_member(home)
+            if member is None:  # lazy (the package's __getattr__ imports it on first use): rendered from its home
+                homes = [r for r in rendered if r.startswith(f"{dotted}.") and r.endswith(f".{name}")]
+                assert homes, f"{exported} is public but no reference page renders it (add `::: {dotted}.MODULE.{name}`)"
+                member = collection.get_member(homes[0])
             target = member.final_target if member.is_alias else member
             if not target.is_module:
                 found.append((exported, target))
