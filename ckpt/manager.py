@@ -680,6 +680,7 @@ class CheckpointManager:
         return 0 if self._staging is None else self._staging.nbytes
 
     def checkpoints(self) -> list[CheckpointRecord]:
+        """The run directory's checkpoints, oldest first, with the metrics retention ranks them by."""
         return list_checkpoints(self.run_dir, with_metrics=True, storage=self._storage)
 
     def latest(self, *, verify: bool = True) -> LatestCheckpoint | None:
