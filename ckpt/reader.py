@@ -190,7 +190,8 @@ class CheckpointReader:
         return self.manifest.step
 
     def part(self, name: str | None = None) -> PartEntry:
-        """The MANIFEST entry of one part (a rank's files and tensors) (the only one when ``name`` is None; a checkpoint of several parts needs the name)."""
+        """The MANIFEST entry of one part (a rank's files and tensors); ``name`` may be None only
+        when the checkpoint has one part."""
         try:
             return self.manifest.part(name)
         except KeyError as e:
