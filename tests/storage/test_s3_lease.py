@@ -245,7 +245,7 @@ def test_the_heartbeat_never_blocks_process_exit(s3) -> None:
     st = s3.storage()
     assert st.isfile(s3.url("exit/.ckpt-writer.lock"))
     with CheckpointManager(s3.url("exit"), {"m": _model()}, signals=()) as mgr:
-        assert mgr._lock.held
+        assert mgr._role.lock.held
 
 
 # --- cleanup never deletes what a live writer may still commit --------------------------
