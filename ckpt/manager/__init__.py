@@ -17,7 +17,8 @@ One module per concern:
 from __future__ import annotations
 
 from .._linkcheck import SharedFileDamagedWarning
-from ._resume import ConfigChangedWarning, ResumeFallbackWarning, config_changes, warn_config_changed  # noqa: F401 - the integrations'
+# config_changes and warn_config_changed: not in __all__, imported by the integrations
+from ._resume import ConfigChangedWarning, ResumeFallbackWarning, config_changes, warn_config_changed  # noqa: F401
 from ._saver import SaveReport
 from .hooks import StepCall, StepHook
 from .listing import CheckpointRecord, LatestCheckpoint, checkpoint_name, latest, list_checkpoints
