@@ -139,38 +139,15 @@ def write(job: SaveJob, *, dist: Any, storage: Storage, config: Any, code_dir: s
     temporary directory removed) if anything fails before the commit."""
     from ..writer import abort, begin, commit, write_part
 
+    # what the distributed save and this process's one part are both given
+    common: dict[str, Any] = dict(step=job.step, config=config, data=job.data, rng=job.rng, extra=job.extra,
+                                  lineage=job.lineage, code_dir=code_dir, storage=storage, options=options)
     if dist is not None:
-        dist.save(
-            job.path,
-            job.state,
-            step=job.step,
-            config=config,
-            data=job.data,
-            rng=job.rng,
-            extra=job.extra,
-            lineage=job.lineage,
-            meta=job.meta,
-            code_dir=code_dir,
-            storage=storage,
-            options=options,
-        )
+        dist.save(job.path, job.state, meta=job.meta, **common)
         return
     pending = begin(job.path, overwrite=options.overwrite, storage=storage)
     try:
-        part = write_part(
-            pending,
-            "rank-00000",
-            job.state,
-            step=job.step,
-            config=config,
-            data=job.data,
-            rng=job.rng,
-            extra=job.extra,
-            lineage=job.lineage,
-            code_dir=code_dir,
-            storage=storage,
-            options=options,
-        )
+        part = write_part(pending, "rank-00000", job.state, **common)
         commit(pending, [part], step=job.step, meta=job.meta, storage=storage)
     except BaseException:
         abort(pending, storage=storage)
