@@ -270,10 +270,10 @@ class CheckpointManager:
         self._check_open()
         self._raise_failure()
         if self.ledger is not None:
-            self.ledger.step(step, batch=batch, loss=loss, values=values, kill=False)
+            self.ledger.step(step, batch=batch, loss=loss, values=values, done=False)
         saved = self._after_step_save(step, metrics, extra)
         if self.ledger is not None:
-            self.ledger.maybe_kill(step)
+            self.ledger.step_done(step)  # after the step and its save: where a harness kills
         return saved
 
     @property
