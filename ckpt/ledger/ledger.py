@@ -36,7 +36,9 @@ __all__ = ["Ledger", "ResumeVerificationWarning", "ResumeVerified", "ResumeNotic
            "ENV_DIR", "ENV_VERIFY", "StepHook", "STEP_HOOKS"]
 
 ENV_DIR = "CKPT_LEDGER_DIR"
+"""The variable that puts step ledgers in another directory than next to the checkpoints."""
 ENV_VERIFY = "CKPT_LEDGER_VERIFY"
+"""The variable that overrides the resume verification policy: ``strict``, ``warn`` or ``off``."""
 _MISSING: Any = object()
 Policy = Literal["strict", "warn", "off"]
 

@@ -45,6 +45,9 @@ __all__ = ["CommandCheck", "check_command", "expand", "ENV_RUN", "ENV_RESUME"]
 
 @dataclass(frozen=True, slots=True)
 class CommandCheck:
+    """The outcome of ``check_command``: the verdict, the report lines ``ckpt check-resume`` prints,
+    the kill steps and the ledgers' resume reports."""
+
     verdict: Verdict  # IDENTICAL, DIFFERENT or NO_CLAIM
     lines: tuple[str, ...]
     kill_at: tuple[int, ...] = ()

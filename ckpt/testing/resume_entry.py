@@ -110,6 +110,8 @@ class Divergence:
 
 @dataclass(frozen=True, slots=True)
 class ResumeEvent:
+    """One attempt of a kill-and-resume check: what it resumed from, at which step, and where it was killed."""
+
     attempt: int
     checkpoint: str | None  # name of the checkpoint resumed from; None: started fresh
     step: int
@@ -118,6 +120,9 @@ class ResumeEvent:
 
 @dataclass(frozen=True, slots=True)
 class ResumeCheckResult:
+    """The outcome of ``check_resume``: identical or not, the refusals, the divergences, the
+    resumes, and how much was compared."""
+
     entry: str
     steps: int
     kill_at: tuple[int, ...]

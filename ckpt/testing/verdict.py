@@ -15,6 +15,8 @@ __all__ = ["Verdict", "EXIT_CODES"]
 
 
 class Verdict(enum.StrEnum):
+    """The verdict of a kill-and-resume check; ``EXIT_CODES`` maps each to the command's exit code."""
+
     #: every compared step, tensor, RNG stream and data position is bit-identical
     IDENTICAL = "IDENTICAL"
     #: the resumed run differs; the first difference is named
@@ -42,3 +44,4 @@ EXIT_CODES: dict[Verdict, int] = {
     Verdict.REFUSED: 6,
     Verdict.NO_CLAIM: 2,
 }
+"""The exit code of ``ckpt check-resume`` for each verdict: 0 identical, 6 different or refused, 2 no claim."""
