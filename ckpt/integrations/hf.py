@@ -51,7 +51,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..data import ResumableLoader
-from ..manager import CheckpointManager, RetentionPolicy, list_checkpoints
+from ..manager import CheckpointManager, RetentionPolicy
+from ..manager.listing import may_resume
 
 __all__ = ["CkptTrainer"]
 
@@ -197,7 +198,9 @@ class CkptTrainer(Trainer):
                              trial: Any = None, ignore_keys_for_eval: Any = None) -> Any:
         # A non-None marker turns on Trainer's resume path (its load hooks, which we own);
         # whether a checkpoint actually verifies is decided in _init_training_state.
-        marker = self.ckpt_dir if any(r.committed for r in list_checkpoints(self.ckpt_dir)) else None
+        # A crashed save's complete temporary copy counts: the manager publishes it when it
+        # takes the run's lock, after this decision (ckpt.manager.listing.may_resume).
+        marker = self.ckpt_dir if may_resume(self.ckpt_dir) else None
         try:
             return super()._inner_training_loop(batch_size, args, marker, trial, ignore_keys_for_eval)
         finally:
