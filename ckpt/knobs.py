@@ -4,7 +4,7 @@ Limits here are *reader* limits as well: a reader refuses any declared size abov
 them before allocating (see spec/checkpoint-format.md §Limits).
 
 This module is the one place the packages read environment variables (spec/knobs.md
-lists every one; tests/test_layering.py refuses a direct read anywhere else). Two kinds:
+lists every one; tests/test_env_reads.py refuses a direct read anywhere else). Two kinds:
 
 - :class:`Knobs` fields, read once at import (sizes, bounds, thread counts): a process
   changes them with :func:`override`, not by setting the variable later;
