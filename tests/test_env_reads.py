@@ -20,9 +20,10 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "ckpt/context/provenance.py": (1, "passes this environment on to git"),
     "cli/bisect_cmd.py": (6, "passes the environment on to its children, and the sitecustomize source it writes "
                              "for them reads the CKPT_DET_* variables it set"),
-    "ckpt/resume_check.py": (2, "the kill-and-resume harness: builds its children's environment"),
-    "ckpt/ledger/check.py": (1, "the kill-and-resume harness: builds its children's environment"),
-    "ckpt/ledger/ledger.py": (1, "CKPT_LEDGER_KILL_AT, the harness's kill switch (issue 28 moves it into the harness)"),
+    "ckpt/testing/resume_entry.py": (2, "the kill-and-resume harness: sets its attempt's environment, builds its "
+                                        "children's"),
+    "ckpt/testing/resume_command.py": (1, "the kill-and-resume harness: builds its children's environment"),
+    "ckpt/testing/kill_switch.py": (2, "kill_env extends a given environment (default: this one) for a child"),
 }
 
 
