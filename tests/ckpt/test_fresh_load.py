@@ -246,6 +246,41 @@ print(res.get("refused"), all(t.untyped_storage().resizable() for t in s.values(
     assert p.stdout.split() == ["rank-00000.safetensors", "True", "False", "0"]
 
 
+def test_the_lease_handler_opt_out_and_the_explicit_install(tmp_path: Path, leases: None) -> None:
+    """``CKPT_LEASE_HANDLER=off``: no load installs a signal handler (fresh memory instead of
+    a mapping); ``ckpt.storage.install_lease_handler()`` from the main thread installs it,
+    after which a load in another thread maps too; off the main thread it is refused."""
+    _save(tmp_path / "c")
+    code = CHILD_COMMON + """
+import signal, threading
+import ckpt.storage
+from ckpt.errors import UnprotectedMappingError
+os.environ["CKPT_LEASE_HANDLER"] = "off"
+sig = _lease.lease_signal()
+s = ckpt.open(path).state()["s"]
+untouched = signal.getsignal(sig) is signal.SIG_DFL and not _lease.handler_installed()
+res = {}
+def install():
+    try:
+        ckpt.storage.install_lease_handler()
+    except UnprotectedMappingError as e:
+        res["refused"] = "main thread" in str(e)
+th = threading.Thread(target=install); th.start(); th.join()
+ckpt.storage.install_lease_handler()
+ckpt.storage.install_lease_handler()  # idempotent
+def load():
+    res["m"] = ckpt.open(path).state()["s"]
+th = threading.Thread(target=load); th.start(); th.join()
+m = res["m"]
+assert all(torch.equal(s[k], want[k]) and torch.equal(m[k], want[k]) for k in want)
+print(untouched, all(t.untyped_storage().resizable() for t in s.values()), res.get("refused"),
+      signal.getsignal(sig) is _lease._on_break, any(t.untyped_storage().resizable() for t in m.values()))
+"""
+    p = _run(code, str(tmp_path / "c"))
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    assert p.stdout.split() == ["True", "True", "True", "True", "False"]
+
+
 OVERWRITE = """
 OVERWRITE = [sys.executable, "-c",
              "import sys; f = open(sys.argv[1], 'r+b'); f.seek(int(sys.argv[2])); f.write(bytes(64)); f.close(); print('written')",
