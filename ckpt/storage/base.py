@@ -30,6 +30,12 @@ class FileSink(Protocol):
     for upload and has not)."""
 
     def write(self, data: memoryview | bytes) -> None: ...
+    # Hand every byte written so far to the store's own buffers (a local sink: to the
+    # kernel), so that a process killed from here on leaves them in the file; not a
+    # durability point (``close`` is). Every sink has it, wrappers forward it: a wrapper
+    # that dropped it would leave a commit's MANIFEST empty on a kill (spec §10.3). A
+    # sink that writes nothing until close (an object upload) does nothing.
+    def flush(self) -> None: ...
     def close(self) -> tuple[int, bytes]: ...  # (size, concatenated chunk digests)
     def discard(self) -> None: ...
 

@@ -332,9 +332,7 @@ class RenameCommit(Commit):
             # Hand MANIFEST's bytes to the kernel now (a local sink gathers small writes
             # until close): from here on, a process killed at any point leaves a complete
             # temporary copy that recovery can publish (§10.3).
-            flush = getattr(sink, "flush", None)
-            if flush is not None:
-                flush()
+            sink.flush()
             # MANIFEST's fsync and the directory's (which now lists every file, MANIFEST
             # included) have no order between them, only both before the rename (§10.7);
             # in a fused commit neither have the part files' fsyncs (recovery re-hashes a

@@ -781,6 +781,9 @@ class S3Sink:
         self._done = True
         return self._hasher.size, self._hasher.finish()
 
+    def flush(self) -> None:
+        pass  # an object exists only once its upload completes, at close
+
     def discard(self) -> None:
         self._head = []
         if self._q is not None and self._thread is not None and not self._done:

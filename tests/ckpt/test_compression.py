@@ -286,6 +286,9 @@ class _KeepingSink:
     def write(self, data: Any) -> None:
         self.held.append(data)
 
+    def flush(self) -> None:
+        pass  # an upload holds its buffers until close
+
     def close(self) -> tuple[int, bytes]:
         for b in self.held:
             self.inner.write(b)

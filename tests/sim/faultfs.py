@@ -135,13 +135,14 @@ class _Sink:
             mv = memoryview(data).cast("B")
             cut = self._owner.rng.randrange(0, len(mv) + 1)
             self._inner.write(bytes(mv[:cut]))
-            flush = getattr(self._inner, "flush", None)
-            if flush is not None:
-                flush()
+            self._inner.flush()
             self.written += cut
             self._owner._die(f"torn write of {self._path} after {cut} of {len(mv)} bytes")
         self._inner.write(data)
         self.written += len(memoryview(data).cast("B"))
+
+    def flush(self) -> None:
+        self._inner.flush()
 
     def close(self) -> tuple[int, bytes]:
         self._owner._op("close", self._path)
