@@ -976,7 +976,7 @@ class CheckpointManager:
                     ) -> tuple[Any, str, list[str]] | None:
         """Load the first of ``names`` that loads (``resume()``'s fallback rule); returns
         (result, its name, the names skipped before it), or None."""
-        from ._torchio import prepare_load
+        from ._load import prepare_load
 
         skipped: list[str] = []
         changed: Exception | None = None  # an apply failed: targets stay unusable until a load succeeds

@@ -329,7 +329,7 @@ class _Attempt:
     logs: list[Any] = field(default_factory=list)
 
 
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "numpy", "ckpt.resume_check", "ckpt.manager", "ckpt._torchio"]
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "numpy", "ckpt.resume_check", "ckpt.manager", "ckpt._load"]
 
 
 def _forkserver() -> Any:

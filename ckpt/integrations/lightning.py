@@ -286,7 +286,7 @@ class CkptCheckpointIO(CheckpointIO):
              config=self._config(checkpoint), overwrite=True)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
-        from .._torchio import load_into
+        from .._load import load_into
 
         reader = CheckpointReader(os.fspath(path))
         module = self._module()
