@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata,torchft,s3]'
 	touch $@
 
-.PHONY: venv demo test check busy-test busy-demos bench fuzz clean
+.PHONY: venv demo test check lint busy-test busy-demos bench fuzz clean
 venv: $(BIN)/.installed
 
 # the demo refuses a used directory (it never overwrites a tape): start demo-out afresh
@@ -28,6 +28,11 @@ test: venv
 # the edit-test loop: the unit tier (no multi-process runs, no demos)
 check: venv
 	$(BIN)/python -m pytest -q -m "not cuda and not slow"
+
+# dead code at 80% confidence and above (unused imports, variables, arguments, unreachable
+# code); a false positive goes in tests/vulture_whitelist.py, naming its caller
+lint: venv
+	$(BIN)/python -m vulture ckpt replay cli runs tests/vulture_whitelist.py --min-confidence 80
 
 # the suite and the demos on a busy machine: four CPU hogs beside them (bench/busy.py)
 BUSY_RUNS ?= 1

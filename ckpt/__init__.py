@@ -138,7 +138,7 @@ def load(
     from ._load import load_into
 
     reader = CheckpointReader(path)
-    from .dcp.layout import is_sharded
+    from .format.manifest import is_sharded
 
     if part is None and is_sharded(reader.manifest):
         # A sharded checkpoint (spec/sharded-format.md): DCP reshards onto this job's

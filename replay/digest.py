@@ -25,13 +25,7 @@ __all__ = ["bytes_digest", "tensor_digest", "named_digests", "state_digest", "mo
            "payload_digest", "RNG_SOURCES"]
 
 # One tensor digest in the repository: ckpt.ledger.digest (the step ledger lives below replay).
-from ckpt.ledger.digest import bytes_digest, dtype_name as _dtype_name, tensor_digest  # noqa: E402,F401
-
-
-def _u8() -> Any:
-    import torch
-
-    return torch.uint8
+from ckpt.ledger.digest import bytes_digest, tensor_digest  # noqa: E402,F401
 
 
 def named_digests(named: Iterable[tuple[str, "torch.Tensor"]]) -> tuple[bytes, list[tuple[str, bytes]]]:

@@ -28,7 +28,7 @@ import torch
 from ..errors import FormatError, LimitExceededError, UnsafePathError
 from ..format.dtypes import dtype_name, itemsize
 from ..knobs import knobs
-from ..dcp.layout import is_sharded
+from ..format.manifest import is_sharded
 
 __all__ = ["read_dcp_metadata", "import_dcp", "export_dcp", "ALLOWED_GLOBALS"]
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import CheckpointExistsError, FormatError, UnsupportedValueError
-from ..dcp.layout import is_sharded
+from ..format.manifest import is_sharded
 from ..format import dtypes
 from ..format.safetensors import TensorSlot, build_header
 from ..format.tree import TensorRef

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ..errors import FormatError, UnsupportedVersionError
 from ..format import dtypes
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, is_sharded  # noqa: F401 - re-exported: ckpt.dcp.is_sharded
 
 __all__ = ["LAYOUT_VERSION", "Chunk", "TensorRecord", "ValueRecord", "ShardedLayout", "box_name", "decode_layout", "is_sharded"]
 
@@ -82,10 +82,6 @@ class ShardedLayout:
 def box_name(offsets: tuple[int, ...] | list[int]) -> str:
     """Name of a chunk inside its fqn's map in the part's ``shards`` entry (§S.2)."""
     return ",".join(str(int(o)) for o in offsets)
-
-
-def is_sharded(manifest: Manifest) -> bool:
-    return isinstance(manifest.meta, Mapping) and "sharded" in manifest.meta
 
 
 def _int(v: Any, lo: int, hi: int) -> bool:
