@@ -563,7 +563,7 @@ class CheckpointReader:
         if entry is not None and part is None:
             entry, part = self._entry_or_part(entry)
         if part is None and is_sharded(self.manifest):  # sharded hook: global tensors (ckpt.dcp)
-            from .dcp.full import full_state
+            from ._unshard import full_state
 
             full = full_state(self, verify=verify)
             if entry is None:

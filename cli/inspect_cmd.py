@@ -112,7 +112,7 @@ def _packed(p: Any) -> dict[str, Any] | None:
 
 def sharded_summary(r: Any) -> dict[str, Any]:
     """Global tensors and their shard layout (spec/sharded-format.md), validated, no torch."""
-    from ckpt.dcp.layout import decode_layout
+    from ckpt.format.sharded import decode_layout
 
     lay = decode_layout(r.manifest, path=r.path)
     return {

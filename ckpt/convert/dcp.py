@@ -325,7 +325,7 @@ def _load_item(item: _Item) -> Any:
 
 
 def _nest(flat: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
-    from ..dcp.full import _set
+    from .._unshard import _set
 
     out: dict[Any, Any] = {}
     for fqn, v in flat.items():

@@ -32,7 +32,7 @@ from ..save_options import SaveOptions, options_from
 from ..storage import Storage, resolve
 from ..writer import CheckpointInfo, abort, part_name_for_rank
 from .integration_probe import holds_dtensor
-from .layout import decode_layout
+from ..format.sharded import decode_layout
 
 __all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "unwrap_checkpoint_error"]
 
