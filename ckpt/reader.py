@@ -577,8 +577,9 @@ class CheckpointReader:
         return materialize_entry(self, pe, entry, map_location=map_location, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
 
     def _entry_or_part(self, name: str) -> tuple[str | None, str | None]:
-        """``state(NAME)`` selects an entry. A part name there is the old signature
-        (``state(part)``): still accepted, with a DeprecationWarning."""
+        """``state(NAME)`` selects an entry. A part name there (``state(part)``) is
+        accepted with a DeprecationWarning for one release, so that callers written
+        against the positional part keep running while they move to ``part=``."""
         if is_sharded(self.manifest) or not any(pe.name == name for pe in self.parts):
             return name, None
         if len(self.parts) == 1 and name in self.tree(name)["state"]:

@@ -54,7 +54,7 @@ CAUSES: dict[str, str] = {
     "params": "the parameter digest differs while everything recorded before it was equal: state that the "
               "checkpoint does not hold (pass batch= to after_step to find the first step)",
 }
-#: the old name of "state" when only the loss differs (kept: tools match on it)
+#: "state" when only the loss differs: a separate key because tools match on the cause name
 CAUSES["loss"] = CAUSES["state"]
 
 #: values the ledger records itself (spec/tape-format.md §6.3): digests, not shown as values
