@@ -140,6 +140,8 @@ def _rebuild(cls, message, path, offset, key, context):  # pragma: no cover - tr
 
 
 class CheckpointNotFoundError(CkptError, FileNotFoundError):
+    """No checkpoint at this path (exit code 5)."""
+
     exit_code = 5
 
 
@@ -174,7 +176,7 @@ class NotACheckpointError(FormatError):
 
 
 class UnsupportedVersionError(FormatError):
-    pass
+    """A format version this reader does not know: a newer major version is refused, never misread."""
 
 
 class LimitExceededError(FormatError):
@@ -192,19 +194,19 @@ class IntegrityError(CkptError, ValueError):
 
 
 class ChecksumMismatchError(IntegrityError):
-    pass
+    """A chunk's or the MANIFEST's digest does not match its bytes (exit code 3)."""
 
 
 class SizeMismatchError(IntegrityError):
-    pass
+    """A file is shorter or longer than the MANIFEST says (truncated or extended)."""
 
 
 class MissingFileError(IntegrityError):
-    pass
+    """A file the MANIFEST names is absent."""
 
 
 class UnexpectedFileError(IntegrityError):
-    pass
+    """A file in the checkpoint that the MANIFEST does not name."""
 
 
 class CheckpointChangedError(IntegrityError):
@@ -218,7 +220,7 @@ class CheckpointChangedError(IntegrityError):
 
 
 class CheckpointExistsError(CkptError, FileExistsError):
-    pass
+    """Refusing to replace an existing checkpoint: pass ``overwrite=True`` to replace it."""
 
 
 class StateMismatchError(CkptError, ValueError):
@@ -345,7 +347,7 @@ class TapeCorruptError(TapeDataError):
 
 
 class TapeTruncatedError(TapeDataError):
-    """A torn tail where a whole tape is required (§7 rule 2)."""
+    """A torn tail where a whole tape is required (§7 rule 2; ``ckpt tape repair`` truncates it)."""
 
     reason = "truncated"
 

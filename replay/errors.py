@@ -49,6 +49,9 @@ __all__ = [
 
 
 class ReplayError(Exception):
+    """The base of every error ``replay`` raises on purpose; ``str()`` names the context it knows
+    (path, offset, seq, channel), and ``exit_code`` is what the ``ckpt`` command exits with."""
+
     exit_code: int = 1
 
     def __init__(self, message: str, **context: Any) -> None:
@@ -68,27 +71,29 @@ def _rebuild(cls, message, context):  # pragma: no cover - trivial
 
 
 class DivergenceError(ReplayError, AssertionError):
+    """A replay produced an event other than the tape's (exit code 6)."""
+
     exit_code = 6
 
 
 class ChannelError(ReplayError, RuntimeError):
-    pass
+    """A transport failure on a channel."""
 
 
 class PeerDiedError(ChannelError):
-    pass
+    """The peer went away mid-message."""
 
 
 class MessageTooLargeError(ChannelError):
-    pass
+    """A message above the channel's declared bound."""
 
 
 class ReceiveTimeoutError(ChannelError, TimeoutError):
-    pass
+    """No message arrived within the receive's timeout."""
 
 
 class SnapshotError(ReplayError, RuntimeError):
-    pass
+    """A snapshot aborted, or cannot be restored."""
 
 
 class HangError(ReplayError, TimeoutError):

@@ -83,8 +83,10 @@ def is_sharded(manifest: "Manifest") -> bool:
     ``sharded``. Here, beside the manifest, because the reader, the converters and the
     sharded path itself all ask, and the reader sits below ``ckpt.dcp``."""
     return isinstance(manifest.meta, Mapping) and "sharded" in manifest.meta
-# A directory being written or deleted (spec §3): never a checkpoint; readers and listings skip it.
+
+
 TMP_PREFIX = ".tmp-"
+"""The name prefix of a directory being written or deleted (spec §3): never a checkpoint; readers and listings skip it."""
 _HEADER = struct.Struct("<8sHHIQ")
 HEADER_SIZE = _HEADER.size  # 24
 
