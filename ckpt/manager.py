@@ -168,7 +168,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 from . import _linkcheck
 from ._linkcheck import SharedFileDamagedWarning
 from .context import prime as prime_context
-from .dcp.layout import is_sharded
+from .format.manifest import is_sharded
 from .errors import (
     BackgroundSaveError,
     CheckpointExistsError,
