@@ -12,7 +12,7 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata,torchft,s3,docs]'
 	touch $@
 
-.PHONY: venv demo test check docs busy-test busy-demos bench fuzz clean
+.PHONY: venv demo test check lint docs busy-test busy-demos bench fuzz clean
 venv: $(BIN)/.installed
 
 # the demo refuses a used directory (it never overwrites a tape): start demo-out afresh
@@ -33,6 +33,11 @@ test: venv
 # the edit-test loop: the unit tier (no multi-process runs, no demos)
 check: venv
 	$(BIN)/python -m pytest -q -m "not cuda and not slow" $(XDIST)
+
+# dead code at 80% confidence and above (unused imports, variables, arguments, unreachable
+# code); a false positive goes in tests/vulture_whitelist.py, naming its caller
+lint: venv
+	$(BIN)/python -m vulture ckpt replay cli runs tests/vulture_whitelist.py --min-confidence 80
 
 # the documentation site, into site/ (strict: a broken link or a missing page fails it);
 # `$(BIN)/mkdocs serve` serves it while you edit

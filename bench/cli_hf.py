@@ -44,7 +44,7 @@ def main() -> None:
     import torch
 
     import ckpt
-    from ckpt.interop.hf import export_hf
+    from ckpt.convert.hf import export_hf
 
     work = Path(tempfile.mkdtemp(prefix="bench-cli-hf-"))
     try:

@@ -297,7 +297,7 @@ def bench_restore(tensors: dict[str, torch.Tensor], base: str, rounds: int) -> N
     from a warm page cache; a cold-cache figure beside it. The verified load hashes the
     tensor file through a leased mapping and copies from it (one pass); the two-pass read
     (pread to verify, pread to copy), where no lease can be taken, is timed beside it."""
-    import ckpt._torchio
+    import ckpt._load
 
     d = os.path.join(tempfile.mkdtemp(dir=base), "c")
     ckpt.save(d, {"state": tensors}, step=0)
@@ -306,15 +306,15 @@ def bench_restore(tensors: dict[str, torch.Tensor], base: str, rounds: int) -> N
     for v in dst.values():
         v.fill_(1.0)  # pre-fault the destination, as a resumed run's tensors are
     target = {"state": dst}
-    one_pass = ckpt._torchio._map_for_one_pass
+    one_pass = ckpt._load._map_for_one_pass
 
     def load(verify: bool, mapped: bool = True) -> None:
         if not mapped:
-            ckpt._torchio._map_for_one_pass = lambda r, reader: False
+            ckpt._load._map_for_one_pass = lambda r, reader: False
         try:
             ckpt.load(d, target, restore_rng=False, verify=verify, exactness="off")
         finally:
-            ckpt._torchio._map_for_one_pass = one_pass
+            ckpt._load._map_for_one_pass = one_pass
 
     contenders: dict[str, Callable[[], Any]] = {
         "memcpy (1 thread)": lambda: _memmove_all(tensors, dst),

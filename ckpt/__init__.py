@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._torchio import LoadResult
+    from ._load import LoadResult
     from .manager import CheckpointManager, RetentionPolicy, apply_retention, checkpoint_name, latest, list_checkpoints
     from .writer import CheckpointInfo, PendingCheckpoint, abort, begin, commit, write_part
 
@@ -135,10 +135,10 @@ def load(
     ``restore_rng=False`` holds the streams back: restore them with
     ``ckpt.rng.restore_rng(result.context["rng"])`` right before the first step.
     """
-    from ._torchio import load_into
+    from ._load import load_into
 
     reader = CheckpointReader(path)
-    from .dcp.layout import is_sharded
+    from .format.manifest import is_sharded
 
     if part is None and is_sharded(reader.manifest):
         # A sharded checkpoint (spec/sharded-format.md): DCP reshards onto this job's
@@ -180,7 +180,7 @@ _LAZY = {
     "commit": ("writer", "commit"),
     "abort": ("writer", "abort"),
     "PendingCheckpoint": ("writer", "PendingCheckpoint"),
-    "LoadResult": ("_torchio", "LoadResult"),
+    "LoadResult": ("_load", "LoadResult"),
     "CheckpointManager": ("manager", "CheckpointManager"),
     "RetentionPolicy": ("manager", "RetentionPolicy"),
     "apply_retention": ("manager", "apply_retention"),

@@ -2,7 +2,7 @@
 
 The torch side of ``CheckpointReader.tensor`` and ``CheckpointReader.state``. It takes
 the reader as an argument and imports nothing from ``reader``, so the reader can import
-it lazily without an import cycle; the in-place load (``_torchio``) builds on it.
+it lazily without an import cycle; the in-place load (``_load``) builds on it.
 """
 
 from __future__ import annotations

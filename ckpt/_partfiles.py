@@ -307,16 +307,12 @@ def reuse_from(path: str | os.PathLike[str], part: str, *, storage: Storage | No
     Reads the MANIFEST and this part's own detail only (one part manifest), not the whole
     checkpoint: every rank of a large job asks for its own part; the files to share are
     checked one by one before they are linked (:func:`_shareable`)."""
-    from .format.manifest import MANIFEST_NAME, PartRef, decode_manifest, decode_part_manifest
-    from .storage import resolve
+    from .format.manifest import PartRef, decode_part_manifest
+    from .storage import read_manifest, resolve
 
     try:
         storage, root = resolve(path, storage)
-        mpath = os.path.join(root, MANIFEST_NAME)
-        st = storage.lstat(mpath)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > knobs().max_manifest_bytes + 64:
-            return None
-        m = decode_manifest(storage.read(mpath, 0, st.st_size), path=mpath)
+        m, _ = read_manifest(storage, root)
         if part not in m.parts.names:
             return None
         entry = m.parts.listed()[m.parts.index(part)]

@@ -246,7 +246,7 @@ class DistributedCheckpointer:
         map_location: Any = None,
     ) -> Any:
         """Load this rank's part (``Replicated`` entries resolve to rank 0's bytes)."""
-        from ._torchio import load_into
+        from ._load import load_into
         from .reader import CheckpointReader
 
         reader = CheckpointReader(path)

@@ -38,7 +38,8 @@ keeps working for callers who do not know this package::
     ├── DistributedUsageError        (RuntimeError)       single-process API under a process group
     ├── UnsupportedSchemeError       (ValueError)         a URL no installed storage backend serves
     ├── StorageError                 (OSError)            an object store refused or failed a request
-    ├── TapeDataError                (FormatError)        tape bytes (ckpt.tape framing)
+    ├── TapeDataError                (FormatError)        tape bytes (ckpt.tape framing); also
+    │   │                                                 replay.errors.TapeError: one set of classes
     │   ├── TapeCorruptError / TapeTruncatedError / TapeFormatError / TapeLimitError
     ├── ResumeDivergedError          (RuntimeError)       a resumed step differs from the ledger (strict)
     ├── GuardError                   (RuntimeError)       the loss-spike guard could not roll back
@@ -311,33 +312,56 @@ class UnprotectedMappingError(CkptError, OSError):
 
 class TapeDataError(FormatError):
     """Tape bytes (spec/tape-format.md) that do not decode. ``reason`` is one of
-    ``corrupt``, ``truncated``, ``format``, ``limit`` (§7); ``replay`` raises its own
-    ``TapeError`` subclass for each, this class is what the pure framing in
-    ``ckpt.tape`` raises so that ``ckpt`` can read a ledger tape without ``replay``."""
+    ``corrupt``, ``truncated``, ``format``, ``limit`` (§7).
+
+    The framing lives in ``ckpt.tape`` (the step ledger reads tapes without ``replay``),
+    so its errors are defined here once: ``replay.errors.TapeError`` *is* this class, and
+    its four leaves are these leaves, so one ``except`` catches a bad tape whichever
+    package read it. A tape names where it failed by record as well as by byte: the
+    extra context (``seq``, ``field``) reads as attributes and is named in ``str()``."""
 
     reason = "format"
 
+    def located(self, message: str | None = None, **where: Any) -> "TapeDataError":
+        """The same failure, placed more exactly by a caller that knows more (the file,
+        the record's offset or seq): ``where`` overrides, an unset ``path`` is filled."""
+        fields = {"path": self.path, "offset": self.offset, "key": self.key, **self.context, **where}
+        return type(self)(self.message if message is None else message, **fields)
+
+    def __getattr__(self, name: str) -> Any:
+        context = self.__dict__.get("context")
+        if context is not None and name in context:
+            return context[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _render(self) -> str:
+        extra = ", ".join(f"{k} {v}" for k, v in self.context.items() if v is not None)
+        base = super()._render()
+        if not extra:
+            return base
+        return f"{base[:-1]}, {extra})" if base.endswith(")") and base != self.message else f"{base} ({extra})"
+
 
 class TapeCorruptError(TapeDataError):
-    """Tape framing read by ``ckpt`` (a ledger tape): a bad record followed by valid ones."""
+    """A bad record followed by a valid one: damage, not a torn tail (§7 rule 1)."""
 
     reason = "corrupt"
 
 
 class TapeTruncatedError(TapeDataError):
-    """Tape framing read by ``ckpt`` (a ledger tape): a torn tail where a whole tape is required."""
+    """A torn tail where a whole tape is required (§7 rule 2; ``ckpt tape repair`` truncates it)."""
 
     reason = "truncated"
 
 
 class TapeFormatError(TapeDataError):
-    """Tape framing read by ``ckpt`` (a ledger tape): bad magic, an unknown version or a bad header."""
+    """Bad magic, an unknown version, a bad header, flag or payload."""
 
     reason = "format"
 
 
 class TapeLimitError(TapeDataError):
-    """Tape framing read by ``ckpt`` (a ledger tape): a length above the documented bound."""
+    """A length or count above the documented bound (§12)."""
 
     reason = "limit"
 

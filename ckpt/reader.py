@@ -20,14 +20,12 @@ from typing import Any, Callable, Iterator
 from ._gc import paused as gc_paused
 from ._ranges import ChunkVerifier, RangeWalker, Target, read_tiled
 from ._statecheck import check_part
-from .dcp.layout import is_sharded
 from .errors import (
     CheckpointNotFoundError,
     CheckpointVanishedError,
     CkptError,
     FormatError,
     IncompleteCheckpointError,
-    LimitExceededError,
     MissingFileError,
     NotACheckpointError,
     SizeMismatchError,
@@ -45,13 +43,13 @@ from .format.manifest import (
     PartEntry,
     PartRef,
     TensorEntry,
-    decode_manifest,
     decode_part_manifest,
+    is_sharded,
 )
 from .format.safetensors import check_against_manifest, parse_header
 from .format.tree import DeviceRef, DtypeRef, TensorRef, decode_tree
 from .knobs import knobs
-from .storage import ReadHandle, Storage, resolve
+from .storage import ReadHandle, Storage, read_manifest, resolve
 
 __all__ = ["CheckpointReader", "open_checkpoint", "VerifyReport", "TMP_PREFIX"]
 
@@ -95,27 +93,17 @@ class CheckpointReader:
         # After resolving: a link named "latest" to a temporary dir is still temporary.
         if os.path.basename(p).startswith(TMP_PREFIX):
             raise IncompleteCheckpointError("temporary directory of an unfinished save, not a checkpoint", path=p)
-        mpath = os.path.join(p, MANIFEST_NAME)
         try:
-            mst = self._storage.lstat(mpath)
+            # decoding also recomputes the content id (§5.2)
+            manifest, self._manifest_bytes = read_manifest(self._storage, p)
+        except CheckpointVanishedError:
+            raise
         except FileNotFoundError:
             try:
                 self._storage.lstat(p)
             except FileNotFoundError:  # the directory itself went away after the first lstat
                 raise CheckpointVanishedError("the checkpoint was removed while it was being opened", path=p) from None
             raise _not_a_checkpoint(p, self._storage) from None
-        if not stat.S_ISREG(mst.st_mode):
-            raise UnsafePathError("MANIFEST is not a regular file", path=mpath)
-        limit = knobs().max_manifest_bytes + 64
-        if mst.st_size > limit:
-            raise LimitExceededError(f"MANIFEST is {mst.st_size} bytes, above the limit", path=mpath)
-        try:
-            data = self._storage.read(mpath, 0, mst.st_size)
-            self._manifest_bytes = data
-        except FileNotFoundError:
-            raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened", path=mpath) from None
-        with gc_paused():
-            manifest = decode_manifest(data, path=mpath)  # also recomputes the content id (§5.2)
         # Part references (format 2.0 §V.5) are read when their part is first needed.
         manifest.parts.bind(lambda ref: self._load_part(ref, manifest))
         try:
@@ -585,7 +573,7 @@ class CheckpointReader:
         if entry is not None and part is None:
             entry, part = self._entry_or_part(entry)
         if part is None and is_sharded(self.manifest):  # sharded hook: global tensors (ckpt.dcp)
-            from .dcp.full import full_state
+            from ._unshard import full_state
 
             full = full_state(self, verify=verify)
             if entry is None:
@@ -599,8 +587,9 @@ class CheckpointReader:
         return materialize_entry(self, pe, entry, map_location=map_location, verify=verify, mmap=mmap, unsafe_mmap=unsafe_mmap)
 
     def _entry_or_part(self, name: str) -> tuple[str | None, str | None]:
-        """``state(NAME)`` selects an entry. A part name there is the old signature
-        (``state(part)``): still accepted, with a DeprecationWarning."""
+        """``state(NAME)`` selects an entry. A part name there (``state(part)``) is
+        accepted with a DeprecationWarning for one release, so that callers written
+        against the positional part keep running while they move to ``part=``."""
         if is_sharded(self.manifest) or not any(pe.name == name for pe in self.parts):
             return name, None
         if len(self.parts) == 1 and name in self.tree(name)["state"]:

@@ -31,7 +31,7 @@ def import_dcp_cmd(src: str, dst: str, overwrite: bool, as_json: bool) -> None:
 
     Exit 0; 2 DST exists (without --overwrite); 3 SRC corrupt or refused by the
     restricted unpickler; 5 SRC missing; 7 SRC is not a DCP checkpoint (what it is named)."""
-    from ckpt.dcp.interop import import_dcp
+    from ckpt.convert.dcp import import_dcp
     from ckpt.probe import probe_path
 
     found = probe_path(src)
@@ -64,7 +64,7 @@ def export_dcp_cmd(src: str, dst: str, as_json: bool) -> None:
 
     Exit 0; 2 DST not empty; 3 corrupt; 4 incomplete; 5 SRC missing; 7 not a checkpoint."""
     from ckpt import CheckpointReader
-    from ckpt.dcp.interop import export_dcp
+    from ckpt.convert.dcp import export_dcp
 
     CheckpointReader(src)  # what SRC is, before anything is written (exit 3/4/5/7)
     refuse_nonempty(dst, "DST", "export into a new or empty directory")

@@ -1,4 +1,4 @@
-"""``ckpt export hf CKPT OUT_DIR``: one entry in the Hugging Face layout (``ckpt.interop.hf``)."""
+"""``ckpt export hf CKPT OUT_DIR``: one entry in the Hugging Face layout (``ckpt.convert.hf``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def export_hf_cmd(src: str, out_dir: str, entry: str, part: str | None, max_shar
     Exit 0; 2 OUT_DIR not empty (without --overwrite) or no such ENTRY; 3 corrupt;
     4 incomplete; 5 CKPT missing; 7 CKPT is not a checkpoint."""
     from ckpt import CheckpointReader
-    from ckpt.interop.hf import export_hf, parse_size
+    from ckpt.convert.hf import export_hf, parse_size
 
     try:
         parse_size(max_shard_size)

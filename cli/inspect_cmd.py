@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from ckpt.format.manifest import is_sharded
 from ckpt_cli._common import classify, dump_json, handle_errors, human_bytes, json_option, not_found, when, wrong_kind
 
 
@@ -77,7 +78,7 @@ def manifest_summary(r: Any) -> dict[str, Any]:
         "bytes": m.total_bytes,
         "meta": m.meta,
         "parts": parts,
-        "sharded": sharded_summary(r) if _is_sharded(m) else None,
+        "sharded": sharded_summary(r) if is_sharded(m) else None,
     }
 
 
@@ -109,15 +110,9 @@ def _packed(p: Any) -> dict[str, Any] | None:
             "encoding": sorted({t.encoding for t in enc})}
 
 
-def _is_sharded(m: Any) -> bool:
-    from ckpt.dcp.layout import is_sharded
-
-    return is_sharded(m)
-
-
 def sharded_summary(r: Any) -> dict[str, Any]:
     """Global tensors and their shard layout (spec/sharded-format.md), validated, no torch."""
-    from ckpt.dcp.layout import decode_layout
+    from ckpt.format.sharded import decode_layout
 
     lay = decode_layout(r.manifest, path=r.path)
     return {

@@ -24,14 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["bytes_digest", "tensor_digest", "named_digests", "state_digest", "module_digests", "rng_digests",
            "payload_digest", "RNG_SOURCES"]
 
-# One tensor digest in the repository: ckpt.ledger.digest (the step ledger lives below replay).
-from ckpt.ledger.digest import bytes_digest, dtype_name as _dtype_name, tensor_digest  # noqa: E402,F401
-
-
-def _u8() -> Any:
-    import torch
-
-    return torch.uint8
+# One tensor digest in the repository: ckpt.context.digest (ckpt lives below replay).
+from ckpt.context.digest import bytes_digest, tensor_digest  # noqa: E402,F401
 
 
 def named_digests(named: Iterable[tuple[str, "torch.Tensor"]]) -> tuple[bytes, list[tuple[str, bytes]]]:

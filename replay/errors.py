@@ -1,11 +1,6 @@
 """The exception hierarchy of the ``replay`` package (one base class, shallow tree)::
 
     ReplayError
-    ├── TapeError                    (ValueError)    tape bytes
-    │   ├── TapeCorruptError                          bad record followed by valid ones
-    │   ├── TapeTruncatedError                        torn tail where a whole tape is required
-    │   ├── TapeFormatError                           bad magic, unknown version, bad header
-    │   └── TapeLimitError                            a length above the documented bound
     ├── DivergenceError              (AssertionError) replay produced a different event
     ├── ChannelError                 (RuntimeError)   transport failures
     │   ├── PeerDiedError                             the peer went away mid-message
@@ -15,11 +10,26 @@
     └── HangError                    (TimeoutError)   a watched run made no progress
 
 Each carries the context it knows (path, offset, seq, channel) and names it in str().
+
+Tape bytes that do not decode raise the tape errors of ``ckpt.errors``, named here too,
+because the framing that raises them lives in ``ckpt.tape`` (the step ledger reads tapes
+without ``replay``): one set of classes whichever package read the tape::
+
+    ckpt.errors.TapeDataError = TapeError   (CkptError, FormatError, ValueError)    tape bytes
+    ├── TapeCorruptError                          bad record followed by valid ones
+    ├── TapeTruncatedError                        torn tail where a whole tape is required
+    ├── TapeFormatError                           bad magic, unknown version, bad header
+    └── TapeLimitError                            a length above the documented bound
+
+``except (ReplayError, TapeError)`` catches every error ``replay`` raises on purpose.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from ckpt.errors import TapeCorruptError, TapeFormatError, TapeLimitError, TapeTruncatedError
+from ckpt.errors import TapeDataError as TapeError
 
 __all__ = [
     "ReplayError",
@@ -58,28 +68,6 @@ class ReplayError(Exception):
 
 def _rebuild(cls, message, context):  # pragma: no cover - trivial
     return cls(message, **context)
-
-
-class TapeError(ReplayError, ValueError):
-    """Tape bytes that do not decode (exit code 3)."""
-
-    exit_code = 3
-
-
-class TapeCorruptError(TapeError):
-    """A bad record followed by valid ones: the tape is damaged in the middle, not torn."""
-
-
-class TapeTruncatedError(TapeError):
-    """A torn tail where a whole tape is required (``ckpt tape repair`` truncates it)."""
-
-
-class TapeFormatError(TapeError):
-    """Bad magic, an unknown version or a bad header."""
-
-
-class TapeLimitError(TapeError):
-    """A length above the documented bound (spec/tape-format.md)."""
 
 
 class DivergenceError(ReplayError, AssertionError):

@@ -439,7 +439,7 @@ class Event:
         try:
             return self.kind.unpack(self.raw)
         except (TapeFormatError, TapeLimitError) as e:
-            raise type(e)(e.message, **{**e.context, "seq": self.seq}) from None
+            raise e.located(seq=self.seq) from None
 
     def same(self, other: "Event") -> bool:
         """Equal in everything replay promises to reproduce (the tape seq is not)."""

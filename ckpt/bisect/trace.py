@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from ..errors import FormatError, LimitExceededError
-from ..ledger.digest import tensor_digest
+from ..context.digest import tensor_digest
 
 __all__ = ["TraceEntry", "Trace", "StepTracer", "TraceDiff", "TraceComparison", "compare_traces",
            "save_trace", "load_trace", "PHASES"]
@@ -114,7 +114,7 @@ class StepTracer:
         occ = self._seen.get((module, phase), 0)
         self._seen[(module, phase)] = occ + 1
         i = len(self._entries)
-        from ..ledger.digest import dtype_name
+        from ..context.digest import dtype_name
 
         self._entries.append(TraceEntry(i, module, phase, occ, tensor_digest(t), dtype_name(t.dtype), tuple(t.shape)))
         if self.keep_tensors:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .layout import ShardedLayout, decode_layout, is_sharded
+from ..format.sharded import ShardedLayout, decode_layout, is_sharded
 
 __all__ = ["StorageWriter", "StorageReader", "SavePlanner", "LoadPlanner", "ShardedLayout", "decode_layout", "is_sharded"]
 

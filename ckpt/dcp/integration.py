@@ -1,5 +1,9 @@
 """``ckpt.save``/``ckpt.load`` for states holding DTensors (FSDP2, tensor parallel).
 
+This is the sharded path of ``ckpt``'s own save and load, which they route here; it
+is not a third-party trainer integration (those live in ``ckpt/integrations/``), and
+converting DCP's own checkpoints is ``ckpt.convert.dcp``.
+
 Each rank calls the same function with its own modules and optimizers (as under
 torchrun). Modules and optimizers go through ``get_model_state_dict`` /
 ``get_optimizer_state_dict`` (sharded, keyed by fqn) and back through the ``set_*``
@@ -28,7 +32,7 @@ from ..save_options import SaveOptions, options_from
 from ..storage import Storage, resolve
 from ..writer import CheckpointInfo, abort, part_name_for_rank
 from .integration_probe import holds_dtensor
-from .layout import decode_layout
+from ..format.sharded import decode_layout
 
 __all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "unwrap_checkpoint_error"]
 
@@ -192,7 +196,7 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    from .._torchio import load_into
+    from .._load import load_into
     from ..context.rng import restore_rng as _restore_rng
     from .planner import LoadPlanner
     from .storage import StorageReader

@@ -39,7 +39,7 @@ from ..format.manifest import PartEntry
 from ..reader import CheckpointReader
 from ..storage import Storage, resolve
 from ..writer import PendingCheckpoint, begin, commit, part_name_for_rank, tensor_memoryview, tensor_view_key, write_part
-from .layout import Chunk, ShardedLayout, TensorRecord, ValueRecord, box_name, decode_layout
+from ..format.sharded import Chunk, ShardedLayout, TensorRecord, ValueRecord, box_name, decode_layout
 from .planner import set_value
 
 __all__ = ["StorageWriter", "StorageReader", "to_dcp_metadata"]

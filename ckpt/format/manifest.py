@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -47,6 +48,8 @@ __all__ = [
     "decode_manifest",
     "check_name",
     "MANIFEST_NAME",
+    "manifest_file_limit",
+    "is_sharded",
     "PART_MAGIC",
     "PartRef",
     "PartList",
@@ -66,6 +69,22 @@ MAJORS = (1, 2)
 V1 = (1, 0)
 V2 = (2, 0)
 MANIFEST_NAME = "MANIFEST"
+
+
+def manifest_file_limit() -> int:
+    """The most bytes of a MANIFEST file anyone reads: the body limit plus its fixed
+    header and trailing digest, with room to spare (the decoder checks the exact bound).
+    Every reader of a MANIFEST stops here, so a hostile size cannot make one allocate."""
+    return knobs().max_manifest_bytes + 64
+
+
+def is_sharded(manifest: "Manifest") -> bool:
+    """A checkpoint written through DCP (spec/sharded-format.md): its MANIFEST's meta has
+    ``sharded``. Here, beside the manifest, because the reader, the converters and the
+    sharded path itself all ask, and the reader sits below ``ckpt.dcp``."""
+    return isinstance(manifest.meta, Mapping) and "sharded" in manifest.meta
+
+
 TMP_PREFIX = ".tmp-"
 """The name prefix of a directory being written or deleted (spec §3): never a checkpoint; readers and listings skip it."""
 _HEADER = struct.Struct("<8sHHIQ")

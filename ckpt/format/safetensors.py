@@ -28,11 +28,6 @@ class TensorSlot:
     nbytes: int
 
 
-def _st_shape(slot: TensorSlot) -> list[int]:
-    # Dtypes without a safetensors name travel as flat byte arrays.
-    return [slot.nbytes] if dtypes.is_raw(slot.dtype) else list(slot.shape)
-
-
 def build_header(slots: Sequence[TensorSlot], metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
     """Return (header bytes incl. the 8-byte length prefix, absolute data offsets)."""
     return build_header_rows([(s.key, s.dtype, s.shape, s.nbytes) for s in slots], metadata)

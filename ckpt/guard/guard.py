@@ -295,7 +295,7 @@ class LossGuard:
         import torch
 
         from ..context.rng import isolated
-        from ..ledger.digest import rng_digests
+        from ..context.digest import rng_digests
 
         assert self.routing is not None and self.forward is not None
         peeked = self.loader.peek(self.config.warmup_batches)

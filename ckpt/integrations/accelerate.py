@@ -122,7 +122,7 @@ def load_state(accelerator: Accelerator, path: str | os.PathLike[str], *, defer_
     does not fit the prepared objects raises ``ResumeMismatchError`` (nothing written);
     ``config``, the resuming run's, is compared with the saved one (``ConfigChangedWarning``).
     """
-    from .._torchio import load_into
+    from .._load import load_into
     from ..manager import warn_config_changed
 
     state = _state(accelerator)

@@ -15,7 +15,7 @@ Usage (the lines a user adds)::
 newest checkpoint of its directory that verifies, by step, falling back past damaged ones
 (each named in a ``ResumeFallbackWarning``), as ``CheckpointManager.resume()`` does; with
 none, Lightning starts afresh. A plain ``ModelCheckpoint`` with ``save_last=True`` works
-too (Lightning picks its ``last.ckpt``, damaged or not). Any path works as before.
+too (Lightning picks its ``last.ckpt``, damaged or not). An explicit path is loaded as given.
 
 Resume refusals: with ``io.rng_callback`` in the callbacks, a checkpoint whose weights do
 not fit the module (another shape; a missing or unexpected key under ``strict_loading``)
@@ -286,7 +286,7 @@ class CkptCheckpointIO(CheckpointIO):
              config=self._config(checkpoint), overwrite=True)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
-        from .._torchio import load_into
+        from .._load import load_into
 
         reader = CheckpointReader(os.fspath(path))
         module = self._module()

@@ -1,7 +1,10 @@
-"""Conversions between checkpoints and other layouts (``ckpt.interop.hf``: the Hugging
-Face layout that ``transformers``' ``from_pretrained`` reads). DCP interop lives in
-``ckpt.dcp.interop``. Nothing here imports torch or transformers at import time."""
+"""Deprecated name of :mod:`ckpt.convert` (kept for one release): ``ckpt.interop.hf`` is
+``ckpt.convert.hf``."""
 
 from __future__ import annotations
+
+import warnings
+
+warnings.warn("ckpt.interop is deprecated: import ckpt.convert (ckpt.convert.hf)", DeprecationWarning, stacklevel=2)
 
 __all__ = ["hf"]

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping
 from ..errors import ResumeDivergedError
 from ..knobs import knobs
 from .compare import RNG_BEFORE, SAMPLE
-from .digest import rng_digests, tensor_digest
+from ..context.digest import rng_digests, tensor_digest
 from .ledger import ON_OWN_LEDGER, OWN_LEDGER, Ledger, ResumeVerificationWarning
 
 __all__ = ["before_save", "after_load", "rng_restored", "stand_down", "reset", "active", "META_KEY"]

@@ -54,7 +54,7 @@ CAUSES: dict[str, str] = {
               "checkpoint does not hold (pass batch= to after_step to find the first step)",
 }
 """The documented cause table (docs/porting.md): what diverged -> the likely cause named."""
-#: the old name of "state" when only the loss differs (kept: tools match on it)
+#: "state" when only the loss differs: a separate key because tools match on the cause name
 CAUSES["loss"] = CAUSES["state"]
 
 #: values the ledger records itself (spec/tape-format.md §6.3): digests, not shown as values

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
 from ..errors import ResumeDivergedError
 from ..knobs import ledger_verify
 from .compare import RNG_BEFORE, ResumeReport, compare_step, find_batch, find_hint, likely_cause, used_streams
-from .digest import batch_digest, params_digest, rng_digests
+from ..context.digest import batch_digest, params_digest, rng_digests
 from .record import GuardEntry, LedgerOpen, LedgerStep, ResumeCheck, Value
 from .tapefile import LedgerTapeWriter, read_ledger_dir
 

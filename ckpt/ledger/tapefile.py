@@ -146,7 +146,7 @@ def read_ledger_tape(path: str) -> LedgerTape:
                 raise TapeDataError(f"event kind {fr.kind} on a ledger tape", path=path, offset=fr.offset)
         tape.torn = scan.dropped
     except TapeDataError as e:
-        raise type(e)(e.message, path=path, offset=e.offset, key=e.key, **e.context) from None
+        raise e.located(path=path) from None
     return tape
 
 

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..dcp.layout import is_sharded
+from ..format.manifest import is_sharded
 from ..errors import (
     CkptError,
     EnvironmentMismatchError,
@@ -125,7 +125,7 @@ def load_first(t: Target, names: Sequence[str], *, defer_rng: bool) -> Outcome:
     """Load the first of ``names`` that loads (``resume()``'s fallback rule). Raises
     ``ResumeMismatchError`` for an intact checkpoint that does not fit (every rank
     together), and what every older checkpoint would fail too (``_REFUSALS``)."""
-    from .._torchio import prepare_load
+    from .._load import prepare_load
 
     out = Outcome()
     for choice in names:

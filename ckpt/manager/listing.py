@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CkptError, UnsupportedVersionError
-from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest
-from ..knobs import knobs
+from ..format.manifest import MANIFEST_NAME, TMP_PREFIX
 from ..reader import CheckpointReader
-from ..storage import Storage, resolve
+from ..storage import Storage, read_manifest, resolve
 
 __all__ = ["CheckpointRecord", "LatestCheckpoint", "checkpoint_name", "is_checkpoint_name", "latest",
            "list_checkpoints"]
@@ -85,11 +84,7 @@ def list_checkpoints(
         metrics = None
         if with_metrics and committed:
             try:
-                mpath = os.path.join(path, MANIFEST_NAME)
-                size = storage.lstat(mpath).st_size
-                if size > knobs().max_manifest_bytes + 64:  # never read more than a reader would
-                    raise CkptError("MANIFEST above the size limit", path=mpath)
-                man = decode_manifest(storage.read(mpath, 0, size), path=path)
+                man, _ = read_manifest(storage, path)
                 got = man.meta.get("metrics")
                 metrics = dict(got) if isinstance(got, dict) else None
             except (OSError, CkptError):

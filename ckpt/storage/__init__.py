@@ -27,7 +27,7 @@ import os
 from typing import Any, Callable, Protocol
 
 from ._url import BACKENDS, refuse_url, unsupported, url_scheme
-from .base import FileSink, ReadHandle, Storage
+from .base import FileSink, ReadHandle, Storage, read_manifest
 from .commit import Commit, ManifestLastCommit, ObjectStore, PendingCheckpoint, Recovery, RenameCommit
 from .posix import (
     LocalFile,
@@ -42,6 +42,7 @@ __all__ = [
     "Storage",
     "FileSink",
     "ReadHandle",
+    "read_manifest",
     "ManifestCommit",
     "Commit",
     "RenameCommit",

@@ -10,12 +10,17 @@ instead of silently turning a capability off.
 from __future__ import annotations
 
 import os
+import stat
 from typing import TYPE_CHECKING, Protocol
+
+from .._gc import paused as gc_paused
+from ..errors import CheckpointVanishedError, LimitExceededError, UnsafePathError
+from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest, manifest_file_limit
 
 if TYPE_CHECKING:  # pragma: no cover
     from .commit import Commit
 
-__all__ = ["Storage", "FileSink", "ReadHandle"]
+__all__ = ["Storage", "FileSink", "ReadHandle", "read_manifest"]
 
 
 class FileSink(Protocol):
@@ -105,3 +110,27 @@ class Storage(Protocol):
         """The version tag of the object at ``path`` (an object store's ETag), or None
         where the backend has none: files are then known by device and inode."""
         return None
+
+
+def read_manifest(storage: "Storage", directory: str) -> tuple[Manifest, bytes]:
+    """The one safe read of ``<directory>/MANIFEST`` through ``storage``: the decoded
+    manifest (its own digest checked) and its bytes.
+
+    It never reads more than :func:`~ckpt.format.manifest.manifest_file_limit` bytes and
+    never follows a link. ``FileNotFoundError``: there is no MANIFEST (not committed);
+    ``CheckpointVanishedError``: it was removed between its ``lstat`` and its read;
+    ``UnsafePathError``: not a regular file; ``LimitExceededError``: above the limit;
+    a ``FormatError``/``IntegrityError`` from decoding. Every error names the file."""
+    mpath = os.path.join(directory, MANIFEST_NAME)
+    st = storage.lstat(mpath)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePathError("MANIFEST is not a regular file", path=mpath)
+    if st.st_size > manifest_file_limit():
+        raise LimitExceededError(f"MANIFEST is {st.st_size} bytes, above the limit", path=mpath)
+    try:
+        data = storage.read(mpath, 0, st.st_size)
+    except FileNotFoundError:
+        raise CheckpointVanishedError("MANIFEST was removed while the checkpoint was being opened",
+                                      path=mpath) from None
+    with gc_paused():  # thousands of entries, no cycles: see ckpt/_gc.py
+        return decode_manifest(data, path=mpath), data

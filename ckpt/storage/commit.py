@@ -46,7 +46,6 @@ from ..format.manifest import (
     PartList,
     PartRef,
     check_name,
-    decode_manifest,
 )
 from ..knobs import knobs
 
@@ -530,12 +529,10 @@ def is_complete(storage: Any, path: str) -> bool:
     been committed fused, its MANIFEST durable before its files (§10.7), so its files'
     chunks are re-hashed too (cheap at that size); a larger copy's files were durable
     before its MANIFEST existed, and its digests are left to the load that verifies them."""
-    mpath = os.path.join(path, MANIFEST_NAME)
+    from .base import read_manifest  # base names Commit for its annotations: read at call time
+
     try:
-        st = storage.lstat(mpath)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > knobs().max_manifest_bytes + 64:
-            return False
-        man = decode_manifest(storage.read(mpath, 0, st.st_size), path=mpath)
+        man, _ = read_manifest(storage, path)
         for fname, fsize, _ in man.parts.file_sizes():
             fst = storage.lstat(os.path.join(path, fname))
             if not stat.S_ISREG(fst.st_mode) or fst.st_size != fsize:

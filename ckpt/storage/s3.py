@@ -35,7 +35,7 @@ from obstore.store import S3Store
 
 from ..errors import CheckpointExistsError, CkptError, FormatError, SaveConflictError, StorageError, UnsafePathError
 from ..format.digest import ChunkHasher
-from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest
+from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest, manifest_file_limit
 from ..knobs import aws_env, knobs
 from ._objlock import LOCK_NAME, ObjectLock
 from .base import Storage
@@ -508,13 +508,11 @@ class S3Storage(Storage):
         return lm.timestamp() if lm is not None else time.time()
 
     def _orphans(self, child: str, cutoff: float) -> list[str]:
-        from ..knobs import knobs
-
         metas = {self.url(o["path"]): o for o in self.walk(child)}
         mpath = f"{child}/{MANIFEST_NAME}"
         if child.rsplit("/", 1)[-1].startswith(TMP_PREFIX) or mpath not in metas:
             candidates = sorted(metas)  # never committed: a crashed, abandoned or running save
-        elif int(metas[mpath]["size"]) > knobs().max_manifest_bytes + 64:
+        elif int(metas[mpath]["size"]) > manifest_file_limit():
             return []  # above the reader's limit: leave it for a reader to report
         else:
             try:

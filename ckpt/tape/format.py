@@ -2,7 +2,8 @@
 
 It lives in ``ckpt`` (not ``replay``) because the step ledger (``ckpt.ledger``) writes
 and reads tapes from inside ``CheckpointManager``, and ``ckpt`` must not import
-``replay``. ``replay.tape.format`` re-exports it and raises ``replay.errors`` classes.
+``replay``. ``replay.tape.format`` re-exports it; its errors (``ckpt.errors.TapeDataError``)
+are the ones ``replay.errors`` names.
 
 Layout (spec/tape-format.md §3-§5 is normative; this is the implementation):
 

@@ -347,7 +347,7 @@ class _Attempt:
     logs: list[Any] = field(default_factory=list)
 
 
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "numpy", "ckpt.testing.resume_entry", "ckpt.manager", "ckpt._torchio"]
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "numpy", "ckpt.testing.resume_entry", "ckpt.manager", "ckpt._load"]
 
 
 def _forkserver() -> Any:
@@ -573,10 +573,10 @@ def check_resume(
                 progress(i + 1, len(kills) + 1)
     finally:
         _wait(ref, timeout)
-    return _compare(entry, steps, kills, world_size, work, ref_dir, os.path.join(ref_dir, "run"), attempts)
+    return _compare(entry, steps, kills, world_size, work, ref_dir, attempts)
 
 
-def _compare(entry: str, steps: int, kills: tuple[int, ...], world_size: int, work: str, ref_dir: str, ref_run: str, attempts: list[_Attempt]) -> ResumeCheckResult:
+def _compare(entry: str, steps: int, kills: tuple[int, ...], world_size: int, work: str, ref_dir: str, attempts: list[_Attempt]) -> ResumeCheckResult:
     from ..reader import CheckpointReader
     from ..writer import part_name_for_rank
 

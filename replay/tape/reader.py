@@ -121,8 +121,7 @@ class TapeReader:
         try:
             self.header = fmt.decode_segment_header(first.data)
         except TapeError as e:
-            e.context.setdefault("path", str(self.segment_paths[0]))
-            raise type(e)(e.message, **e.context) from None
+            raise e.located(path=e.path or str(self.segment_paths[0])) from None
         self.dropped_bytes = 0
         self.torn_reason = ""
         self.valid_end: tuple[int, int] = (0, self.header.size)
@@ -280,7 +279,7 @@ class TapeReader:
                 try:
                     ev.payload
                 except TapeError as e:
-                    raise type(e)(e.message + where, **{**e.context, "offset": fr.offset}) from None
+                    raise e.located(e.message + where, offset=fr.offset) from None
             n += 1
             # Actor declarations are bookkeeping: §10's guarantee excludes them (a seek
             # decodes every declaration it passes), so the index does not point at them.

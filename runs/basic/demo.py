@@ -121,7 +121,7 @@ def run(out_dir: str, cfg: DemoConfig = DemoConfig(), echo: Callable[[str], None
     model2, opt2, sched2, loader2 = _build(cfg, corpus)
     torch.manual_seed(999)
     info = ckpt.load(mid, {"model": model2, "optim": opt2, "sched": sched2}, data=loader2, ledger=False)
-    losses2 = _train(model2, opt2, sched2, loader2, cfg.resume_from_step, cfg.steps, lambda s, l: None)
+    losses2 = _train(model2, opt2, sched2, loader2, cfg.resume_from_step, cfg.steps, lambda _s, _l: None)
     same_losses = losses2 == losses[cfg.resume_from_step :]
     same_params = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
     s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]

@@ -145,11 +145,6 @@ class DiLoCoConfig(Record):
             return list(range(self.fragments)) if t == self.steps - 1 else []
         return [p for p in range(self.fragments) if t % self.inner_h == self.send_offset(p)]
 
-    def fragment_due(self, t: int) -> int | None:
-        """The first fragment a learner sends after inner step t, if any."""
-        due = self.fragments_due(t)
-        return due[0] if due else None
-
     def speed_of(self, index: int) -> float:
         """Learner ``index``'s speed factor (``speeds`` dealt by a permutation seeded with chaos_seed)."""
         if not self.speeds:

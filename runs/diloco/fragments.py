@@ -9,7 +9,7 @@ fragment index, so the partition is a pure function of the parameter shapes and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 
@@ -41,8 +41,3 @@ def pack_fragments(named: Iterable[tuple[str, torch.Tensor]], parts: int) -> tup
         load[j] += size
     return tuple(Fragment(j, tuple(sorted(b, key=order.__getitem__)), load[j]) for j, b in enumerate(bins))
 
-
-def imbalance(frags: Sequence[Fragment]) -> float:
-    """max / mean fragment bytes (1.0 is perfect balance)."""
-    sizes = [f.nbytes for f in frags]
-    return max(sizes) / (sum(sizes) / len(sizes))

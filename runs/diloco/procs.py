@@ -54,7 +54,7 @@ def _control(store: Any) -> Any:
 
 
 def _learner_proc(rank: int, world: int, port: int, actors: list[str], cfg_d: dict[str, Any], actor: str,
-                  inc: int, schedule_d: dict[str, Any], pythonpath: str, snap_root: str | None = None,
+                  inc: int, schedule_d: dict[str, Any], snap_root: str | None = None,
                   restore_path: str | None = None, rejoin: bool = False,
                   dropped: tuple[str, ...] = ()) -> None:  # pragma: no cover - child
     cfg = DiLoCoConfig.from_dict(cfg_d)
@@ -112,7 +112,7 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
         e = endpoint_name(a, k)
         from_part = restore is not None and k == first_inc[a] and a in restore.learners
         workers.start(e, _learner_proc, rank, world, port, actors, cfg.to_dict(), a, k, schedule.to_json(),
-                      os.environ.get("PYTHONPATH", ""), snapshots.root if snapshots is not None else None,
+                      snapshots.root if snapshots is not None else None,
                       restore.path if from_part else None, e in rejoin, tuple(sorted(rejoin)))
     try:
         store = _join(cfg, 0, world, port)

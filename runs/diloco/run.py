@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from replay.channel import Endpoint, InProcessNetwork
 from runs.diloco.chaos import Schedule, learner_names
@@ -164,6 +164,3 @@ def main(rec: Recorder) -> RunResult:
     hub = TapeHub(rec, wait_s=cfg.io_timeout_s)
     return run_actors(hub, cfg, step_delay_s=delay)
 
-
-def config_of(d: Mapping[str, Any]) -> DiLoCoConfig:
-    return DiLoCoConfig.from_dict(d)

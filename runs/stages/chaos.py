@@ -49,9 +49,6 @@ class Schedule:
     def active(self, replica: int, t: int) -> Outage | None:
         return next((o for o in self.outages if o.replica == replica and o.covers(t)), None)
 
-    def offline_stage_steps(self, steps: int) -> int:
-        return sum(min(o.until, steps) - o.first for o in self.outages)
-
 
 def make_schedule(cfg: StagesConfig) -> Schedule:
     """Per step, per replica in order: two uniform draws (always both); an outage when the

@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 import torch  # noqa: E402
 from make_vectors import STEP_DIR, _dump, _write, tensor_hex, to_tagged  # noqa: E402
 
-from ckpt.dcp.layout import Chunk, ShardedLayout, TensorRecord, ValueRecord  # noqa: E402
+from ckpt.format.sharded import Chunk, ShardedLayout, TensorRecord, ValueRecord  # noqa: E402
 from ckpt.format.manifest import MANIFEST_NAME, decode_manifest, encode_manifest  # noqa: E402
 
 W = (torch.arange(12, dtype=torch.float32).reshape(4, 3) / 4 - 1).contiguous()

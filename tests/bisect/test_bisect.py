@@ -97,7 +97,7 @@ def test_trace_file_round_trip_and_ulp(tmp_path, monkeypatch) -> None:
     x = back.tensors[i].clone().reshape(-1)
     x[0] = torch.nextafter(x[0], torch.tensor(float("inf")))
     back.tensors[i] = x.reshape(back.tensors[i].shape)
-    from ckpt.ledger.digest import tensor_digest
+    from ckpt.context.digest import tensor_digest
     from ckpt.bisect.trace import TraceEntry
 
     e = back.entries[i]

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import ckpt
-from ckpt.dcp.interop import import_dcp
+from ckpt.convert.dcp import import_dcp
 from ckpt.errors import FormatError, LimitExceededError
 
 from tests.ckpt._dcp_kit import rows, write_dcp

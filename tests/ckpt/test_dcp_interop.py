@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import ckpt
-from ckpt.dcp.interop import read_dcp_metadata
+from ckpt.convert.dcp import read_dcp_metadata
 from ckpt.errors import FormatError
 import hangs
 

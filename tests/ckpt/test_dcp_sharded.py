@@ -274,7 +274,7 @@ def test_sharded_save_reshard_resume_and_failures(tmp_path):
     import torch
 
     import ckpt
-    from ckpt.dcp.full import full_tensor
+    from ckpt._unshard import full_tensor
     from ckpt.errors import ChecksumMismatchError
 
     out = str(tmp_path)

@@ -716,7 +716,7 @@ PICKLE_RE = re.compile(r"^\s*(import|from)\s+(pickle|_pickle|cPickle|cloudpickle
 # The one documented exception (spec/sharded-format.md §S.6): importing a DCP checkpoint
 # reads its pickled .metadata with an allowlist unpickler and its items with
 # torch.load(weights_only=True). Tested in tests/ckpt/test_dcp_interop.py.
-PICKLE_ALLOWED = {"ckpt/dcp/interop.py"}
+PICKLE_ALLOWED = {"ckpt/convert/dcp.py"}
 
 
 def test_no_module_in_ckpt_imports_pickle() -> None:

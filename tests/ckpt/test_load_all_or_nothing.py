@@ -195,9 +195,9 @@ def _change_between_passes(monkeypatch: pytest.MonkeyPatch, path: Path, pos: int
 def _two_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """The read-twice load (no leased mapping: another user's file, a filesystem without
     leases, an object store, a load off the main thread)."""
-    import ckpt._torchio
+    import ckpt._load
 
-    monkeypatch.setattr(ckpt._torchio, "_map_for_one_pass", lambda r, reader: False)
+    monkeypatch.setattr(ckpt._load, "_map_for_one_pass", lambda r, reader: False)
 
 
 def test_a_file_changed_between_the_passes_is_detected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

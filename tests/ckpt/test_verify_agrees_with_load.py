@@ -40,7 +40,7 @@ assert _spec is not None and _spec.loader is not None
 v2 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(v2)
 
-pytestmark = pytest.mark.filterwarnings("ignore::ckpt._torchio.ExactnessWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::ckpt._load.ExactnessWarning")
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 

@@ -18,7 +18,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.interop.hf import export_hf  # noqa: E402
+from ckpt.convert.hf import export_hf  # noqa: E402
 import hangs
 
 # multi-process runs, subprocesses or heavy imports: `make check` leaves them out

@@ -12,8 +12,8 @@ import torch
 
 import ckpt
 import ckpt.errors
-from ckpt.dcp.full import full_tensor
-from ckpt.dcp.layout import decode_layout
+from ckpt._unshard import full_tensor
+from ckpt.format.sharded import decode_layout
 from ckpt.format import dtypes
 from ckpt.writer import tensor_memoryview
 

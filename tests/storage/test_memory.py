@@ -61,7 +61,7 @@ def test_save_load_verify_round_trip_touches_no_disk(tmp_path: Path, monkeypatch
     assert report.files >= 2 and report.bytes == info.bytes
     m2 = _model(1)
     opt2 = torch.optim.Adam(m2.parameters())
-    from ckpt._torchio import load_into
+    from ckpt._load import load_into
 
     load_into(reader, {"model": m2, "opt": opt2})
     assert _equal_state(m, m2)

@@ -1,5 +1,8 @@
 """Full (global) tensors from a sharded checkpoint, on one process, no process group.
 
+No DCP here: only ``meta.sharded`` (``ckpt.format.sharded``) and the reader, so that
+``CheckpointReader.state()`` of a sharded checkpoint needs nothing from ``ckpt.dcp``.
+
 ``full_tensor`` reads only the file chunks that hold the named tensor's saved chunks
 (each verified against its digest); ``full_state`` rebuilds the nested state (by the
 saved key paths) with every global tensor and value.
@@ -11,9 +14,9 @@ from typing import Any, Mapping, Protocol
 
 import torch
 
-from ..errors import FormatError, StateMismatchError
-from ..format import dtypes
-from .layout import ShardedLayout, decode_layout
+from .errors import FormatError, StateMismatchError
+from .format import dtypes
+from .format.sharded import ShardedLayout, decode_layout
 
 __all__ = ["full_tensor", "full_state"]
 

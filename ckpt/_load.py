@@ -561,7 +561,7 @@ def _map_for_one_pass(r: _Read, reader: TensorSource) -> bool:
         return False
     mapper = getattr(r.handle, "map_private", None)
     if mapper is None or r.handle.size() != f.size:
-        return False  # a size that differs is reported by the two-pass read, as before
+        return False  # no mapping: the two-pass read reports a size that differs, naming the file
     mapping = mapper(f.size, require_lease=True)
     if mapping is None:
         return False
