@@ -80,8 +80,13 @@ from ..format.tree import TensorRef
 from ..manager import ResumeFallbackWarning, warn_config_changed
 from ..reader import CheckpointReader
 from ..storage import resolve
+from ._ranks import gather_to_all, refuse_world_change, world
 
 __all__ = ["CkptCheckpointIO", "CkptModelCheckpoint"]
+
+# the checkpoint-dict entry holding every rank's RNG streams and data-loader states
+# (Lightning hands the checkpoint to the CheckpointIO on rank 0 only)
+_RANKS = "ckpt_ranks"
 
 
 class _RestoreRNG(Callback):
@@ -141,7 +146,11 @@ class _RestoreRNG(Callback):
                 return None  # no ModelCheckpoint: no run directory to keep a ledger in
             from ..ledger import Ledger
 
-            io.ledger = Ledger(os.path.join(os.fspath(directory), "ledger"), params=trainer.lightning_module,
+            ledger_dir = os.path.join(os.fspath(directory), "ledger")
+            rank, size = world()
+            if size > 1:  # one tape directory per rank, as CheckpointManager keeps them
+                ledger_dir = os.path.join(ledger_dir, f"rank-{rank:05d}")
+            io.ledger = Ledger(ledger_dir, params=trainer.lightning_module,
                                params_every=io.ledger_params_every, verify=io.verify_resume)  # type: ignore[arg-type]
         return io.ledger
 
@@ -156,6 +165,19 @@ class _RestoreRNG(Callback):
             if ledger is not None:
                 ledger.resumed(step, source=os.path.basename(path))
             self._recorded = step
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # Every rank builds the checkpoint dict; only rank 0's reaches the CheckpointIO.
+        # Each rank's RNG streams and data-loader states (its own shard, its own
+        # workers' streams) travel to it here, so that each rank resumes its own.
+        rank, size = world()
+        if size <= 1:
+            return
+        from ..context.rng import capture_rng
+
+        fit = (checkpoint.get("loops") or {}).get("fit_loop")
+        loaders = (fit.get("state_dict") or {}).get("combined_loader") if isinstance(fit, dict) else None
+        checkpoint[_RANKS] = {"world_size": size, "ranks": gather_to_all({"rng": capture_rng(), "loaders": loaders})}
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # the loops are restored by now: the last step a record exists for (or 0)
@@ -281,9 +303,17 @@ class CkptCheckpointIO(CheckpointIO):
                 path=os.fspath(path),
             ) from None
         step = checkpoint.get("global_step")
-        # RNG is captured now, at Lightning's save point (after the optimizer step).
+        _, size = world()
+        if size > 1 and _RANKS not in checkpoint:
+            raise UnsupportedValueError(
+                f"CkptCheckpointIO under {size} processes needs io.rng_callback in Trainer(callbacks=[...]): only rank 0 "
+                "saves, and the callback brings it the other ranks' RNG streams and data-loader states",
+                path=os.fspath(path),
+            )
+        # RNG is captured now, at Lightning's save point (after the optimizer step); under
+        # more than one process, rank 0 alone writes (every rank's streams are in _RANKS).
         save(os.fspath(path), {"checkpoint": checkpoint}, step=step if isinstance(step, int) else None,
-             config=self._config(checkpoint), overwrite=True)
+             config=self._config(checkpoint), overwrite=True, this_rank_only=size > 1)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
         from .._torchio import load_into
@@ -298,8 +328,9 @@ class CkptCheckpointIO(CheckpointIO):
         warn_config_changed(result.path, result.context, self._config(), stacklevel=2)
         rng = result.context.get("rng")
         step = result.step if isinstance(result.step, int) else int(checkpoint_step(target) or 0)
-        self._pending_rng = (rng, result.path, step) if rng is not None else None
         checkpoint = target["checkpoint"]
+        rng = _this_rank(checkpoint, rng, result.path)
+        self._pending_rng = (rng, result.path, step) if rng is not None else None
         _mark_exhausted_loader_state(checkpoint)
         return checkpoint
 
@@ -307,6 +338,24 @@ class CkptCheckpointIO(CheckpointIO):
         storage, p = resolve(path)
         if storage.isdir(p):  # never torn: renamed away first, or MANIFEST first on an object store
             storage.commit.remove_checkpoints(os.path.dirname(p), [p], durable=False)
+
+
+def _this_rank(checkpoint: dict[str, Any], rng: Any, path: str) -> Any:
+    """Put this rank's data-loader states in the loop state and return its RNG streams
+    (every rank reads the one checkpoint rank 0 wrote). Another world size is refused."""
+    ranks = checkpoint.pop(_RANKS, None)
+    rank, size = world()
+    saved = int(ranks["world_size"]) if isinstance(ranks, dict) else 1
+    refuse_world_change(path, saved, size, how=(
+        "Resume with the number of processes (devices x num_nodes) it was saved with, or train this world in "
+        "another directory."))
+    if not isinstance(ranks, dict):
+        return rng
+    mine = ranks["ranks"][rank]
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if mine.get("loaders") is not None and isinstance(fit, dict) and isinstance(fit.get("state_dict"), dict):
+        fit["state_dict"]["combined_loader"] = mine["loaders"]
+    return mine["rng"]
 
 
 def _check_fits(reader: CheckpointReader, module: Any) -> None:
