@@ -129,8 +129,13 @@ class _RestoreRNG(Callback):
             load()
             if not loading or self._io._pending_rng is None:
                 return
+            from lightning.fabric.utilities.data import _set_sampler_epoch
+
             for dl in loaders:
                 if isinstance(getattr(dl, "next_iter_state", None), dict) and callable(getattr(dl, "state_dict", None)):
+                    # the iterator is built before Lightning sets the samplers' epoch (a
+                    # DistributedSampler's order depends on it): set it first, as Lightning will
+                    _set_sampler_epoch(dl, fit_loop.epoch_progress.current.processed)
                     dl.state_dict()
             self._restore()
 
