@@ -75,7 +75,19 @@ def rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
+def _local(tree: Any) -> Any:
+    """This rank's shards of a state tree (FSDP2 parameters and moments are DTensors)."""
+    if callable(getattr(tree, "to_local", None)):
+        return tree.to_local().clone()
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(v) for v in tree)
+    return tree
+
+
 def write_out(a: argparse.Namespace, killer: T.Killer, state: dict[str, Any], step: int, resumed_from: int | None) -> None:
+    state = {k: _local(v.state_dict()) for k, v in state.items()}
     ckpt.save(os.path.join(a.out, f"rank-{rank()}"), state, step=step, this_rank_only=True,
               extra={"losses": [x.hex() for x in killer.losses], "resumed_from": resumed_from})
 
@@ -84,12 +96,21 @@ def write_out(a: argparse.Namespace, killer: T.Killer, state: dict[str, Any], st
 def run_lightning(a: argparse.Namespace, killer: T.Killer) -> None:
     import lightning.pytorch as pl
 
-    from ckpt.integrations.lightning import CkptCheckpointIO, CkptModelCheckpoint
+    from ckpt.integrations.lightning import CkptCheckpointIO, CkptModelCheckpoint, CkptModelParallelStrategy
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = T.TinyGPT()
+
+        def configure_model(self) -> None:
+            if a.strategy != "fsdp2":
+                return
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.net.block, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
         def train_dataloader(self) -> Any:
             # built here, under the process group: a ResumableLoader takes its rank from it
@@ -118,7 +139,8 @@ def run_lightning(a: argparse.Namespace, killer: T.Killer) -> None:
     module = Module()
     io = IO()
     every = CkptModelCheckpoint(dirpath=a.run_dir, every_n_train_steps=T.SAVE_EVERY, save_top_k=-1)
-    trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=a.procs, strategy="ddp",
+    strategy = CkptModelParallelStrategy() if a.strategy == "fsdp2" else "ddp"
+    trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=a.procs, strategy=strategy,
                          precision="bf16-mixed", accumulate_grad_batches=T.ACCUM, gradient_clip_val=1.0, plugins=[io],
                          callbacks=[io.rng_callback, every], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
@@ -137,9 +159,12 @@ def run_accelerate(a: argparse.Namespace, killer: T.Killer) -> None:
 def command(trainer: str, loader: str, run_dir: str, out: str, steps: int, kill: int = 0, where: str = "step",
             procs: int = PROCS) -> list[str]:
     """The job's command line: the launcher as the trainer's users start it, wrapped so
-    that its pid is known to the kill (``sh`` execs into it)."""
+    that its pid is known to the kill (``sh`` execs into it). ``trainer``: ``lightning``,
+    ``lightning-fsdp2`` (``CkptModelParallelStrategy``) or ``accelerate``."""
+    trainer, _, strategy = trainer.partition("-")
     me = [os.path.abspath(__file__), "--trainer", trainer, "--loader", loader, "--run-dir", run_dir, "--out", out,
-          "--steps", str(steps), "--procs", str(procs)] + (["--kill", str(kill), "--where", where] if kill else [])
+          "--steps", str(steps), "--procs", str(procs), "--strategy", strategy or "ddp"]
+    me += ["--kill", str(kill), "--where", where] if kill else []
     if trainer == "accelerate":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] + me
     else:  # Lightning's own launcher re-runs this script for the other ranks
@@ -176,6 +201,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--procs", type=int, default=PROCS)
+    p.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp", help="Lightning: ddp or FSDP2 (ModelParallel)")
     p.add_argument("--kill", type=int, default=0)
     p.add_argument("--where", choices=("step", "save", "micro"), default="step")
     a = p.parse_args()
