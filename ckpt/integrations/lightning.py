@@ -59,9 +59,19 @@ what differs and the likely cause (``verify_resume="strict"`` raises instead).
 Exact (random-kill trials in fresh processes, ``tests/integrations/test_trainer_trials.py``):
 model, optimizer, scheduler, loop state, data position (``StatefulDataLoader``,
 ``ResumableLoader``), RNG, with gradient accumulation, clipping, bf16 autocast, worker
-processes, for checkpoints mid-epoch and after an epoch's last batch. Not supported yet:
-``ckpt_path="hpc"``, ``storage_options``, async checkpointing, sharded strategies
-(FSDP/DeepSpeed), more than one process.
+processes, for checkpoints mid-epoch and after an epoch's last batch.
+
+More than one process (``strategy="ddp"``; ``tests/integrations/test_trainer_multiproc.py``,
+2 gloo processes, the whole job SIGKILLed): Lightning hands the checkpoint to the plugin on
+rank 0 only, so ``io.rng_callback`` gathers every rank's RNG streams and data-loader states
+into it (``on_save_checkpoint``, pickle-free byte collectives) and each rank restores its
+own; each rank keeps its ledger in ``<dirpath>/ledger/rank-NNNNN``. A checkpoint saved by
+another number of processes is refused with ``ResumeMismatchError`` (never called exact).
+FSDP2: ``CkptModelParallelStrategy()`` (a ``ModelParallelStrategy`` that saves full state
+dicts through this plugin and loads them back onto the shards) trains, saves and resumes on
+CPU/gloo, but its resume is **not exact yet** (measured: the first resumed batch differs;
+the ledger reports it). Not supported yet: ``ckpt_path="hpc"``, ``storage_options``, async
+checkpointing, DeepSpeed and Lightning's own ``FSDPStrategy``.
 """
 
 from __future__ import annotations
