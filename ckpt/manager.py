@@ -210,6 +210,7 @@ _NAME_RE = re.compile(r"^step-(\d{8,})$")
 
 
 def checkpoint_name(step: int) -> str:
+    """The directory name of a step's checkpoint in a run directory: ``step-NNNNNNNN``."""
     return f"step-{step:08d}"
 
 
@@ -679,6 +680,7 @@ class CheckpointManager:
         return 0 if self._staging is None else self._staging.nbytes
 
     def checkpoints(self) -> list[CheckpointRecord]:
+        """The run directory's checkpoints, oldest first, with the metrics retention ranks them by."""
         return list_checkpoints(self.run_dir, with_metrics=True, storage=self._storage)
 
     def latest(self, *, verify: bool = True) -> LatestCheckpoint | None:
@@ -723,10 +725,10 @@ class CheckpointManager:
         self._check_open()
         self._raise_failure()
         if self.ledger is not None:
-            self.ledger.step(step, batch=batch, loss=loss, values=values, kill=False)
+            self.ledger.step(step, batch=batch, loss=loss, values=values, done=False)
         saved = self._after_step_save(step, metrics, extra)
         if self.ledger is not None:
-            self.ledger.maybe_kill(step)
+            self.ledger.step_done(step)  # after the step and its save: where a harness kills
         return saved
 
     @property

@@ -184,7 +184,7 @@ class LossGuard:
                  data_policy: bool = True) -> Rollback | None:
         cfg, mgr = self.config, self.manager
         if mgr.ledger is not None:
-            mgr.ledger.step(step, batch=batch, loss=loss, kill=False)  # the step happened; it is not saved
+            mgr.ledger.step(step, batch=batch, loss=loss, done=False)  # the step happened; it is not saved
         self._record(verdict, step)
         cause = {"nonfinite": "non-finite loss", "robust_z": "loss spike"}.get(verdict.rule, verdict.rule)
         what = f"{cause} at step {step} " \
