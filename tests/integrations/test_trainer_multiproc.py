@@ -57,13 +57,17 @@ def test_two_process_random_kill_resumes_bit_identically(straight: dict[str, Pat
     M.launch(M.command(trainer, loader, run, out, STEPS, kill, where), expect_kill=True)
     err = M.launch(M.command(trainer, loader, run, out, STEPS), expect_kill=False)
     assert M.differences(str(ref), out) == [], f"{trainer}/{loader} killed {where}@{kill}"
-    # each rank keeps its own ledger tape directory, and each verified its resume
+    # each rank keeps its own ledger tape directory, and none saw its resume diverge
+    verdicts = []
     for r in range(M.PROCS):
         tapes, problems = read_ledger_dir(os.path.join(run, "ledger", f"rank-{r:05d}"))
         checks = [c for t in tapes for c in t.checks]
         assert problems == [] and checks and all(c.verdict != "diverged" for c in checks), (r, checks)
-        if where != "save" and kill % T.SAVE_EVERY:  # the killed job recorded steps after its last save
-            assert [c.verdict for c in checks] == ["exact"], (r, checks)
+        verdicts += [c.verdict for c in checks]
+    if where != "save" and kill % T.SAVE_EVERY:
+        # The rank that killed the job recorded the steps after its last save; the other
+        # may not have (the kill takes it down anywhere): at least one verified exact.
+        assert "exact" in verdicts, verdicts
     assert "diverged" not in err
 
 
