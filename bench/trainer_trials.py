@@ -8,7 +8,12 @@ loss, every parameter, optimizer and scheduler tensor, the final RNG). The run i
 random augmentation in the workers, warmup + decay, accumulation 2, clipping, dropout,
 bf16 autocast on CPU. Prints, per mode, trials run and identical, and each difference.
 
+``--multiproc``: the same on 2 gloo processes (``tests/integrations/trainer_multiproc.py``:
+Lightning ``strategy="ddp"`` with its own launcher, Accelerate under ``torchrun``); the kill
+takes down the whole job, and every rank's final state is compared.
+
     python bench/trainer_trials.py --trials 10 [--modes hf/resumable,lightning/stateful] [--seed 0]
+    python bench/trainer_trials.py --multiproc --trials 5 [--modes lightning/stateful,accelerate/resumable]
 """
 
 from __future__ import annotations
@@ -27,32 +32,41 @@ import time  # noqa: E402
 import trainer_trial as T  # noqa: E402
 
 MODES = ("hf/resumable", "lightning/resumable", "lightning/stateful", "accelerate/resumable", "accelerate/stateful")
+MULTIPROC_MODES = ("lightning/stateful", "lightning/resumable", "accelerate/stateful", "accelerate/resumable")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--trials", type=int, default=10, help="trials per mode")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=None, help="trainer/loader,... (default: every mode)")
+    p.add_argument("--multiproc", action="store_true", help="2 gloo processes per run (trainer_multiproc.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=14)
     a = p.parse_args()
+    if a.multiproc:
+        import trainer_multiproc as M
+
+        command, launch, differences = M.command, M.launch, M.differences
+    else:
+        command, launch, differences = T.command, T.launch, T.differences
+    modes = a.modes or ",".join(MULTIPROC_MODES if a.multiproc else MODES)
     rng = random.Random(a.seed)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in a.modes.split(","):
+        for mode in modes.split(","):
             trainer, loader = mode.split("/")
             base = os.path.join(tmp, mode.replace("/", "-"))
             straight = os.path.join(base, "straight-out")
-            T.launch(T.command(trainer, loader, os.path.join(base, "straight-run"), straight, a.steps), expect_kill=False)
+            launch(command(trainer, loader, os.path.join(base, "straight-run"), straight, a.steps), expect_kill=False)
             same = 0
             t0 = time.perf_counter()
             for i in range(a.trials):
                 kill, where = T.draw(rng, a.steps)
                 run, out = os.path.join(base, f"t{i}-run"), os.path.join(base, f"t{i}-out")
                 try:
-                    T.launch(T.command(trainer, loader, run, out, a.steps, kill, where), expect_kill=True)
-                    T.launch(T.command(trainer, loader, run, out, a.steps), expect_kill=False)
-                    diff = T.differences(straight, out)
+                    launch(command(trainer, loader, run, out, a.steps, kill, where), expect_kill=True)
+                    launch(command(trainer, loader, run, out, a.steps), expect_kill=False)
+                    diff = differences(straight, out)
                 except RuntimeError as e:  # a run that failed is a trial that is not identical
                     diff = ["FAILED " + str(e).splitlines()[0] + " | " + " ".join(str(e).splitlines()[-1:])]
                 same += not diff

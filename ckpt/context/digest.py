@@ -48,6 +48,8 @@ def _update_tensor(h: Any, t: Any) -> None:
     import torch
 
     t = t.detach()
+    if callable(getattr(t, "to_local", None)):  # a DTensor (FSDP2, TP): this rank's shard, in its rank's ledger
+        t = t.to_local()
     if t.device.type != "cpu":
         t = t.cpu()
     h.update(dtype_name(t.dtype).encode())

@@ -37,6 +37,14 @@ deleted. Only damaged checkpoints are fallen back past. A config other than the
 checkpoint's (the model config, or a training argument such as the learning rate) is named
 in one ``ConfigChangedWarning``.
 
+More than one process: DDP (``world_size`` parts, weights and optimizer written once).
+FSDP (FSDP2 included) is refused in ``train()``: the optimizer reaches the manager through a
+wrapper (Trainer creates it after the resume point), which a sharded save through
+``ckpt.dcp`` can neither key by parameter name nor load into, and the weights are declared
+replicated, which sharding makes false. It cannot be tried on CPU either: Accelerate, under
+Trainer, enables FSDP only for GPU-like distributed types (on CPU the plugin is dropped and
+the run is plain DDP).
+
 Not supported (refused or documented): DeepSpeed, FSDP, ``IterableDataset`` training data,
 ``load_best_model_at_end`` (Trainer looks for its own checkpoint folders), resuming with a
 ``resume_from_checkpoint=`` argument (the run directory decides), hyper-parameter search.
@@ -193,7 +201,13 @@ class CkptTrainer(Trainer):
                 f"do not pass resume_from_checkpoint (got {resume_from_checkpoint!r})"
             )
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise NotImplementedError("CkptTrainer does not support DeepSpeed or FSDP yet (full per-rank state only)")
+            # FSDP: the manager gets the optimizer through _Live (Trainer creates it after the
+            # resume point), which a sharded save through ckpt.dcp cannot key by parameter
+            # name nor load into before it exists, and `replicated` declares the weights
+            # identical on every rank, which sharding makes false.
+            raise NotImplementedError(
+                "CkptTrainer does not support DeepSpeed or FSDP yet: it saves full per-rank state (weights and "
+                "optimizer written once, as DDP keeps them identical on every rank), not sharded state")
         return super().train(None, *args, **kwargs)
 
     def _inner_training_loop(self, batch_size: Any = None, args: Any = None, resume_from_checkpoint: Any = None,

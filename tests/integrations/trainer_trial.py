@@ -85,16 +85,19 @@ class Killer:
     def micro(self, loss: torch.Tensor, global_step: int) -> None:
         """Called after each micro-batch's forward; ``global_step``: optimizer steps done."""
         if self.where == "micro" and self.k and global_step == self.k and len(self.losses) % ACCUM == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # step K+1's first micro-batch is done, its second not
+            self.die()  # step K+1's first micro-batch is done, its second not
         self.losses.append(float(loss.detach().float()))
 
     def step_end(self, step: int) -> None:
         if self.where == "step" and step == self.k:
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.die()
 
     def saved(self, step: int) -> None:
         if self.where == "save" and step == self.k:
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.die()
+
+    def die(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def write_out(a: argparse.Namespace, killer: Killer, state: dict[str, Any], step: int, resumed_from: int | None) -> None:
@@ -199,7 +202,8 @@ def make_loader(a: argparse.Namespace) -> Any:
 
 
 # -- Accelerate ----------------------------------------------------------------------------
-def run_accelerate(a: argparse.Namespace, killer: Killer) -> None:
+def run_accelerate(a: argparse.Namespace, killer: Killer, write: Any = None) -> None:
+    """``write``: how the final state is written (``trainer_multiproc.py``: one part per rank)."""
     from accelerate.utils import DataLoaderConfiguration, set_seed
 
     from ckpt.integrations.accelerate import CkptAccelerator
@@ -251,7 +255,7 @@ def run_accelerate(a: argparse.Namespace, killer: Killer) -> None:
                 break
         it = iter(loader)
     acc.end_training()
-    write_out(a, killer, {"model": acc.unwrap_model(model), "optim": opt.optimizer, "sched": sched.scheduler},
+    (write or write_out)(a, killer, {"model": acc.unwrap_model(model), "optim": opt.optimizer, "sched": sched.scheduler},
               step, resumed_from)
 
 

@@ -1,0 +1,86 @@
+"""Random-kill trials on 2 gloo processes (issue 25, item 4), as users launch each trainer:
+Lightning ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` (its own launcher) and
+``CkptAccelerator(cpu=True)`` under ``torchrun --standalone --nproc-per-node 2``; the run
+of ``trainer_trial.py`` (``num_workers=2`` with random augmentation, warmup + decay,
+accumulation 2, clipping, dropout, bf16 autocast). Each trial SIGKILLs the whole job (both
+ranks and their DataLoader workers, as a node loss does) at a seeded random point,
+resumes it in fresh processes and compares, on every rank, every later loss, parameter,
+optimizer and scheduler tensor and the final RNG with ``torch.equal`` against a straight
+2-process run. ``bench/trainer_trials.py --multiproc`` runs more. A resume at another
+world size is refused (``ResumeMismatchError``), never called exact."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchdata.stateful_dataloader")
+
+sys.path.insert(0, str(Path(__file__).parent))
+import trainer_multiproc as M  # noqa: E402
+import trainer_trial as T  # noqa: E402
+
+from ckpt.ledger import read_ledger_dir  # noqa: E402
+
+STEPS = 10
+MODES = [("lightning", "stateful"), ("lightning", "resumable"), ("accelerate", "stateful"), ("accelerate", "resumable")]
+CASES = [(t, lo, *T.draw(random.Random(f"multiproc/{t}/{lo}"), STEPS)) for t, lo in MODES]
+
+
+@pytest.fixture(scope="module")
+def straight() -> dict[str, Path]:
+    return {}
+
+
+def _straight(cache: dict[str, Path], tmp: pytest.TempPathFactory, trainer: str, loader: str) -> Path:
+    key = f"{trainer}-{loader}"
+    if key not in cache:
+        d = tmp.mktemp(key)
+        M.launch(M.command(trainer, loader, str(d / "run"), str(d / "out"), STEPS), expect_kill=False)
+        cache[key] = d / "out"
+    return cache[key]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a hang bound for up to three 2-process jobs (tests/hangs.py), never a speed verdict
+@pytest.mark.parametrize(("trainer", "loader", "kill", "where"), CASES,
+                         ids=[f"{t}-{lo}-{w}{k}" for t, lo, k, w in CASES])
+def test_two_process_random_kill_resumes_bit_identically(straight: dict[str, Path],
+                                                         tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                                         trainer: str, loader: str, kill: int, where: str) -> None:
+    ref = _straight(straight, tmp_path_factory, trainer, loader)
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    M.launch(M.command(trainer, loader, run, out, STEPS, kill, where), expect_kill=True)
+    err = M.launch(M.command(trainer, loader, run, out, STEPS), expect_kill=False)
+    assert M.differences(str(ref), out) == [], f"{trainer}/{loader} killed {where}@{kill}"
+    # each rank keeps its own ledger tape directory, and none saw its resume diverge
+    verdicts = []
+    for r in range(M.PROCS):
+        tapes, problems = read_ledger_dir(os.path.join(run, "ledger", f"rank-{r:05d}"))
+        checks = [c for t in tapes for c in t.checks]
+        assert problems == [] and checks and all(c.verdict != "diverged" for c in checks), (r, checks)
+        verdicts += [c.verdict for c in checks]
+    if where != "save" and kill % T.SAVE_EVERY:
+        # The rank that killed the job recorded the steps after its last save; the other
+        # may not have (the kill takes it down anywhere): at least one verified exact.
+        assert "exact" in verdicts, verdicts
+    assert "diverged" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a hang bound for up to three 2-process jobs (tests/hangs.py), never a speed verdict
+@pytest.mark.parametrize("trainer", ["lightning", "accelerate"])
+def test_a_world_size_change_is_refused_not_called_exact(tmp_path: Path, trainer: str) -> None:
+    """A 2-process run resumed by 1 process stops with ``ResumeMismatchError`` naming both
+    world sizes before a step is taken; the run's checkpoints are untouched."""
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    M.launch(M.command(trainer, "resumable", run, out, STEPS, 5, "step"), expect_kill=True)
+    before = sorted(os.listdir(run))
+    with pytest.raises(RuntimeError) as e:
+        M.launch(M.command(trainer, "resumable", run, out, STEPS, procs=1), expect_kill=False)
+    assert "ResumeMismatchError" in str(e.value) and "saved by 2 process(es), this run has 1" in str(e.value)
+    assert sorted(os.listdir(run)) == before and not os.path.exists(out)
