@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from ..writer import CheckpointInfo, abort, part_name_for_rank
 from .integration_probe import holds_dtensor
 from .layout import decode_layout
 
-__all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "unwrap_checkpoint_error"]
+__all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "restore_rank_rng", "raise_failed_save", "unwrap_checkpoint_error"]
 
 
 def _rank() -> int:
@@ -135,22 +135,28 @@ def save_sharded(
     try:
         dcp.save(sd, storage_writer=writer, planner=SavePlanner())
     except BaseException as e:
-        # The coordinator opened the temporary directory; nothing was renamed into
-        # place, so remove it (the other ranks have stopped writing: DCP gathered them).
-        if writer.pending is not None and (writer.pending.tag or storage.isdir(writer.pending.tmp_dir)):
-            abort(writer.pending, storage=storage)
-        err = unwrap_checkpoint_error(e)
-        if err is not e:
-            raise err from None
-        if isinstance(e, Exception) and not isinstance(e, CkptError):
-            # e.g. gloo's "Connection closed by peer" when a rank died mid-save
-            from ..distributed import DistributedSaveError
-
-            raise DistributedSaveError(f"sharded save failed, nothing committed: {type(e).__name__}: {e}", path=writer.path) from e
-        raise
+        raise_failed_save(writer, e)
     reader = CheckpointReader(writer.path, storage=storage)
     m = reader.manifest
     return CheckpointInfo(reader.path, m.id, m.step, m.total_bytes, m)
+
+
+def raise_failed_save(writer: Any, e: BaseException) -> NoReturn:
+    """Raise what a failed DCP save through ``writer`` (a ``ckpt.dcp.StorageWriter``) means,
+    after removing the temporary directory its coordinator opened: nothing was renamed into
+    place, and the other ranks have stopped writing (DCP gathered them)."""
+    pending = writer.pending
+    if pending is not None and (pending.tag or writer.storage.isdir(pending.tmp_dir)):
+        abort(pending, storage=writer.storage)
+    err = unwrap_checkpoint_error(e)
+    if err is not e:
+        raise err from None
+    if isinstance(e, Exception) and not isinstance(e, CkptError):
+        # e.g. gloo's "Connection closed by peer" when a rank died mid-save
+        from ..distributed import DistributedSaveError
+
+        raise DistributedSaveError(f"sharded save failed, nothing committed: {type(e).__name__}: {e}", path=writer.path) from e
+    raise e
 
 
 def new_rank_seed(checkpoint_id: str, rank: int) -> int:
@@ -193,7 +199,6 @@ def load_sharded(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from .._torchio import load_into
-    from ..context.rng import restore_rng as _restore_rng
     from .planner import LoadPlanner
     from .storage import StorageReader
 
@@ -225,11 +230,16 @@ def load_sharded(
         elif isinstance(obj, dict) and isinstance(sd[name], dict) and sd[name] is not obj:
             obj.clear()
             obj.update(sd[name])
-    restored: list[str] = []
-    if restore_rng:
-        ctx_rng = result.context.get("rng")
-        if own and ctx_rng is not None:
-            restored = _restore_rng(ctx_rng, generators, path=reader.path)
-        elif not own:
-            restored = _seed_new_rank(new_rank_seed(reader.manifest.id, rank), generators)
+    restored = restore_rank_rng(reader, result.context.get("rng"), generators) if restore_rng else []
     return replace(result, restored_rng=tuple(restored))
+
+
+def restore_rank_rng(reader: CheckpointReader, saved: Mapping[str, Any] | None, generators: Mapping[str, Any] | None = None) -> list[str]:
+    """§S.4: this rank's saved streams (``saved``: its part's context ``rng``) when the saving
+    job had this rank; a rank it did not have seeds its streams by the new-rank rule."""
+    from ..context.rng import restore_rng as _restore_rng
+
+    rank = _rank()
+    if rank >= decode_layout(reader.manifest, path=reader.path).world_size:
+        return _seed_new_rank(new_rank_seed(reader.manifest.id, rank), generators)
+    return _restore_rng(saved, generators, path=reader.path) if saved is not None else []

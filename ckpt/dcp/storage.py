@@ -140,6 +140,11 @@ class StorageWriter(_DcpWriter):
     def checkpoint_id(self) -> str:
         return self.path
 
+    @property
+    def storage(self) -> Storage:
+        """The storage backend the checkpoint is written to (resolved from the path)."""
+        return self._storage
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self._storage, self.path = resolve(checkpoint_id, self._explicit_storage)
