@@ -18,7 +18,8 @@ last save, async (``async_mode="async"``). On top of them:
 * resume picks the newest *committed* checkpoint (a ``step-N`` holding our MANIFEST; a
   torchtitan DCP folder, ``.metadata``, still loads through torchtitan's own reader), and a
   checkpoint that fails verification raises instead of being skipped;
-* retention never counts or deletes a save still in flight (its temporary directory);
+* retention never counts or deletes a save still in flight (its temporary directory), and
+  the temporary directory of a save the job died in is removed when the job starts again;
 * each rank's RNG streams are restored with the state (torchtitan's own checkpoint holds none);
 * rank 0 keeps the step ledger in ``<folder>/ledger``: one record per training step
   (RNG digests; a parameter digest every ``ledger_params_every`` steps), and after a
@@ -54,7 +55,7 @@ from ..dcp.storage import StorageReader, StorageWriter
 from ..errors import SaveOptionError
 from ..format.manifest import MANIFEST_NAME
 from ..reader import CheckpointReader
-from ..writer import part_name_for_rank
+from ..writer import part_name_for_rank, recover
 
 __all__ = ["CkptCheckpointManager", "committed_steps"]
 
@@ -189,6 +190,13 @@ class CkptCheckpointManager(CheckpointManager):
 
     def _load(self, step: int = -1) -> bool:
         self._loaded = None
+        if not self.load_only and filesystem.isdir(self.folder):
+            # A save in flight when the job died left its temporary directory; the job owns
+            # the folder (torchtitan's premise), so rank 0 clears it before anyone reads.
+            if _rank() == 0:
+                recover(self.folder, names=lambda n: _STEP_DIR.fullmatch(n) is not None)
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()
         loaded = super()._load(step)
         if loaded and self.ledger is not None and self._loaded is not None and self._loaded[0] >= 0:
             self.ledger.resumed(self._loaded[0], source=self._loaded[1])
