@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--interval", type=int, default=2)
     p.add_argument("--async-mode", default="disabled")
+    p.add_argument("--native", action="store_true", help="torchtitan's own CheckpointManager (the baseline)")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -132,8 +134,14 @@ def main() -> None:
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                                  min_lr_factor=0.0).build(optimizers=optimizers, training_steps=a.steps)
     loader, train_state = Loader(rank), TrainState()
-    config = CkptCheckpointManager.Config(enable=True, folder="checkpoint", interval=a.interval, keep_latest_k=3,
-                                          last_save_model_only=False, async_mode=a.async_mode, ledger_params_every=1)
+    common: dict[str, Any] = dict(enable=True, folder="checkpoint", interval=a.interval, keep_latest_k=3,
+                                  last_save_model_only=False, async_mode=a.async_mode)
+    if a.native:
+        from torchtitan.components.checkpoint import CheckpointManager
+
+        config: Any = CheckpointManager.Config(**common)
+    else:
+        config = CkptCheckpointManager.Config(**common, ledger_params_every=1)
     checkpointer = config.build(dataloader=loader, model_parts=[model], optimizers=optimizers,
                                 lr_schedulers=lr_schedulers, states={"train_state": train_state},
                                 sd_adapter=None, base_folder=a.dump)
@@ -152,8 +160,10 @@ def main() -> None:
         train_state.ntokens_seen += tokens.numel()
         losses[step] = float(loss.detach()).hex()
         checkpointer.save(step, last_step=step == a.steps)
+        if a.native and os.environ.get("CKPT_LEDGER_KILL_AT") == str(step) and rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # the baseline has no ledger: the same kill point, by hand
     checkpointer.maybe_wait_for_saving()
-    ledger = checkpointer.ledger  # rank 0's; close() finishes its resume report
+    ledger = getattr(checkpointer, "ledger", None)  # rank 0's; close() finishes its resume report
     checkpointer.close()
     out = {
         "losses": losses,
