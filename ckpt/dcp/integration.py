@@ -30,7 +30,7 @@ from ..writer import CheckpointInfo, abort, part_name_for_rank
 from .integration_probe import holds_dtensor
 from .layout import decode_layout
 
-__all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "restore_rank_rng", "raise_failed_save", "unwrap_checkpoint_error"]
+__all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "dcp_load", "restore_rank_rng", "raise_failed_save", "unwrap_checkpoint_error"]
 
 
 def _rank() -> int:
@@ -195,12 +195,9 @@ def load_sharded(
     exactness: str = "warn",
 ) -> Any:
     """Collective when a process group is up; works on one process without one (M = 1)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from .._torchio import load_into
-    from .planner import LoadPlanner
-    from .storage import StorageReader
 
     layout = decode_layout(reader.manifest, path=reader.path)
     rank = _rank()
@@ -211,15 +208,7 @@ def load_sharded(
     result = load_into(reader, {}, part=part, data=data, restore_rng_state=False, verify=verify, exactness=exactness)
     state = state or {}
     sd, modules = _dcp_state(state)
-    sreader = StorageReader(reader.path, verify=verify, storage=reader.storage)
-    sreader._reader = reader
-    try:
-        dcp.load(sd, storage_reader=sreader, planner=LoadPlanner())
-    except BaseException as e:
-        err = unwrap_checkpoint_error(e)
-        if err is e:
-            raise
-        raise err from None
+    dcp_load(reader, sd, verify=verify)
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, sd[name])
@@ -232,6 +221,25 @@ def load_sharded(
             obj.update(sd[name])
     restored = restore_rank_rng(reader, result.context.get("rng"), generators) if restore_rng else []
     return replace(result, restored_rng=tuple(restored))
+
+
+def dcp_load(reader: CheckpointReader, state_dict: dict[str, Any], *, verify: bool = True) -> None:
+    """``dcp.load`` of an opened checkpoint into ``state_dict`` (collective), through our
+    reader and the pickle-free planner; our own error when a rank failed with one."""
+    import torch.distributed.checkpoint as dcp
+
+    from .planner import LoadPlanner
+    from .storage import StorageReader
+
+    sreader = StorageReader(reader.path, verify=verify, storage=reader.storage)
+    sreader._reader = reader
+    try:
+        dcp.load(state_dict, storage_reader=sreader, planner=LoadPlanner())
+    except BaseException as e:
+        err = unwrap_checkpoint_error(e)
+        if err is e:
+            raise
+        raise err from None
 
 
 def restore_rank_rng(reader: CheckpointReader, saved: Mapping[str, Any] | None, generators: Mapping[str, Any] | None = None) -> list[str]:

@@ -49,9 +49,10 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
-from ..dcp.integration import raise_failed_save, restore_rank_rng, unwrap_checkpoint_error
-from ..dcp.planner import LoadPlanner, SavePlanner
-from ..dcp.storage import StorageReader, StorageWriter
+from .._torchio import load_into
+from ..dcp.integration import dcp_load, raise_failed_save, restore_rank_rng
+from ..dcp.planner import SavePlanner
+from ..dcp.storage import StorageWriter
 from ..errors import SaveOptionError
 from ..format.manifest import MANIFEST_NAME
 from ..reader import CheckpointReader
@@ -100,12 +101,18 @@ class CkptCheckpointManager(CheckpointManager):
         verify_resume: Literal["warn", "strict", "off"] = "warn"
         """What an inexact resume does: warn, raise ``ResumeDivergedError``, or nothing."""
 
+        exactness: Literal["warn", "strict", "off"] = "warn"
+        """A load in another environment or world size (``ckpt.load``'s gate): warn
+        (``ExactnessWarning`` naming the differences), refuse before any tensor is touched
+        (``EnvironmentMismatchError``), or say nothing."""
+
     def __init__(self, config: Config, **kwargs: Any) -> None:
         if config.enable and config.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM.value:
             raise SaveOptionError("async_mode='async_with_pinned_mem' is not supported by the ckpt backend: DCP "
                                   "pickles the storage writer into a staging process; use 'async' or 'disabled'",
                                   key="checkpoint.async_mode")
         self._ckpt_verify = config.verify
+        self._ckpt_exactness = config.exactness
         self._saving_step: int | None = None
         self._loaded: tuple[int, str] | None = None  # (step, checkpoint) of the last ckpt load
         #: the step ledger (``ckpt.ledger.Ledger``) on rank 0, once the manager is enabled
@@ -170,21 +177,16 @@ class CkptCheckpointManager(CheckpointManager):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         reader = CheckpointReader(checkpoint_id)
-        storage_reader = StorageReader(reader.path, verify=self._ckpt_verify, storage=reader.storage)
-        storage_reader._reader = reader
-        try:
-            dcp.load(state_dict, storage_reader=storage_reader, planner=LoadPlanner())
-        except BaseException as e:
-            err = unwrap_checkpoint_error(e)
-            if err is e:
-                raise
-            raise err from None
+        own = part_name_for_rank(_rank())
+        part = own if own in {p.name for p in reader.manifest.parts} else part_name_for_rank(0)
+        # ckpt.load's gate first (environment, world size): under strict nothing is touched
+        context = load_into(reader, {}, part=part, restore_rng_state=False, verify=self._ckpt_verify,
+                            exactness=self._ckpt_exactness).context
+        dcp_load(reader, state_dict, verify=self._ckpt_verify)
         # torchtitan flattens the model's entries into the top level: hand them back
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
-        own = part_name_for_rank(_rank())
-        part = own if own in {p.name for p in reader.manifest.parts} else part_name_for_rank(0)
-        restore_rank_rng(reader, reader.context(part).get("rng"))
+        restore_rank_rng(reader, context.get("rng"))
         step = reader.manifest.step
         self._loaded = (step if isinstance(step, int) else -1, os.path.basename(reader.path))
 

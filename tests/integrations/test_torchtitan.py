@@ -85,10 +85,15 @@ def _differences(straight: list[dict[str, Any]], resumed: list[dict[str, Any]]) 
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def straight_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("titan-straight")
     _train(d)
-    return _final(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def straight(straight_dir: Path) -> list[dict[str, Any]]:
+    return _final(straight_dir)
 
 
 def test_resume_after_sigkill_is_bit_identical_and_every_save_is_a_ckpt_checkpoint(
@@ -122,6 +127,42 @@ def test_torchtitans_own_checkpoint_resumes_inexactly_with_dropout(straight: lis
     assert (tmp_path / "checkpoint" / "step-4" / ".metadata").is_file()
     diffs = _differences(straight, final)
     assert "rank 0 loss at step 5" in diffs and "rank 0 rng" in diffs
+
+
+def test_a_world_size_change_is_reported_never_called_exact(straight_dir: Path) -> None:
+    """The 2-rank FSDP2 save loads into one plain process (DCP reshards), with ckpt.load's
+    environment gate: the world-size change is named."""
+    import importlib.util as iu
+
+    from ckpt.errors import EnvironmentMismatchError
+    from ckpt.integrations.torchtitan import CkptCheckpointManager
+    from ckpt._torchio import ExactnessWarning
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    spec = iu.spec_from_file_location("torchtitan_run", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def manager(exactness: str) -> Any:
+        model = mod.Tiny()
+        optimizers = default_adamw(lr=3e-3).build(model_parts=[model])
+        scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=STEPS)
+        config = CkptCheckpointManager.Config(enable=True, load_only=True, keep_latest_k=0, ledger=False,
+                                              exactness=exactness)  # type: ignore[arg-type]
+        state = mod.TrainState()
+        m = config.build(dataloader=mod.Loader(0), model_parts=[model], optimizers=optimizers, lr_schedulers=scheds,
+                         states={"train_state": state}, sd_adapter=None, base_folder=str(straight_dir))
+        return m, state
+
+    m, state = manager("warn")
+    with pytest.warns(ExactnessWarning, match=r"world_size: 2 -> 1"):
+        assert m.load()
+    assert state.step == STEPS
+    m, state = manager("strict")
+    with pytest.raises(EnvironmentMismatchError, match="world_size"):
+        m.load()
+    assert state.step == 0  # refused before anything was touched
 
 
 def test_pinned_memory_async_is_refused_by_name() -> None:
