@@ -30,10 +30,12 @@ checkpoint holding:
 
 Exact (random-kill trials in fresh processes, ``tests/integrations/test_trainer_trials.py``)
 with a prepared ``StatefulDataLoader`` (mid-epoch and after an epoch's last batch; random
-augmentation in workers with the dataset wrapped in ``ckpt.integrations.stateful_data.WorkerRNG``)
+augmentation in workers or in the main process with the dataset wrapped in
+``ckpt.integrations.stateful_data.WorkerRNG``)
 or a registered ``ckpt.data.ResumableLoader``,
 with ``accumulate``, clipping, bf16 autocast. Resume through ``resumed_iter``. Not exact:
-random augmentation in the main process (``num_workers=0``) with a prepared
+random augmentation in the main process (``num_workers=0``) drawing from the global RNG
+(without ``WorkerRNG``) with a prepared
 ``StatefulDataLoader`` resumed mid-epoch: Accelerate's ``DataLoaderShard`` fetches one
 batch ahead, so the saved run drew the next batch's augmentation before the step's own
 draws, and the checkpoint holds the position before that batch (the ledger reports it). The run
@@ -176,8 +178,10 @@ def resumed_iter(loader: Any, result: Any) -> Iterator[Any]:
 
     Random augmentation: in ``StatefulDataLoader`` workers it is exact when the dataset is
     wrapped in ``ckpt.integrations.stateful_data.WorkerRNG`` (the workers' streams are then
-    part of the loader state); ``ckpt.data.ResumableLoader`` reseeds per sample (exact); in
-    the main process of a prepared loader, mid-epoch, it is not (see the module docstring).
+    part of the loader state; in the main process it draws from the wrapper's own streams,
+    likewise saved); ``ckpt.data.ResumableLoader`` reseeds per sample (exact); drawing from
+    the global RNG in the main process of a prepared loader, mid-epoch, it is not (see the
+    module docstring).
     """
     return _resumed_iter(loader, lambda: restore_rng(result))
 

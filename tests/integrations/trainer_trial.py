@@ -191,9 +191,11 @@ def make_loader(a: argparse.Namespace) -> Any:
     from ckpt.integrations.stateful_data import WorkerRNG
 
     # "stateful": as documented (the workers' RNG in the loader state); "stateful-plain": without;
-    # "stateful-main": no workers, the augmentation draws from the main process's RNG
-    ds = WorkerRNG(Augmented()) if a.loader == "stateful" else Augmented()
-    return StatefulDataLoader(ds, batch_size=MICRO, shuffle=True, num_workers=0 if a.loader == "stateful-main" else 2)
+    # "stateful-main": no workers, the augmentation in the wrapper's own main-process streams
+    # (as documented); "stateful-main-plain": no workers, drawing from the global RNG
+    ds = WorkerRNG(Augmented()) if a.loader in ("stateful", "stateful-main") else Augmented()
+    workers = 0 if a.loader.startswith("stateful-main") else 2
+    return StatefulDataLoader(ds, batch_size=MICRO, shuffle=True, num_workers=workers)
 
 
 # -- Accelerate ----------------------------------------------------------------------------
@@ -308,7 +310,7 @@ def differences(straight: str, resumed: str) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--trainer", choices=("hf", "lightning", "accelerate"), required=True)
-    p.add_argument("--loader", choices=("resumable", "stateful", "stateful-plain", "stateful-main"), default="resumable")
+    p.add_argument("--loader", choices=("resumable", "stateful", "stateful-plain", "stateful-main", "stateful-main-plain"), default="resumable")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=14)
