@@ -12,12 +12,12 @@ $(BIN)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata,torchft,s3]'
+	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata,torchft,s3,docs]'
 	$(BIN)/pip install -q tyro==1.0.17 spmd_types==0.2.3
 	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
 	touch $@
 
-.PHONY: venv demo test check busy-test busy-demos bench fuzz clean
+.PHONY: venv demo test check docs busy-test busy-demos bench fuzz clean
 venv: $(BIN)/.installed
 
 # the demo refuses a used directory (it never overwrites a tape): start demo-out afresh
@@ -34,6 +34,11 @@ test: venv
 check: venv
 	$(BIN)/python -m pytest -q -m "not cuda and not slow"
 
+# the documentation site, into site/ (strict: a broken link or a missing page fails it);
+# `$(BIN)/mkdocs serve` serves it while you edit
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # the suite and the demos on a busy machine: four CPU hogs beside them (bench/busy.py)
 BUSY_RUNS ?= 1
 busy-test: venv
@@ -49,7 +54,7 @@ bench: venv
 
 # the long fuzz run: mutated, re-signed checkpoints and tapes, then the fault simulator over
 # every write path (bench/sim.py), then random-kill trials of every trainer integration
-# (bench/trainer_trials.py); each prints the counts the README quotes
+# (bench/trainer_trials.py); each prints the counts the docs quote
 FUZZ_CASES ?= 5000
 SIM_TRIALS ?= 700
 TRAINER_TRIALS ?= 10
@@ -59,4 +64,4 @@ fuzz: venv
 	$(BIN)/python bench/trainer_trials.py --trials $(TRAINER_TRIALS)
 
 clean:
-	rm -rf $(VENV) demo-out
+	rm -rf $(VENV) demo-out site

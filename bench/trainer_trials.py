@@ -1,4 +1,4 @@
-"""Random-kill trials of the trainer integrations (the README's trainer table).
+"""Random-kill trials of the trainer integrations (the trainer table of docs/trainers/index.md).
 
 Per trainer and loader: one straight run, then ``--trials`` runs each SIGKILLed at a
 seeded random point (after a save, at a step end, or mid-accumulation), resumed in a

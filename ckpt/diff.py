@@ -24,8 +24,9 @@ __all__ = ["diff_checkpoints", "plain_values", "STATE", "rng_streams", "tensor_d
            "ledger_unused_streams"]
 
 CATEGORIES = ("tensors", "rng", "values", "data", "config", "commit", "topology", "env")
-#: the categories that are the training state (a difference in any is "the state differs")
+"""What ``diff_checkpoints`` compares, and what ``--ignore`` takes besides a stream or a key prefix."""
 STATE = ("parts", "tensors", "rng", "values", "data")
+"""The categories that are the training state: a difference in any is "the state differs" (exit code 6)."""
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:

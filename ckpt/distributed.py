@@ -51,6 +51,7 @@ class DistributedSaveError(CkptError, RuntimeError):
 
 
 def is_distributed() -> bool:
+    """Whether a process group of more than one rank is initialised."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 

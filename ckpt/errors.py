@@ -139,6 +139,8 @@ def _rebuild(cls, message, path, offset, key, context):  # pragma: no cover - tr
 
 
 class CheckpointNotFoundError(CkptError, FileNotFoundError):
+    """No checkpoint at this path (exit code 5)."""
+
     exit_code = 5
 
 
@@ -173,7 +175,7 @@ class NotACheckpointError(FormatError):
 
 
 class UnsupportedVersionError(FormatError):
-    pass
+    """A format version this reader does not know: a newer major version is refused, never misread."""
 
 
 class LimitExceededError(FormatError):
@@ -191,19 +193,19 @@ class IntegrityError(CkptError, ValueError):
 
 
 class ChecksumMismatchError(IntegrityError):
-    pass
+    """A chunk's or the MANIFEST's digest does not match its bytes (exit code 3)."""
 
 
 class SizeMismatchError(IntegrityError):
-    pass
+    """A file is shorter or longer than the MANIFEST says (truncated or extended)."""
 
 
 class MissingFileError(IntegrityError):
-    pass
+    """A file the MANIFEST names is absent."""
 
 
 class UnexpectedFileError(IntegrityError):
-    pass
+    """A file in the checkpoint that the MANIFEST does not name."""
 
 
 class CheckpointChangedError(IntegrityError):
@@ -217,7 +219,7 @@ class CheckpointChangedError(IntegrityError):
 
 
 class CheckpointExistsError(CkptError, FileExistsError):
-    pass
+    """Refusing to replace an existing checkpoint: pass ``overwrite=True`` to replace it."""
 
 
 class StateMismatchError(CkptError, ValueError):
@@ -315,18 +317,26 @@ class TapeDataError(FormatError):
 
 
 class TapeCorruptError(TapeDataError):
+    """Tape framing read by ``ckpt`` (a ledger tape): a bad record followed by valid ones."""
+
     reason = "corrupt"
 
 
 class TapeTruncatedError(TapeDataError):
+    """Tape framing read by ``ckpt`` (a ledger tape): a torn tail where a whole tape is required."""
+
     reason = "truncated"
 
 
 class TapeFormatError(TapeDataError):
+    """Tape framing read by ``ckpt`` (a ledger tape): bad magic, an unknown version or a bad header."""
+
     reason = "format"
 
 
 class TapeLimitError(TapeDataError):
+    """Tape framing read by ``ckpt`` (a ledger tape): a length above the documented bound."""
+
     reason = "limit"
 
 

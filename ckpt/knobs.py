@@ -97,6 +97,9 @@ class Knobs:
     #: a step ledger outside it is refused (two runs writing one place would be compared
     #: with themselves).
     check_run_dir: str = os.environ.get("CKPT_CHECK_RUN", "")
+    #: CKPT_LEDGER_KILL_AT: set by `ckpt check-resume -- COMMAND` for an attempt told to die
+    #: after that step; only the harness's kill switch reads it (ckpt/testing/kill_switch.py); 0: none.
+    ledger_kill_at: int = _env_int("CKPT_LEDGER_KILL_AT", 0)
     #: multiplies every hang bound (``replay.watchdog.hang_bound``): the runs', the demos'
     #: and the test suite's. Bounds only catch hangs, never judge speed; raise it on a
     #: machine so loaded that a step can stall for minutes (e.g. ``CKPT_TIMEOUT_SCALE=4``).

@@ -190,6 +190,8 @@ class CheckpointReader:
         return self.manifest.step
 
     def part(self, name: str | None = None) -> PartEntry:
+        """The MANIFEST entry of one part (a rank's files and tensors); ``name`` may be None only
+        when the checkpoint has one part."""
         try:
             return self.manifest.part(name)
         except KeyError as e:
@@ -278,6 +280,7 @@ class CheckpointReader:
 
     # -- tensors -------------------------------------------------------------------------
     def tensor_entries(self, part: str | None = None) -> tuple[TensorEntry, ...]:
+        """Every tensor's entry (key, dtype, shape, file, byte span) in one part, in MANIFEST order."""
         return self.part(part).tensors
 
     def _header(self, pe: PartEntry, index: int | None = None) -> None:
@@ -524,6 +527,7 @@ class CheckpointReader:
         return report
 
     def iter_tensor_keys(self, part: str | None = None) -> Iterator[str]:
+        """The tensor keys of one part (``model/0.weight``), in MANIFEST order; reads nothing."""
         return (t.key for t in self.part(part).tensors)
 
     # -- torch-facing conveniences (import torch lazily) -------------------------------

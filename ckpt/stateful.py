@@ -9,6 +9,9 @@ __all__ = ["Stateful"]
 
 @runtime_checkable
 class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, schedulers,
+    ``GradScaler``, data loaders."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...

@@ -98,6 +98,7 @@ def begin(
 
 
 def abort(pending: PendingCheckpoint, *, storage: Storage | None = None) -> None:
+    """Abandon a checkpoint begun with ``begin``: its temporary files are removed, nothing is committed."""
     storage, _ = resolve(pending.final, storage)
     storage.commit.abort(pending)
 

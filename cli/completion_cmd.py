@@ -1,7 +1,7 @@
 """``ckpt completion bash|zsh|fish``: print the shell completion script (click's own).
 
 The same script click generates from ``_CKPT_COMPLETE=bash_source ckpt``; printed by a
-command so that it can be installed in one line (README "Shell completion")."""
+command so that it can be installed in one line (docs/cli.md, "Shell completion")."""
 
 from __future__ import annotations
 

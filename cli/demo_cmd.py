@@ -1,4 +1,4 @@
-"""``ckpt demo [NAME] --out DIR``: run one of the reference runs in ``runs/`` (see README).
+"""``ckpt demo [NAME] --out DIR``: run one of the reference runs in ``runs/`` (docs/reference-runs.md).
 
 ``diloco`` (the default, the project's main job): the Decoupled-DiLoCo reference run
 under seeded chaos, a no-fault run, a synchronous elastic baseline, a forced replay, a

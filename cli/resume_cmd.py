@@ -27,7 +27,7 @@ def _kill_steps(values: tuple[str, ...]) -> list[int]:
 
 
 @click.command("check-resume", context_settings={"allow_interspersed_args": False})
-@click.option("--entry", default=None, metavar="MODULE:FUNCTION", help="Training entry point train(ctx); see ckpt.resume_check.")
+@click.option("--entry", default=None, metavar="MODULE:FUNCTION", help="Training entry point train(ctx); see ckpt.testing.resume_entry.")
 @click.option("--kills", type=click.IntRange(min=1), default=1, show_default=True,
               help="With -- COMMAND and no --kill-at: how many random kill steps.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -62,15 +62,15 @@ def check_resume_cmd(
     """Run ENTRY straight through and killed-and-resumed; compare parameters, optimizer
     state, RNG and every step's loss bit for bit.
 
-    Exit 0 when identical; 6 when different, or when the attempts' environments or world
-    sizes differ (no exactness claim is made); 1 when an attempt crashed.
+    Exit 0 IDENTICAL; 6 DIFFERENT, or REFUSED when the attempts' environments or world
+    sizes differ or nothing resumed (no exactness claim is made); 1 when an attempt crashed.
 
     Or ``ckpt check-resume [--kill-at K | --kills N] -- COMMAND ...``: run an unmodified
     script in this directory (it finds its config and data files as always), SIGKILL it at
     chosen or random steps, let it resume, and compare the step ledgers and final
-    checkpoints (ckpt.ledger.check). Its ckpt.save/ckpt.load default ledger,
-    CheckpointManager or ckpt.ledger.Ledger takes the kill instruction from the
-    environment. Each run needs its own output place: write {run} where the command
+    checkpoints (ckpt.testing.resume_command). The check installs its kill switch in the
+    script's ckpt.save/ckpt.load default ledger, CheckpointManager or ckpt.ledger.Ledger
+    (a sitecustomize on PYTHONPATH; ckpt.testing.kill_switch). Each run needs its own output place: write {run} where the command
     names its output directory (--out_dir={run}); it becomes WORK/straight or
     WORK/resumed (also $CKPT_CHECK_RUN). A ledger outside it is refused, naming both
     directories. A script that resumes only when told (--init_from=resume) gets
@@ -86,7 +86,7 @@ def check_resume_cmd(
     if command:
         if entry:
             raise click.UsageError("give either --entry or -- COMMAND, not both")
-        from ckpt.ledger.check import check_command
+        from ckpt.testing.resume_command import check_command
 
         with Progress("runs", 1) as bar:
             res = check_command(list(command), kill_at=_kill_steps(kill_at), kills=kills, seed=seed, work=work_dir,
@@ -107,8 +107,9 @@ def check_resume_cmd(
         opts[key] = value
     kills = _kill_steps(kill_at)
     # Exit codes are raised out here: handle_errors would print click's Exit as an error.
-    if not _run(entry, steps, kills, world_size, save_every, seed, opts, sync, isolation, work_dir, timeout, as_json):
-        raise click.exceptions.Exit(6)
+    code = _run(entry, steps, kills, world_size, save_every, seed, opts, sync, isolation, work_dir, timeout, as_json)
+    if code:
+        raise click.exceptions.Exit(code)
 
 
 @handle_errors
@@ -125,8 +126,8 @@ def _run(
     work_dir: str | None,
     timeout: float,
     as_json: bool,
-) -> bool:
-    from ckpt.resume_check import check_resume
+) -> int:
+    from ckpt.testing.resume_entry import check_resume
 
     try:
         with Progress("attempts", 1) as bar:
@@ -150,8 +151,8 @@ def _run(
         dump_json(
             {
                 "mode": "entry",
-                "verdict": "IDENTICAL" if result.identical else "DIFFERENT",
-                "exit_code": 0 if result.identical else 6,
+                "verdict": result.verdict,
+                "exit_code": result.exit_code,
                 "identical": result.identical,
                 "refused": list(result.refused),
                 "divergences": [
@@ -166,4 +167,4 @@ def _run(
         )
     else:
         click.echo(result.summary())
-    return result.identical
+    return result.exit_code

@@ -80,6 +80,8 @@ RULES = ("clock-monotonic", "duplicate-send", "recv-without-send", "recv-not-aft
 
 @dataclass(frozen=True, slots=True)
 class Violation:
+    """An invariant the tape breaks: the rule, a message naming it, and the events involved."""
+
     rule: str
     message: str
     events: tuple[Event, ...]
@@ -95,6 +97,7 @@ class Violation:
 
 
 def check_events(events: Iterable[Event]) -> list[Violation]:
+    """The invariant violations in a sequence of events (what ``check_tape`` runs on a tape's events)."""
     out: list[Violation] = []
     last: dict[str, Event] = {}
     sends: dict[tuple[str, int], Event] = {}

@@ -25,6 +25,8 @@ _MAX_ENTRIES = 65535
 
 
 class Order(enum.Enum):
+    """How two vector clocks compare: equal, before, after or concurrent."""
+
     EQUAL = "equal"
     BEFORE = "before"
     AFTER = "after"

@@ -39,6 +39,9 @@ __all__ = [
 
 
 class ReplayError(Exception):
+    """The base of every error ``replay`` raises on purpose; ``str()`` names the context it knows
+    (path, offset, seq, channel), and ``exit_code`` is what the ``ckpt`` command exits with."""
+
     exit_code: int = 1
 
     def __init__(self, message: str, **context: Any) -> None:
@@ -58,47 +61,51 @@ def _rebuild(cls, message, context):  # pragma: no cover - trivial
 
 
 class TapeError(ReplayError, ValueError):
+    """Tape bytes that do not decode (exit code 3)."""
+
     exit_code = 3
 
 
 class TapeCorruptError(TapeError):
-    pass
+    """A bad record followed by valid ones: the tape is damaged in the middle, not torn."""
 
 
 class TapeTruncatedError(TapeError):
-    pass
+    """A torn tail where a whole tape is required (``ckpt tape repair`` truncates it)."""
 
 
 class TapeFormatError(TapeError):
-    pass
+    """Bad magic, an unknown version or a bad header."""
 
 
 class TapeLimitError(TapeError):
-    pass
+    """A length above the documented bound (spec/tape-format.md)."""
 
 
 class DivergenceError(ReplayError, AssertionError):
+    """A replay produced an event other than the tape's (exit code 6)."""
+
     exit_code = 6
 
 
 class ChannelError(ReplayError, RuntimeError):
-    pass
+    """A transport failure on a channel."""
 
 
 class PeerDiedError(ChannelError):
-    pass
+    """The peer went away mid-message."""
 
 
 class MessageTooLargeError(ChannelError):
-    pass
+    """A message above the channel's declared bound."""
 
 
 class ReceiveTimeoutError(ChannelError, TimeoutError):
-    pass
+    """No message arrived within the receive's timeout."""
 
 
 class SnapshotError(ReplayError, RuntimeError):
-    pass
+    """A snapshot aborted, or cannot be restored."""
 
 
 class HangError(ReplayError, TimeoutError):

@@ -407,6 +407,7 @@ KINDS: tuple[Kind, ...] = (
          "nil, bool, int, float, str or bytes (the script's values, e.g. lr; names starting ckpt. are the ledger's "
          "own), compared exactly on a resume."),
 )
+"""Every event kind of the tape format (spec/tape-format.md §6), by code: name, fields and meaning."""
 
 KIND_BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
 KIND_BY_CODE: dict[int, Kind] = {k.code: k for k in KINDS}

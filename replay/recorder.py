@@ -595,6 +595,7 @@ class Recorder(Actor):
                 self.writer.flush()
 
     def close(self) -> None:
+        """Close the tape; until then ``ckpt tape verify`` reports it as not closed."""
         if self.writer is not None:
             with self._core.lock:  # not under another thread's append
                 self.writer.close()

@@ -64,6 +64,9 @@ class TensorDiff:
 
 @dataclass(frozen=True, slots=True)
 class Divergence:
+    """The first event a replay produced otherwise than the tape: why, where (step, actor,
+    kind, clocks), and both digests."""
+
     reason: str
     step: int
     actor: str
@@ -93,6 +96,9 @@ class Divergence:
 
 @dataclass(frozen=True, slots=True)
 class ReplayResult:
+    """The outcome of a replay: identical or not, how many events were compared, the first
+    divergence and the environment differences."""
+
     tape: str
     mode: str
     identical: bool

@@ -62,6 +62,9 @@ def unpack_slots(t: "torch.Tensor") -> list[list[bytes]]:
 
 @dataclass(frozen=True)
 class Verdict:
+    """The verdict of an SDC check across replicas: ok, the replicas named wrong by majority,
+    the buckets that differ, and whether the mismatch is ambiguous."""
+
     ok: bool
     odd: tuple[str, ...] = ()  # replicas named wrong (majority), sorted
     buckets: tuple[int, ...] = ()  # buckets whose digests differ

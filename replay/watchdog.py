@@ -39,9 +39,9 @@ from .errors import HangError
 __all__ = ["hang_bound", "arm", "beat", "armed_dir", "Watchdog", "HangReport", "WorkerState", "waiting_in",
            "STALL_FLOOR_S"]
 
-#: the smallest stall a run's watchdog accepts by default (before the scale): process
-#: start-up with torch imports alone takes tens of seconds on a loaded 2-core machine.
 STALL_FLOOR_S = 120.0
+"""The smallest stall a run's watchdog accepts by default (before the scale): process start-up
+with torch imports alone takes tens of seconds on a loaded 2-core machine."""
 #: a heartbeat record is this many bytes, written in place (a reader never sees half of one
 #: that matters: the sequence number comes first and the label is padded).
 _RECORD = 160

@@ -27,6 +27,8 @@ def _np():
 
 
 def capture_rng(generators: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The state of every RNG stream (Python, numpy, torch CPU, every CUDA device, and the
+    ``generators`` given), as the plain values a checkpoint stores."""
     import torch
 
     version, internal, gauss = random.getstate()

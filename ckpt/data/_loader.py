@@ -19,8 +19,8 @@ from ._state import DataState, epoch_steps
 
 __all__ = ["ResumableLoader", "ResumeInfo", "BatchInfo", "merge_rank_states", "OnQuarantine"]
 
-#: ``on_quarantine(sample_index, shard, reason)``; ``shard`` is None for a map-style dataset.
 OnQuarantine = Callable[[int, "int | None", str], None]
+"""The quarantine callback: ``on_quarantine(sample_index, shard, reason)``; ``shard`` is None for a map-style dataset."""
 
 # The sampler computes indices in vectorised chunks that start at one step and double
 # up to this many positions: the first batch after a resume is cheap (O(1), about a

@@ -48,7 +48,8 @@ from ._quarantine import QuarantineRecord
 
 __all__ = ["STATE_VERSION", "DataState", "epoch_steps"]
 
-STATE_VERSION = 2  # the newest version written; 1 when the state holds no edit
+STATE_VERSION = 2
+"""The newest data state version written; a state that holds no edit is written as version 1."""
 _KEYS_V1 = (
     "version",
     "seed",

@@ -52,6 +52,9 @@ class ValueRecord:
 
 @dataclass(frozen=True, slots=True)
 class ShardedLayout:
+    """A sharded checkpoint's global layout (``meta.sharded``, spec/sharded-format.md): the world
+    size, every tensor's global shape and chunks per rank, the plain values, and the mesh."""
+
     world_size: int
     tensors: Mapping[str, TensorRecord]
     values: Mapping[str, ValueRecord]
@@ -85,6 +88,7 @@ def box_name(offsets: tuple[int, ...] | list[int]) -> str:
 
 
 def is_sharded(manifest: Manifest) -> bool:
+    """Whether a checkpoint's MANIFEST holds a sharded (DCP) layout (``meta.sharded``)."""
     return isinstance(manifest.meta, Mapping) and "sharded" in manifest.meta
 
 

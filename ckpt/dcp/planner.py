@@ -33,6 +33,8 @@ def check_value(value: Any, fqn: str) -> None:
 
 
 class SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, refusing what would need pickle (a tensor inside a non-tensor value)."""
+
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         for item in plan.items:
@@ -63,6 +65,8 @@ def set_value(planner: Any, item: ReadItem, value: Any) -> None:
 
 
 class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, setting plain values without pickle."""
+
     def load_value(self, read_item: ReadItem, value: Any) -> None:
         set_value(self, read_item, value)
 

@@ -66,8 +66,8 @@ MAJORS = (1, 2)
 V1 = (1, 0)
 V2 = (2, 0)
 MANIFEST_NAME = "MANIFEST"
-# A directory being written or deleted (spec §3): never a checkpoint; readers and listings skip it.
 TMP_PREFIX = ".tmp-"
+"""The name prefix of a directory being written or deleted (spec §3): never a checkpoint; readers and listings skip it."""
 _HEADER = struct.Struct("<8sHHIQ")
 HEADER_SIZE = _HEADER.size  # 24
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 from ..data._edits import DataEdit
 from ..errors import CkptError, GuardConfigError, GuardError, NoRollbackTargetError, RollbackLimitError
@@ -30,6 +30,9 @@ from . import events as ev
 from .config import GuardConfig
 from .routing import RoutingController
 from .rule import Verdict, judge
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..manager import CheckpointManager, StepCall
 
 __all__ = ["LossGuard", "Rollback", "TapeSink", "STATE_VERSION", "MAX_ROUTING_STATE"]
 
@@ -88,7 +91,7 @@ class LossGuard:
     leave untouched besides the global streams (default: the manager's).
     """
 
-    def __init__(self, manager: Any, config: GuardConfig | None = None, *, tape: TapeSink | None = None,
+    def __init__(self, manager: CheckpointManager, config: GuardConfig | None = None, *, tape: TapeSink | None = None,
                  model: Any = None, forward: Callable[[Any], Any] | None = None,
                  generators: Mapping[str, Any] | None = None) -> None:
         cfg = config if config is not None else GuardConfig()
@@ -101,7 +104,7 @@ class LossGuard:
         if cfg.warmup_batches and (model is None or forward is None):
             raise GuardConfigError(f"GuardConfig.warmup_batches={cfg.warmup_batches} needs model= (the MoE model) "
                                    "and forward= (how to run it on a batch)", key="warmup_batches")
-        if getattr(manager, "_guard", None) is not None:
+        if manager.hook is not None:
             raise GuardError("this CheckpointManager already has a LossGuard", path=manager.run_dir)
         self.manager = manager
         self.config = cfg
@@ -115,11 +118,14 @@ class LossGuard:
         self._cursor = loader.cursor
         self._step = manager.start_step
         self._closed = False
+        #: retention keeps a rollback target at or below this step (§8; ``retention_floor``)
+        self._floor: int | None = None
         self.routing: RoutingController | None = None
         if cfg.warmup_batches:
             self.routing = RoutingController(model, self._current_batch, self._record, self._decide)
             self.routing.install()
-        manager._guard = self
+        # the manager's after_step without its refusal: how an accepted step is saved
+        self._step_call: StepCall = manager.attach(self)
         if manager.last_load is not None:
             self._restore(manager.last_load, rewound=False)
 
@@ -142,8 +148,8 @@ class LossGuard:
             if rb is not None:
                 return rb
         self._accept(step, value, cursor)
-        self.manager._floor = step - cfg.lookback  # retention keeps a target for the next spike (§8)
-        self.manager._after_step(step, batch=batch, loss=loss, metrics=metrics, extra=extra)
+        self._floor = step - cfg.lookback  # retention keeps a target for the next spike (§8)
+        self._step_call(step, batch=batch, loss=loss, metrics=metrics, extra=extra)
         return None
 
     def roll_back(self, step: int, *, rule: str, loss: Any = float("nan"), batch: Any = None,
@@ -184,7 +190,7 @@ class LossGuard:
                  data_policy: bool = True) -> Rollback | None:
         cfg, mgr = self.config, self.manager
         if mgr.ledger is not None:
-            mgr.ledger.step(step, batch=batch, loss=loss, kill=False)  # the step happened; it is not saved
+            mgr.ledger.step(step, batch=batch, loss=loss, done=False)  # the step happened; it is not saved
         self._record(verdict, step)
         cause = {"nonfinite": "non-finite loss", "robust_z": "loss spike"}.get(verdict.rule, verdict.rule)
         what = f"{cause} at step {step} " \
@@ -197,7 +203,7 @@ class LossGuard:
                                      "roll back again", path=mgr.run_dir, step=step)
         before = step - cfg.lookback
         present = [r.step for r in mgr.checkpoints() if r.committed]
-        if not mgr._candidates(lambda r: r.step < before):
+        if not mgr.candidates(lambda r: r.step < before):
             self._record(ev.Refused("no-checkpoint", {"before": before, "checkpoints": present}), step)
             if cfg.on_no_checkpoint == "continue":
                 return None
@@ -325,8 +331,12 @@ class LossGuard:
             self.manager.ledger.record_guard(self._step + 1, ev.decode_payload(kind, payload))
         return payload
 
-    # -- state (§5) ----------------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
+    # -- the manager's hook (ckpt.manager.StepHook) and the state (§5) ---------------------------
+    def retention_floor(self) -> int | None:
+        return self._floor
+
+    def before_save(self, step: int) -> Mapping[str, Any]:
+        """The checkpoint's ``meta.guard`` (§5): the window, the episodes, the routing cache."""
         routing: list[Any] = []
         if self.routing is not None and self.routing.cache:
             routing = self.routing.state()
@@ -337,8 +347,12 @@ class LossGuard:
                 warnings.warn(f"routing cache of {size} bytes not saved (limit {MAX_ROUTING_STATE}): a resume inside "
                               "the replayed window routes those batches afresh", RuntimeWarning, stacklevel=4)
                 routing = []
-        return {"version": STATE_VERSION, "window": list(self.window), "episodes": list(self.episodes),
-                "routing": routing}
+        return {"guard": {"version": STATE_VERSION, "window": list(self.window), "episodes": list(self.episodes),
+                          "routing": routing}}
+
+    def on_restore(self, result: Any) -> None:
+        """``manager.resume()`` loaded ``result``: take the guard's state from it."""
+        self._restore(result, rewound=False)
 
     def _restore(self, result: Any, *, rewound: bool) -> None:
         """From a loaded checkpoint's ``meta.guard``: the window always; the episodes and
@@ -371,9 +385,7 @@ class LossGuard:
         self._closed = True
         if self.routing is not None:
             self.routing.uninstall()
-        if self.manager._guard is self:
-            self.manager._guard = None
-            self.manager._floor = None
+        self.manager.detach(self)
 
     def __enter__(self) -> LossGuard:
         return self

@@ -249,7 +249,7 @@ class CkptAccelerator(Accelerator):
         tensor the step consumed, e.g. the list of its micro-batches) and ``loss``. Before
         the first save or load the run directory is unknown and nothing is recorded."""
         if self.ledger is not None:
-            self.ledger.step(step, batch=batch, loss=loss, kill=False)
+            self.ledger.step(step, batch=batch, loss=loss, done=False)
             self._ckpt_recorded = step
 
     def save_state(self, output_dir: str | None = None, *, step: int | None = None, config: Any = None,  # type: ignore[override]
@@ -262,9 +262,9 @@ class CkptAccelerator(Accelerator):
         ledger = self._ledger_at(output_dir)
         if ledger is not None and step is not None:
             if self._ckpt_recorded != step:  # a run that only saves: one record per save
-                ledger.step(step, kill=False)
+                ledger.step(step, done=False)
                 self._ckpt_recorded = step
-            ledger.maybe_kill(step)  # CKPT_LEDGER_KILL_AT: after the step and its save
+            ledger.step_done(step)  # after the step and its save: where a harness kills
         return path
 
     def load_state(self, input_dir: str | None = None, *, defer_rng: bool = False, exactness: str = "warn",  # type: ignore[override]

@@ -169,7 +169,7 @@ class _RestoreRNG(Callback):
         self._restore()
         ledger = self._io.ledger
         if ledger is not None and self._recorded >= 0:
-            ledger.maybe_kill(self._recorded)  # CKPT_LEDGER_KILL_AT: after the step and its save
+            ledger.step_done(self._recorded)  # after the step and its save: where a harness kills
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._batches.append(batch)
@@ -181,7 +181,7 @@ class _RestoreRNG(Callback):
             return  # mid-accumulation: the optimizer step is not done
         ledger = self._ledger()
         if ledger is not None:
-            ledger.step(step, batch=self._batches, loss=sum(self._losses) if self._losses else None, kill=False)
+            ledger.step(step, batch=self._batches, loss=sum(self._losses) if self._losses else None, done=False)
         self._batches, self._losses, self._recorded = [], [], step
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -19,7 +19,6 @@ from .record import LedgerOpen, LedgerStep
 __all__ = ["StepDiff", "ResumeReport", "CAUSES", "used_streams", "compare_step", "likely_cause", "compare_runs",
            "find_batch", "find_hint", "SAMPLE", "RNG_BEFORE"]
 
-#: The documented cause table (README "Porting a training script"): what diverged -> likely cause.
 CAUSES: dict[str, str] = {
     "batch-shift": "the batch is the one the first run consumed at step {other}: the data position is "
                    "{ahead} at the resume (a batch prefetched before the step boundary and not saved? an "
@@ -54,6 +53,7 @@ CAUSES: dict[str, str] = {
     "params": "the parameter digest differs while everything recorded before it was equal: state that the "
               "checkpoint does not hold (pass batch= to after_step to find the first step)",
 }
+"""The documented cause table (docs/porting.md): what diverged -> the likely cause named."""
 #: the old name of "state" when only the loss differs (kept: tools match on it)
 CAUSES["loss"] = CAUSES["state"]
 

@@ -13,18 +13,18 @@ Usage without a manager (``CheckpointManager`` does all of this itself)::
 
 Environment instructions (how ``ckpt check-resume -- COMMAND`` drives an unmodified
 script): ``CKPT_LEDGER_DIR`` replaces the ledger directory (a manager's ledger then
-lives in ``$CKPT_LEDGER_DIR/<basename of its run_dir>``), ``CKPT_LEDGER_KILL_AT=K`` makes
-the process SIGKILL itself right after step K is recorded (and after a manager's save
-of step K has been started), ``CKPT_LEDGER_VERIFY`` overrides the verification policy.
+lives in ``$CKPT_LEDGER_DIR/<basename of its run_dir>``), ``CKPT_LEDGER_VERIFY`` overrides
+the verification policy. Once a step is done (recorded, and a manager's save of it
+started) the ledger calls the hooks in ``STEP_HOOKS``: the seam where the check's kill
+switch (``ckpt.testing.kill_switch``) is installed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import warnings
-from typing import Any, Callable, Iterable, Literal, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
 
 from ..errors import ResumeDivergedError
 from .compare import RNG_BEFORE, ResumeReport, compare_step, find_batch, find_hint, likely_cause, used_streams
@@ -33,13 +33,25 @@ from .record import GuardEntry, LedgerOpen, LedgerStep, ResumeCheck, Value
 from .tapefile import LedgerTapeWriter, read_ledger_dir
 
 __all__ = ["Ledger", "ResumeVerificationWarning", "ResumeVerified", "ResumeNotice", "announce", "plain_values",
-           "ENV_DIR", "ENV_KILL_AT", "ENV_VERIFY"]
+           "ENV_DIR", "ENV_VERIFY", "StepHook", "STEP_HOOKS"]
 
 ENV_DIR = "CKPT_LEDGER_DIR"
-ENV_KILL_AT = "CKPT_LEDGER_KILL_AT"
+"""The variable that puts step ledgers in another directory than next to the checkpoints."""
 ENV_VERIFY = "CKPT_LEDGER_VERIFY"
+"""The variable that overrides the resume verification policy: ``strict``, ``warn`` or ``off``."""
 _MISSING: Any = object()
 Policy = Literal["strict", "warn", "off"]
+
+
+class StepHook(Protocol):
+    """Called with the ledger and the step once that step is done."""
+
+    def __call__(self, ledger: Ledger, step: int) -> None: ...
+
+
+#: the hooks every ledger of this process calls after each done step (ckpt.testing
+#: installs its kill switch here; production code registers none)
+STEP_HOOKS: list[StepHook] = []
 
 
 class ResumeVerificationWarning(RuntimeWarning):
@@ -159,8 +171,6 @@ class Ledger:
         self.verify = verify
         self.run_id = run_id
         self._meta = dict(meta or {})
-        kill = os.environ.get(ENV_KILL_AT, "")
-        self.kill_at = int(kill) if kill.strip() else None
         self._writer: LedgerTapeWriter | None = None
         self._baseline = tuple(rng_digests(self.generators))  # after seeding: the streams' start values
         self._last_rng = dict(self._baseline)
@@ -276,12 +286,15 @@ class Ledger:
 
     # -- the loop's call -----------------------------------------------------------------
     def step(self, step: int, *, batch: Any = _MISSING, loss: Any = None, values: Mapping[str, Any] | None = None,
-             kill: bool = True) -> None:
+             done: bool = True, kill: bool | None = None) -> None:
         """Record step ``step`` (after the optimizer step). ``values``: plain values the
         step used that the checkpoint may not hold (``{"lr": lr, "best_val": best}``):
-        compared exactly on a resume, and named when they differ. With ``kill`` (the
-        default), honour ``CKPT_LEDGER_KILL_AT``; a manager passes False and calls
-        :meth:`maybe_kill` after its save."""
+        compared exactly on a resume, and named when they differ. With ``done`` (the
+        default) the step is over and the step hooks run; a manager passes False and calls
+        :meth:`step_done` after its save. ``kill`` is the deprecated name of ``done``."""
+        if kill is not None:
+            warnings.warn("Ledger.step(kill=...) is now Ledger.step(done=...)", DeprecationWarning, stacklevel=2)
+            done = kill
         if self._writer is None:
             self._open(step - 1, "")
         rng = tuple(rng_digests(self.generators))
@@ -311,8 +324,8 @@ class Ledger:
         if not self._done:
             self._check(rec, first_after)
             self._checked = max(self._checked, rec.step)
-        if kill:
-            self.maybe_kill(step)
+        if done:
+            self.step_done(step)
 
     def record_guard(self, step: int, record: Any) -> None:
         """Tape a loss-spike guard event (``ckpt.guard.events``) at ``step``. A rollback
@@ -336,11 +349,20 @@ class Ledger:
                         self._finish(ResumeReport("skipped", reason=f"the run rolled back to step {record.to_step} "
                                                                     f"before step {self._first}"), warn=False)
 
+    def step_done(self, step: int) -> None:
+        """Step ``step`` is done (recorded, and any save of it started): run the step hooks."""
+        for hook in list(STEP_HOOKS):
+            hook(self, step)
+
     def maybe_kill(self, step: int) -> None:
-        if self.kill_at is not None and step == self.kill_at:
-            if self._writer is not None:
-                self._writer.sync()
-            os.kill(os.getpid(), signal.SIGKILL)
+        """Deprecated name of :meth:`step_done`."""
+        warnings.warn("Ledger.maybe_kill(step) is now Ledger.step_done(step)", DeprecationWarning, stacklevel=2)
+        self.step_done(step)
+
+    def flush(self) -> None:
+        """Make every record so far durable (a process killed right after loses none)."""
+        if self._writer is not None:
+            self._writer.sync()
 
     def _check(self, rec: LedgerStep, first_after: bool) -> None:
         exp = self._expected.get(rec.step)

@@ -77,6 +77,9 @@ class LedgerValues:
 
 @dataclass(frozen=True, slots=True)
 class ResumeCheck:
+    """A resume verification on the ledger: the verdict (``exact``, ``diverged`` or ``skipped``),
+    the steps compared and the report's text."""
+
     verdict: str  # exact | diverged | skipped
     first: int
     last: int

@@ -34,7 +34,9 @@ MAX_HEADER = 1 << 20
 MIN_CHUNK = 4096
 MAX_CHUNK = 64 << 20
 DEFAULT_CHUNK = 1 << 20
+"""Bytes per frame of a stream written with the defaults (1 MiB)."""
 DEFAULT_MAX_BYTES = 64 << 30
+"""The most bytes a reader accepts from one stream by default (64 GiB)."""
 _PRE = struct.Struct("<8sHHI")
 _FRAME = struct.Struct("<I16s")
 _TRAILER = struct.Struct("<8sQ16s")

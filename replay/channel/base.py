@@ -75,9 +75,11 @@ __all__ = [
 # 256 MiB: far above any marker or metadata message, small enough that a corrupt length
 # field cannot make a receiver allocate the machine away.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+"""The largest message a channel accepts unless told otherwise (256 MiB)."""
 
 
 def channel_name(src: str, dst: str) -> str:
+    """The name of the channel from ``src`` to ``dst``: ``src->dst``."""
     return f"{src}->{dst}"
 
 
@@ -91,6 +93,9 @@ class MessageKind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Message:
+    """One message on a channel: its ends, its sequence number, the sender's vector clock, a
+    msgpack-able ``meta`` and tensors."""
+
     src: str
     dst: str
     seq: int
@@ -197,6 +202,8 @@ class ClockSink(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SinkEvent:
+    """One event a sink recorded: kind, actor, vector clock, step and payload."""
+
     kind: str
     actor: str
     clock: VectorClock

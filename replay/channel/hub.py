@@ -45,7 +45,8 @@ from replay.recorder import Recorder, Stamp
 __all__ = ["MsgRef", "endpoint_name", "actor_of", "TapeSink", "TapeHub", "LocalTape", "RemoteTape", "LogApplier", "TapeSinkEvents",
            "meta_digest", "stamp_to_json", "stamp_from_json"]
 
-MsgRef = tuple[str, str, int]  # (src endpoint, dst endpoint, endpoint seq)
+MsgRef = tuple[str, str, int]
+"""A message's reference on a tape: ``(src endpoint, dst endpoint, endpoint seq)``."""
 
 
 def endpoint_name(actor: str, incarnation: int) -> str:
@@ -65,6 +66,8 @@ def meta_digest(meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> byt
 
 
 class TapeSink(Protocol):
+    """What an actor writes its events to: a local tape, or a hub's remote one."""
+
     name: str
 
     def begin_step(self, step: int) -> None: ...
@@ -87,11 +90,13 @@ class TapeSink(Protocol):
 
 
 def stamp_to_json(s: Stamp) -> dict[str, Any]:
+    """A message stamp as plain values (the inverse of ``stamp_from_json``)."""
     return {"channel": s.channel, "chan_seq": s.chan_seq, "digest": bytes(s.digest), "clock": s.clock.encode(),
             "sender": s.sender}
 
 
 def stamp_from_json(d: Mapping[str, Any]) -> Stamp:
+    """The stamp ``stamp_to_json`` wrote."""
     return Stamp(str(d["channel"]), int(d["chan_seq"]), bytes(d["digest"]), VectorClock.decode(d["clock"]),
                  str(d["sender"]))
 

@@ -31,6 +31,7 @@ __all__ = ["Inbox", "ref_of"]
 
 
 def ref_of(msg: Message) -> MsgRef:
+    """The message's reference on a tape: ``(src, dst, seq)``."""
     return (msg.src, msg.dst, msg.seq)
 
 

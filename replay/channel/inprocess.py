@@ -97,6 +97,8 @@ class InProcessNetwork:
 
 
 class InProcessTransport:
+    """One actor's end of an ``InProcessNetwork``: deterministic, in-process delivery."""
+
     def __init__(self, net: InProcessNetwork, actor: str, inbound: tuple[str, ...], outbound: tuple[str, ...]) -> None:
         self._net = net
         self._actor = actor

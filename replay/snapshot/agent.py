@@ -58,7 +58,8 @@ __all__ = [
     "PART_FORMAT",
 ]
 
-CHANNELS_KEY = "replay.channels"  # the reserved top-level entry of every part
+CHANNELS_KEY = "replay.channels"
+"""The reserved top-level entry of every snapshot part: the in-flight messages of its channels."""
 SNAPSHOT_FORMAT = "replay-snapshot"
 PART_FORMAT = "replay-snapshot-part"
 FORMAT_VERSION = 1
@@ -121,6 +122,8 @@ def _stage(x: Any, pool: StagingPool, key: str) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
+    """A snapshot's outcome: committed or not (and why), its parts and the processes excluded."""
+
     name: str
     committed: bool
     reason: str = ""
@@ -130,6 +133,9 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class RestoreInfo:
+    """What a restore loaded for one actor: the snapshot, the cut's clock, and the in-flight
+    messages re-delivered per channel."""
+
     name: str
     actor: str
     cut_clock: VectorClock

@@ -21,6 +21,8 @@ __all__ = ["Cut", "cut_from_meta", "check_cut", "delivery_order"]
 
 @dataclass(frozen=True, slots=True)
 class Cut:
+    """A snapshot's cut: each process's clock at its cut, and the in-flight messages per channel."""
+
     clocks: Mapping[str, VectorClock]
     inflight: Mapping[tuple[str, str], tuple[int, ...]]
 

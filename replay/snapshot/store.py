@@ -35,12 +35,14 @@ __all__ = [
 ]
 
 
-# A snapshot being written is a checkpoint being written: ckpt's record of it (two
-# strings, final and tmp_dir, so markers can carry it to every process).
 Pending = PendingCheckpoint
+"""A snapshot being written is a checkpoint being written: ckpt's record of it (two strings,
+``final`` and ``tmp_dir``, so that markers can carry it to every process)."""
 
 
 class SnapshotStore(Protocol):
+    """Where snapshot parts are written and read back (``CkptSnapshotStore``, ``MemorySnapshotStore``)."""
+
     def begin(self, name: str) -> Pending: ...
 
     def write_part(self, pending: Pending, part: str, state: Mapping[str, Any], *, step: int,
@@ -314,6 +316,8 @@ class ControlPlane(Protocol):
 
 
 class MemoryControl:
+    """An in-process control plane (a key-value store), for snapshots of threads."""
+
     def __init__(self) -> None:
         self._d: dict[str, bytes] = {}
         self._lock = threading.Lock()

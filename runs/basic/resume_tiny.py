@@ -1,7 +1,7 @@
 """A tiny transformer run that exercises everything exact resume must restore.
 
 Entry point for ``ckpt check-resume --entry runs.basic.resume_tiny:train`` (contract:
-``ckpt.resume_check``). It has dropout (global torch RNG in the main process), AdamW,
+``ckpt.testing.resume_entry``). It has dropout (global torch RNG in the main process), AdamW,
 a warmup-cosine ``LambdaLR``, gradient accumulation over 2 micro-batches, a shuffled
 ``ckpt.data.ResumableLoader`` with 2 workers whose samples are randomly augmented with
 Python, numpy and torch RNG, a token counter, and DDP over gloo when

@@ -1,4 +1,4 @@
-"""A plain PyTorch loop with the recorder's few lines, for the README and ``ckpt replay``.
+"""A plain PyTorch loop with the recorder's few lines, for docs/tape.md and ``ckpt replay``.
 
 ``ckpt replay`` re-executes ``main(rec)``: in record mode the recorder writes the tape;
 in verify mode every event is compared with the tape as it is produced.

@@ -1,6 +1,6 @@
 """The one configuration record of a Decoupled-DiLoCo run (taped in the tape header).
 
-Every knob is here; the defaults are the README demo (M=4 learners, quorum K=2,
+Every knob is here; the defaults are the demo (docs/demo.md) (M=4 learners, quorum K=2,
 P=2 fragments synced every H=8 inner steps, staggered). Times are in seconds only
 where they feed timing-dependent *decisions* (grace window, jitter); everything that
 changes the numerics is counted in logical steps.

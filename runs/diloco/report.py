@@ -213,7 +213,7 @@ class Report:
         # One-sided: the claim is that the faults cost at most the tolerance. Ending
         # better than the no-fault run is not a failure of fault tolerance (which
         # contributions make each quorum depends on timing, so the chaos run can land
-        # on either side; see the README on the no-fault run's loss).
+        # on either side; see docs/diloco.md on the no-fault run's loss).
         return math.isfinite(self.val_chaos) and self.loss_gap <= LOSS_TOLERANCE
 
     @property

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from ckpt.knobs import override
 from ckpt.manager import CheckpointManager
 from ckpt.staging import Staging
 from ckpt.storage import LocalStorage
+from tests.sim.faultfs import FaultyStorage
 
 
 @pytest.mark.parametrize("threshold", [0, 1, 1 << 40])
@@ -57,31 +57,33 @@ def _nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-class RecordsPriority(LocalStorage):
-    seen: list[int] = []
+def _records_priority(seen: list[int]) -> FaultyStorage:
+    """Each file a save creates records the priority of the thread that creates it."""
 
-    def create(self, path: str, chunk_size: int, *, durable: bool = True) -> Any:
-        type(self).seen.append(_nice())
-        return super().create(path, chunk_size, durable=durable)
+    def record(i: int, op: str, path: str) -> None:
+        if op == "create":
+            seen.append(_nice())
+
+    return FaultyStorage(LocalStorage(), on_op=record)
 
 
 def test_only_an_async_save_thread_runs_at_a_lower_priority(tmp_path: Path) -> None:
     model = torch.nn.Linear(16, 16)
     loop = _nice()
-    RecordsPriority.seen = []
+    seen: list[int] = []
     with override(save_thread_nice=7):
-        mgr = CheckpointManager(tmp_path / "a", {"model": model}, async_save=True, signals=(), storage=RecordsPriority())
+        mgr = CheckpointManager(tmp_path / "a", {"model": model}, async_save=True, signals=(), storage=_records_priority(seen))
         mgr.save(1)
         mgr.wait()
         mgr.close()
-    assert RecordsPriority.seen and set(RecordsPriority.seen) == {min(19, loop + 7)}, RecordsPriority.seen
+    assert seen and set(seen) == {min(19, loop + 7)}, seen
     assert _nice() == loop  # the loop's thread is untouched
-    RecordsPriority.seen = []
+    seen = []
     with override(save_thread_nice=7):
-        mgr = CheckpointManager(tmp_path / "s", {"model": model}, async_save=False, signals=(), storage=RecordsPriority())
+        mgr = CheckpointManager(tmp_path / "s", {"model": model}, async_save=False, signals=(), storage=_records_priority(seen))
         mgr.save(1)  # a blocking save runs in the loop's thread: never reprioritised
         mgr.close()
-    assert set(RecordsPriority.seen) == {loop} and _nice() == loop
+    assert set(seen) == {loop} and _nice() == loop
     for run in ("a", "s"):
         assert torch.equal(ckpt.open(tmp_path / run / "step-00000001").state()["model"]["weight"], model.weight)
 

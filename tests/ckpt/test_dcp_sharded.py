@@ -23,14 +23,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import traceback
 from typing import Any
 
 import pytest
 
-from ckpt.resume_check import _forkserver, _main_not_reimported
+from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -128,35 +127,14 @@ def _record(m: Any, opt: Any, path: str, rank: int) -> None:
         ckpt.save(path, {"g": g}, this_rank_only=True)
 
 
-class _KillingStorage:
-    """LocalStorage that SIGKILLs this process on its first tensor-file write."""
+def _killing_storage() -> Any:
+    """The local backend, SIGKILLing this process after its first tensor-file write: some
+    bytes of the part are on disk, then the rank dies (before a second write or the close)."""
+    from ckpt.storage import local
+    from tests.sim.faultfs import FaultPlan, FaultRule, FaultyStorage
 
-    def __init__(self) -> None:
-        from ckpt.storage import local
-
-        self._inner = local
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def create(self, path: str, chunk_size: int, *, durable: bool = True) -> Any:
-        sink = self._inner.create(path, chunk_size, durable=durable)
-        return _KillAfterWrite(sink) if path.endswith(".safetensors") else sink
-
-
-class _KillAfterWrite:
-    def __init__(self, sink: Any) -> None:
-        self._sink = sink
-
-    def write(self, data: Any) -> None:
-        self._sink.write(data)  # some bytes of the part are on disk, then the rank dies
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def close(self) -> Any:
-        return self._sink.close()
-
-    def discard(self) -> None:
-        self._sink.discard()
+    return FaultyStorage(local, FaultPlan(rules=[FaultRule("sigkill", "write", ".safetensors", skip=1),
+                                                 FaultRule("sigkill", "close", ".safetensors")]))
 
 
 # --- the stages -----------------------------------------------------------------------
@@ -248,7 +226,7 @@ def _stage(stage: str, rank: int, world: int, port: int, out: str) -> None:
             result["before_kill"] = True
             with open(os.path.join(out, f"result-{stage}-{rank}.json"), "w") as f:
                 json.dump(result, f)
-            storage = _KillingStorage() if rank == 1 else None
+            storage = _killing_storage() if rank == 1 else None
             try:
                 kw = {"storage": storage} if storage is not None else {}
                 ckpt.save(p("E2"), {"model": m, "optim": opt}, step=5, **kw)

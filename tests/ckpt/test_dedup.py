@@ -24,6 +24,7 @@ import torch
 import ckpt
 from ckpt import CheckpointManager, RetentionPolicy
 from ckpt.storage import LocalStorage
+from tests.sim.faultfs import FaultPlan, FaultyStorage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -103,15 +104,15 @@ def test_dedup_with_compression_and_a_moving_tensor(tmp_path: Path) -> None:
         ckpt.open(p).verify()
 
 
-class _NoLinks(LocalStorage):
-    def link(self, src: str, dst: str) -> bool:
-        return False  # an object store without server-side copy (spec/format-2.md §V.4.5)
+def _no_links() -> FaultyStorage:
+    """An object store without server-side copy (spec/format-2.md §V.4.5): no link is made."""
+    return FaultyStorage(LocalStorage(), FaultPlan.on("refuse", "link", times=None))
 
 
 def test_a_file_that_cannot_be_linked_is_written_instead(tmp_path: Path) -> None:
     state = {"a": {"w": torch.randn(30000)}, "b": {"w": torch.randn(10)}}
     ckpt.save(tmp_path / "s1", state, dedup=True)
-    ckpt.save(tmp_path / "s2", state, dedup_from=tmp_path / "s1", storage=_NoLinks())
+    ckpt.save(tmp_path / "s2", state, dedup_from=tmp_path / "s1", storage=_no_links())
     r = ckpt.open(tmp_path / "s2")
     assert not any(f.origin for f in r.manifest.files) and _written(r.path) > 100_000
     assert all(torch.equal(r.state()[k]["w"], state[k]["w"]) for k in state)

@@ -24,6 +24,7 @@ from ckpt.ledger import LedgerStep, ResumeVerificationWarning, compare_runs, rea
 from ckpt.ledger import auto
 from ckpt.ledger.compare import likely_cause, compare_step
 from ckpt.ledger.ledger import ResumeVerified
+from ckpt.testing import kill_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "ckpt", "scripts", "gpt_port.py")
@@ -39,7 +40,7 @@ def _run(cwd, *flags, kill_at=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_LEDGER_", "CKPT_AUTO_LEDGER"))}
     env["PYTHONPATH"] = ROOT
     if kill_at is not None:
-        env["CKPT_LEDGER_KILL_AT"] = str(kill_at)
+        env.update(kill_env(kill_at, env))  # the harness's kill switch, as check-resume installs it
     return subprocess.run([sys.executable, SCRIPT, "--out_dir=out", *flags], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt.testing import kill_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "docs", "examples", "tiny_gpt.py")
@@ -25,7 +26,7 @@ def _run(cwd, *flags, kill_at=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
     if kill_at is not None:
-        env["CKPT_LEDGER_KILL_AT"] = str(kill_at)
+        env.update(kill_env(kill_at, env))  # the harness's kill switch, as check-resume installs it
     return subprocess.run([sys.executable, SCRIPT, "--out", "run", *STEPS, *flags], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

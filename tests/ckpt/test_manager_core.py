@@ -21,6 +21,7 @@ from ckpt.manager import (
     plan_retention,
 )
 from ckpt.storage import LocalStorage
+from tests.sim.faultfs import FaultPlan, FaultRule, FaultyStorage
 
 
 def _model_opt(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -190,25 +191,19 @@ def test_retention_on_disk_keeps_best_and_every(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
 
 
-class _FailingStorage(LocalStorage):
-    """Fails writing any tensor file once ``armed`` is set."""
-
-    def __init__(self) -> None:
-        self.armed = False
-
-    def create(self, path, chunk_size, *, durable=True):
-        if self.armed and path.endswith(".safetensors"):
-            raise OSError(28, "No space left on device", path)
-        return super().create(path, chunk_size, durable=durable)
+def _failing_storage(armed: bool) -> tuple[FaultyStorage, FaultRule]:
+    """Creating any tensor file fails with ENOSPC while the rule is armed."""
+    rule = FaultRule("enospc", "create", ".safetensors", times=None, armed=armed)
+    return FaultyStorage(LocalStorage(), FaultPlan(rules=[rule])), rule
 
 
 def test_background_failure_surfaces_at_next_call(tmp_path):
-    storage = _FailingStorage()
+    storage, enospc = _failing_storage(armed=False)
     m, o, s = _model_opt()
     mgr = CheckpointManager(tmp_path, {"model": m}, every_steps=1, async_save=True, signals=(), storage=storage)
     mgr.after_step(1)
     mgr.wait()
-    storage.armed = True
+    enospc.armed = True
     assert mgr.after_step(2) is True  # the save starts; its failure is not lost
     with pytest.raises(BackgroundSaveError, match=r"async save of step 2 failed.*No space left on device") as ei:
         mgr.wait()
@@ -216,15 +211,14 @@ def test_background_failure_surfaces_at_next_call(tmp_path):
     assert isinstance(ei.value.__cause__, OSError)
     assert [r.name for r in list_checkpoints(tmp_path)] == ["step-00000001"]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
-    storage.armed = False
+    enospc.armed = False
     mgr.after_step(3)  # the error was raised once; the manager carries on
     mgr.close()
     assert [r.name for r in list_checkpoints(tmp_path)] == ["step-00000001", "step-00000003"]
 
 
 def test_background_failure_raised_by_after_step(tmp_path):
-    storage = _FailingStorage()
-    storage.armed = True
+    storage, _ = _failing_storage(armed=True)
     m, _, _ = _model_opt()
     mgr = CheckpointManager(tmp_path, {"model": m}, every_steps=1, async_save=True, signals=(), storage=storage)
     mgr.after_step(1)
@@ -234,22 +228,15 @@ def test_background_failure_raised_by_after_step(tmp_path):
     mgr.close()
 
 
-class _GatedStorage(LocalStorage):
-    """Blocks the background writer until the test lets it go."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def create(self, path, chunk_size, *, durable=True):
-        if path.endswith(".safetensors"):
-            self.entered.set()
-            assert self.release.wait(30)
-        return super().create(path, chunk_size, durable=durable)
-
-
 def test_async_save_writes_the_state_of_the_step_boundary(tmp_path):
-    storage = _GatedStorage()
+    entered, release = threading.Event(), threading.Event()
+
+    def gate(i: int, op: str, path: str) -> None:  # holds the background writer until the test lets it go
+        if op == "create" and path.endswith(".safetensors"):
+            entered.set()
+            assert release.wait(30)
+
+    storage = FaultyStorage(LocalStorage(), on_op=gate)
     m, o, s = _model_opt()
     counters = {"n": 1}
     mgr = CheckpointManager(tmp_path, {"model": m, "optim": o, "counters": counters}, every_steps=1, async_save=True, signals=(), storage=storage)
@@ -260,13 +247,13 @@ def test_async_save_writes_the_state_of_the_step_boundary(tmp_path):
     torch.manual_seed(123)
     rng_at_save = torch.get_rng_state()
     assert mgr.after_step(1)
-    assert storage.entered.wait(30)
+    assert entered.wait(30)
     # The loop moves on while the write is held: none of this may leak into step 1.
     for _ in range(2):
         _step(m, o, s)
     o.param_groups[0]["lr"] = 99.0
     counters["n"] = 2
-    storage.release.set()
+    release.set()
     mgr.wait()
     saved = ckpt.open(tmp_path / "step-00000001")
     st = saved.state()

@@ -9,7 +9,7 @@ import traceback
 
 import pytest
 
-from ckpt.resume_check import _forkserver, _main_not_reimported
+from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

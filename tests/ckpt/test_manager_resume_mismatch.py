@@ -358,7 +358,7 @@ def test_two_ranks_resuming_a_one_rank_run_are_refused_together(tmp_path: Path) 
     import json
     import socket
 
-    from ckpt.resume_check import _forkserver, _main_not_reimported
+    from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
 
     if not torch.distributed.is_gloo_available():
         pytest.skip("gloo is not available")

@@ -310,7 +310,7 @@ def test_a_closed_manager_in_the_chain_forwards_to_the_handler_before_it(tmp_pat
         b = CheckpointManager(tmp_path / "b", {"m": torch.nn.Linear(2, 2)}, ledger=False)
         a.close()
         signal.raise_signal(signal.SIGUSR1)
-        assert b._signal == signal.SIGUSR1 and a._signal is None and seen == [signal.SIGUSR1]
+        assert b._signals.received == signal.SIGUSR1 and a._signals.received is None and seen == [signal.SIGUSR1]
         b.close()
         assert signal.getsignal(signal.SIGUSR1) is user  # the closed one is not restored
     finally:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from ckpt.resume_check import ResumeCheckError, check_resume, compare_checkpoints, exactness_refusals
-from ckpt.testing import assert_resume_exact
+from ckpt.testing.resume_entry import ResumeCheckError, check_resume, compare_checkpoints, exactness_refusals
+from ckpt.testing import Verdict, assert_resume_exact
 
 ENTRY = "runs.basic.resume_tiny:train"
 
@@ -59,7 +59,7 @@ def test_changed_environment_refuses_the_claim(tmp_path):
     assert not res.identical
     assert res.divergences == ()  # bits agree here, but nothing licenses the claim
     assert "attempt 1 after resume: environment env.CUBLAS_WORKSPACE_CONFIG: None -> ':4096:8'" in res.refused
-    assert "REFUSED" in res.summary()
+    assert "REFUSED" in res.summary() and res.verdict is Verdict.REFUSED and res.exit_code == 6
 
 
 def test_world_size_change_is_refused():
@@ -120,4 +120,4 @@ def test_a_check_that_never_resumed_makes_no_claim(tmp_path):
     assert not res.identical
     assert not res.divergences
     assert any("resuming was not tested" in r for r in res.refused)
-    assert "REFUSED" in res.summary()
+    assert "REFUSED" in res.summary() and res.verdict is Verdict.REFUSED and res.exit_code == 6

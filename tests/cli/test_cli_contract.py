@@ -305,9 +305,9 @@ def test_json_reports_match_the_spec(world: dict[str, Path], tmp_path: Path) -> 
     assert div["divergence"]["tensors"] and div["divergence"]["step"] == 1
     c = report("ckpt check-resume", "--", sys.executable, "-c", "pass", code=2)
     assert c["mode"] == "command" and c["verdict"] == "NO CLAIM"
-    # entry mode renders ckpt.resume_check's result (the check itself runs processes for tens of seconds and
+    # entry mode renders ckpt.testing's result (the check itself runs processes for tens of seconds and
     # is tested in tests/ckpt; the README runs it for real): its record, as the library returns it
-    from ckpt import resume_check as rc
+    from ckpt.testing import resume_entry as rc
 
     fake = rc.ResumeCheckResult("m:f", 8, (4,), 1, False, (), (rc.Divergence("resume", 4, "sched", "sched/last_epoch",
                                 "3 != 0"),), (rc.ResumeEvent(0, None, 0, 4), rc.ResumeEvent(1, "step-00000003", 3, None)),

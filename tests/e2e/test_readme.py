@@ -1,4 +1,5 @@
-"""Every example in README.md and docs/*.md runs here, and what it prints is compared with the page.
+"""Every example in README.md and the documentation site's pages (docs/**/*.md) runs here, and
+what it prints is compared with the page.
 
 The convention, for every section of the README and of every page under docs/ (one
 convention for all of them; a block that does not follow it fails):
@@ -67,8 +68,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-#: the pages whose examples run: the README first, then every page under docs/
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+#: the pages whose examples run: the README first, then every page of the site (docs/, mkdocs.yml)
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 #: ``vary=`` names: each turns a kind of token of the expected output into a pattern
 VARY: dict[str, tuple[str, str]] = {
@@ -364,12 +365,15 @@ def test_every_block_follows_the_convention() -> None:
         assert set(b.options) <= known, f"{b.where}: unknown options {sorted(set(b.options) - known)}"
 
 
-def test_every_page_is_linked_from_the_readme() -> None:
-    """A page under docs/ whose examples run is one a reader can find."""
-    text = README.read_text(encoding="utf-8")
+def test_every_page_is_in_the_site() -> None:
+    """A page under docs/ whose examples run is one a reader can find: it is in the site's
+    navigation (mkdocs.yml; the strict build, tests/test_docs.py, fails on a page left out),
+    and the README links the site's home."""
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     for page in PAGES[1:]:
-        rel = str(page.relative_to(ROOT))
-        assert f"]({rel})" in text or f"]({rel}#" in text, f"README.md links no {rel}"
+        rel = page.relative_to(ROOT / "docs").as_posix()
+        assert re.search(rf"^\s*- (?:.+: )?{re.escape(rel)}\s*$", nav, flags=re.M), f"mkdocs.yml's nav has no {rel}"
+    assert "](docs/index.md)" in README.read_text(encoding="utf-8"), "README.md links no docs/index.md"
 
 
 def _slug(heading: str) -> str:
@@ -401,7 +405,7 @@ def _param(b: Block) -> Any:
     # a block's own timeout= bounds the whole test too (pytest-timeout's default is 300 s),
     # with room for the blocks that run before its commands (after=)
     marks = [pytest.mark.timeout(int(float(b.options["timeout"])) + 300)] if "timeout" in b.options else []
-    page = "" if b.page == "README.md" else Path(b.page).stem + "-"
+    page = "" if b.page == "README.md" else Path(b.page).relative_to("docs").with_suffix("").as_posix() + "-"
     return pytest.param(b, id=f"{page}line{b.line}-{b.lang}", marks=marks)
 
 

@@ -9,7 +9,15 @@ operation:
 * ``torn``: a ``write`` hands a prefix of its bytes to the file, then the process dies;
 * ``crash``: the process dies before the operation (:class:`SimCrash`, a ``BaseException``
   so that no ``except Exception`` in the code under test can swallow a death). Every
-  later operation from any thread dies too, as the threads of a dead process would.
+  later operation from any thread dies too, as the threads of a dead process would;
+* ``sigkill``: the real process dies before the operation (SIGKILL), for a test that
+  runs the code under test in a child process and looks at what the death left;
+* ``refuse``: a ``link`` or ``exchange`` is not done and says so (returns False), as on a
+  backend without the capability; on any other operation it is a plan error.
+
+The plan names operations by index (``kinds``), or by what they are (``rules``: the
+operation's name and the end of its path, e.g. the first ``close`` of a ``.safetensors``
+file); a rule can be switched on and off while the test runs.
 
 After a crash, :meth:`FaultyStorage.power_loss` turns the directory tree into one that a
 machine could show after losing power at that moment (the POSIX model of spec §10.7):
@@ -39,13 +47,14 @@ import errno
 import os
 import random
 import shutil
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-__all__ = ["SimCrash", "FaultPlan", "FaultyStorage", "flip_bit", "replace_file", "committed_files"]
+__all__ = ["SimCrash", "FaultPlan", "FaultRule", "FaultyStorage", "flip_bit", "replace_file", "committed_files"]
 
-FaultKind = Literal["eio", "enospc", "torn", "crash"]
+FaultKind = Literal["eio", "enospc", "torn", "crash", "sigkill", "refuse"]
 
 
 class SimCrash(BaseException):
@@ -53,15 +62,52 @@ class SimCrash(BaseException):
 
 
 @dataclass
+class FaultRule:
+    """``kind`` at the operations named ``op`` (any, when empty) on a path ending with
+    ``suffix``, after skipping ``skip`` of them, at most ``times`` times (None: every one
+    after that), while ``armed``."""
+
+    kind: FaultKind
+    op: str = ""
+    suffix: str = ""
+    skip: int = 0
+    times: int | None = 1
+    armed: bool = True
+    seen: int = 0
+    fired: int = 0
+
+    def fires(self, name: str, path: str) -> bool:
+        if not self.armed or (self.op and name != self.op) or not path.endswith(self.suffix):
+            return False
+        self.seen += 1
+        if self.seen <= self.skip or (self.times is not None and self.fired >= self.times):
+            return False
+        self.fired += 1
+        return True
+
+
+@dataclass
 class FaultPlan:
     """Which operation fails, and how. ``at`` counts operations from 0 in the order the
-    wrapper sees them; ``kinds`` gives the fault at each such index."""
+    wrapper sees them; ``kinds`` gives the fault at each such index, ``rules`` by what
+    the operation is (the first rule that fires wins, an index before any rule)."""
 
     kinds: dict[int, FaultKind] = field(default_factory=dict)
+    rules: list[FaultRule] = field(default_factory=list)
 
     @classmethod
     def one(cls, at: int, kind: FaultKind) -> "FaultPlan":
         return cls({at: kind})
+
+    @classmethod
+    def on(cls, kind: FaultKind, op: str = "", suffix: str = "", **rule: Any) -> "FaultPlan":
+        """One rule (see :class:`FaultRule`): ``FaultPlan.on("enospc", "create", ".safetensors")``."""
+        return cls(rules=[FaultRule(kind, op, suffix, **rule)])
+
+    def fault(self, i: int, name: str, path: str) -> FaultKind | None:
+        if i in self.kinds:
+            return self.kinds[i]
+        return next((r.kind for r in self.rules if r.fires(name, path)), None)
 
 
 @dataclass
@@ -175,23 +221,29 @@ class FaultyStorage:
             i = self.ops
             self.ops += 1
             self.log.append((i, name, path))
-            kind = self.plan.kinds.get(i)
+            kind = self.plan.fault(i, name, path)
             if kind is not None:
                 self.injected.append((i, kind, name, path))
         if self._on_op is not None:
             self._on_op(i, name, path)
         if kind == "crash":
             self._die(f"crash at operation {i} ({name} {path})")
-        if kind == "eio":
-            raise OSError(errno.EIO, f"injected EIO at operation {i} ({name})", path)
-        if kind == "enospc":
-            raise OSError(errno.ENOSPC, f"injected ENOSPC at operation {i} ({name})", path)
+        if kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind in ("eio", "enospc"):
+            code = errno.EIO if kind == "eio" else errno.ENOSPC
+            raise OSError(code, f"{os.strerror(code)} (injected at operation {i}, {name})", path)
         return kind  # "torn" is the sink's to act on; elsewhere it is a plain crash
         # (see _op_plain)
 
-    def _op_plain(self, name: str, path: str) -> None:
-        if self._op(name, path) == "torn":
+    def _op_plain(self, name: str, path: str, *, refusable: bool = False) -> bool:
+        """Count the operation and inject its fault; False: a ``refuse`` (do not do it)."""
+        kind = self._op(name, path)
+        if kind == "torn":
             self._die(f"crash at operation {self.ops - 1} ({name} {path})")
+        if kind == "refuse" and not refusable:
+            raise ValueError(f"a {name} cannot be refused (only link and exchange report not doing it)")
+        return kind != "refuse"
 
     # -- name bookkeeping (the power-loss model) ------------------------------------
     def _name(self, kind: str, path: str, src: str = "", dirs: tuple[str, ...] = ()) -> None:
@@ -288,7 +340,8 @@ class FaultyStorage:
         self._renamed(src, dst)
 
     def exchange(self, a: str, b: str) -> bool:
-        self._op_plain("exchange", b)
+        if not self._op_plain("exchange", b, refusable=True):
+            return False
         done = self.inner.exchange(a, b)
         if done and self.scheme == "file":
             # An exchange is two renames in one step; the model keeps it whole (both
@@ -330,7 +383,8 @@ class FaultyStorage:
                     n.durable = True
 
     def link(self, src: str, dst: str) -> bool:
-        self._op_plain("link", dst)
+        if not self._op_plain("link", dst, refusable=True):
+            return False
         done = self.inner.link(src, dst)
         if done and self.scheme == "file":
             self._name("link", dst)

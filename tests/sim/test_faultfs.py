@@ -10,7 +10,7 @@ import random
 import pytest
 
 from ckpt.storage import LocalStorage
-from tests.sim.faultfs import FaultPlan, FaultyStorage, SimCrash, flip_bit
+from tests.sim.faultfs import FaultPlan, FaultRule, FaultyStorage, SimCrash, flip_bit
 
 
 def _write(fs: FaultyStorage, path: str, data: bytes, *, durable: bool = True) -> None:
@@ -129,3 +129,21 @@ def test_the_commit_protocol_runs_through_the_wrapper(tmp_path, backend: str) ->
     ckpt.commit(pending, [ckpt.write_part(pending, "rank-00000", {"w": torch.ones(1)}, storage=fs)], storage=fs)
     with pytest.raises(DistributedUsageError):
         ckpt.write_part(pending, "rank-00001", {"w": torch.ones(1)}, storage=fs)
+
+
+def test_rules_fire_by_operation_and_path_and_can_be_switched(tmp_path) -> None:
+    rule = FaultRule("enospc", "create", ".bin", skip=1, times=None, armed=False)
+    fs = FaultyStorage(LocalStorage(), FaultPlan(rules=[rule, FaultRule("refuse", "link")]))
+    _write(fs, str(tmp_path / "a.bin"), b"a")  # disarmed: not even counted
+    rule.armed = True
+    _write(fs, str(tmp_path / "b.bin"), b"b")  # the one skipped
+    _write(fs, str(tmp_path / "c.txt"), b"c")  # another suffix
+    for name in ("d.bin", "e.bin"):  # times=None: every one after the skip
+        with pytest.raises(OSError) as e:
+            fs.create(str(tmp_path / name), 4096)
+        assert e.value.errno == errno.ENOSPC and "No space left on device" in str(e.value)
+    assert fs.link(str(tmp_path / "a.bin"), str(tmp_path / "l1")) is False  # refused once (times=1)
+    assert not os.path.exists(tmp_path / "l1")
+    assert fs.link(str(tmp_path / "a.bin"), str(tmp_path / "l2")) is True
+    with pytest.raises(ValueError, match="cannot be refused"):
+        FaultyStorage(LocalStorage(), FaultPlan.on("refuse", "mkdir")).mkdir(str(tmp_path / "m"))

@@ -565,7 +565,7 @@ def _dist_worker(rank: int, port: int, url: str, env: dict, out: str) -> None:
 def test_two_ranks_save_one_checkpoint_and_run_a_manager_on_s3(s3, tmp_path) -> None:
     import socket
 
-    from ckpt.resume_check import _forkserver, _main_not_reimported
+    from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

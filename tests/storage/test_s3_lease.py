@@ -153,30 +153,30 @@ def test_a_live_writer_in_another_pid_namespace_keeps_the_run_until_its_lease_ex
         a.save(1)
         # B (this namespace: A's pid is not alive here) watches A renew, and is refused.
         t, box = _in_background(lambda: CheckpointManager(run, {"model": _model(2)}, signals=()))
-        _drive(clock, t, (a._lock._thread,), step=0.5, limit=5.5)
+        _drive(clock, t, (a._role.lock._thread,), step=0.5, limit=5.5)
         assert isinstance(box.get("error"), RunDirLockedError), box
         assert "renewed the lease" in str(box["error"])
-        assert a._lock.renewals >= 1 and a._lock.held
+        assert a._role.lock.renewals >= 1 and a._role.lock.held
         a.save(2)  # A still writes; nothing of its was touched
         assert [r.name for r in list_checkpoints(run)] == ["step-00000002"]
         ckpt.open(f"{run}/step-00000002").verify()
 
         # A hangs (its heartbeat stops, the process does not exit): once the whole lease
         # went by without a renewal, B takes the run over.
-        a._lock.stop_heartbeat()
-        _until(lambda: not a._lock._thread.is_alive(), "A's heartbeat thread ending")
+        a._role.lock.stop_heartbeat()
+        _until(lambda: not a._role.lock._thread.is_alive(), "A's heartbeat thread ending")
         t, box = _in_background(lambda: CheckpointManager(run, {"model": _model(2)}, signals=()))
         _drive(clock, t, (), step=0.5, limit=12.5)
         b = box.get("value")
         assert b is not None, box
-        assert b._lock.generation == a._lock.generation + 1
+        assert b._role.lock.generation == a._role.lock.generation + 1
 
         # A comes back: its commit is fenced off, and nothing of B's run is deleted.
         before = _objects(s3, "ns")
         with pytest.raises(BackgroundSaveError) as ei:
             a.save(3)
         assert isinstance(ei.value.__cause__, LeaseLostError), ei.value.__cause__
-        assert not a._lock.held
+        assert not a._role.lock.held
         assert _objects(s3, "ns") == before  # A's upload removed by its own abort, nothing else
         assert [r.name for r in list_checkpoints(run)] == ["step-00000002"]
         # A's retention cannot delete through the lost lease either.
@@ -245,7 +245,7 @@ def test_the_heartbeat_never_blocks_process_exit(s3) -> None:
     st = s3.storage()
     assert st.isfile(s3.url("exit/.ckpt-writer.lock"))
     with CheckpointManager(s3.url("exit"), {"m": _model()}, signals=()) as mgr:
-        assert mgr._lock.held
+        assert mgr._role.lock.held
 
 
 # --- cleanup never deletes what a live writer may still commit --------------------------
