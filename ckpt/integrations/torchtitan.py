@@ -144,7 +144,7 @@ class CkptCheckpointManager(CheckpointManager):
         finally:
             self._saving_step = None
         if self.ledger is not None:
-            self.ledger.maybe_kill(curr_step)  # CKPT_LEDGER_KILL_AT: after the step and its save
+            self.ledger.step_done(curr_step)  # after the step and its save: where a harness kills
         return saved
 
     @torch.no_grad()

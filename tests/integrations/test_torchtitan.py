@@ -51,9 +51,11 @@ WORLD, STEPS, KILL_AT = 2, 8, 5
 
 
 def _train(dump: Path, *args: str, kill_at: int = 0) -> subprocess.CompletedProcess:
+    from ckpt.testing.kill_switch import kill_env
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER")}
-    if kill_at:
-        env["CKPT_LEDGER_KILL_AT"] = str(kill_at)
+    if kill_at:  # the harnesses' kill switch, in every rank (rank 0's ledger fires it)
+        env.update(kill_env(kill_at, env))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
            str(SCRIPT), "--dump", str(dump), "--steps", str(STEPS), "--interval", "2", *args]
     p = run(cmd, bound_s=hang_s(60), cwd=ROOT, env=env)

@@ -7,8 +7,9 @@ linear decay), and the checkpoint manager, ``CkptCheckpointManager``, as torchti
 builds and calls it (``load`` at start, ``save(step, last_step=)`` after every step,
 ``maybe_wait_for_saving``/``close`` at the end). The model is FSDP2-sharded over the ranks,
 with dropout; the data loader is a stateful per-rank loader keyed ``dp_rank_N`` as
-torchtitan's own. ``CKPT_LEDGER_KILL_AT=K`` SIGKILLs rank 0 after step K and its save (the
-ledger's kill point); torchrun then ends the other ranks. At the end each rank writes its
+torchtitan's own. The harnesses' kill switch (``ckpt.testing.kill_switch``,
+``CKPT_LEDGER_KILL_AT=K``) SIGKILLs rank 0 after step K and its save (a ledger step hook);
+torchrun then ends the other ranks. At the end each rank writes its
 per-step losses and the digests of its local shards (parameters, optimizer state) to
 ``<dump>/final-rank<r>.json``.
 """
