@@ -27,12 +27,17 @@ demo: venv
 
 # Every bound in the suite is a hang detector, never a speed verdict; on a machine loaded far
 # beyond 2x its cores, CKPT_TIMEOUT_SCALE=4 (say) widens them all (a hang dumps every stack).
+# Independent tests run side by side (pytest-xdist): many wait on subprocesses, so more
+# workers than cores pays; `--dist loadgroup` keeps each shared run's readers on one worker.
+# TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 3
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: venv
-	$(BIN)/python -m pytest -q -m "not cuda"
+	$(BIN)/python -m pytest -q -m "not cuda" $(XDIST)
 
 # the edit-test loop: the unit tier (no multi-process runs, no demos)
 check: venv
-	$(BIN)/python -m pytest -q -m "not cuda and not slow"
+	$(BIN)/python -m pytest -q -m "not cuda and not slow" $(XDIST)
 
 # the documentation site, into site/ (strict: a broken link or a missing page fails it);
 # `$(BIN)/mkdocs serve` serves it while you edit
@@ -42,7 +47,7 @@ docs: venv
 # the suite and the demos on a busy machine: four CPU hogs beside them (bench/busy.py)
 BUSY_RUNS ?= 1
 busy-test: venv
-	$(BIN)/python bench/busy.py --runs $(BUSY_RUNS) -- $(BIN)/python -m pytest -q -m "not cuda"
+	$(BIN)/python bench/busy.py --runs $(BUSY_RUNS) -- $(BIN)/python -m pytest -q -m "not cuda" $(XDIST)
 
 BUSY_DEMOS ?= diloco stages basic replicas rollback
 busy-demos: venv

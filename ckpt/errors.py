@@ -304,7 +304,9 @@ class UnprotectedMappingError(CkptError, OSError):
     """``state(mmap=True)`` on a file no read lease can be taken on (spec §11.1): a mapping
     would change under the returned tensors if the file were overwritten in place, and
     fault them if it were truncated. Pass ``mmap=None`` (read into fresh memory where no
-    lease is granted) or, knowingly, ``unsafe_mmap=True``. Not a statement about the bytes."""
+    lease is granted) or, knowingly, ``unsafe_mmap=True``. Also raised by
+    ``ckpt.storage.install_lease_handler()`` where the lease-break handler cannot be
+    installed. Not a statement about the bytes."""
 
 
 class TapeDataError(FormatError):

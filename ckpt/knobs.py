@@ -2,6 +2,15 @@
 
 Limits here are *reader* limits as well: a reader refuses any declared size above
 them before allocating (see spec/checkpoint-format.md §Limits).
+
+This module is the one place the packages read environment variables (spec/knobs.md
+lists every one; tests/test_env_reads.py refuses a direct read anywhere else). Two kinds:
+
+- :class:`Knobs` fields, read once at import (sizes, bounds, thread counts): a process
+  changes them with :func:`override`, not by setting the variable later;
+- the functions below the class, read at each call: switches a program or a parent
+  process may set after ``ckpt`` is imported (a ledger directory, the progress bars,
+  the object-store endpoint), so they keep working when set late.
 """
 
 from __future__ import annotations
@@ -10,9 +19,10 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Literal, Mapping
 
-__all__ = ["Knobs", "knobs", "override"]
+__all__ = ["Knobs", "knobs", "override", "AwsEnv", "aws_env", "ledger_dir", "ledger_verify", "lease_signal",
+           "lease_handler", "local_launch", "progress_forced", "replay_trust", "REPLAY_TRUST"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -112,6 +122,16 @@ class Knobs:
     max_tensor_rank: int = 64
     max_container_len: int = 1 << 24
     max_nesting: int = 256
+    # --- the object-store backend (spec/object-storage.md) ---
+    #: multipart part size and ranged-read block size: 8-16 MiB is where S3 throughput per
+    #: request levels off (AWS guidance) and it matches our chunk sizes.
+    s3_part_size: int = _env_int("CKPT_S3_PART_SIZE", 16 * MiB)
+    s3_block_size: int = _env_int("CKPT_S3_BLOCK_SIZE", 16 * MiB)
+    #: an in-place load from an object store keeps the first pass's bytes in an unlinked
+    #: local temporary file, so the second pass does not download them again (0: off).
+    s3_spool: bool = os.environ.get("CKPT_S3_SPOOL", "1") != "0"
+    #: parallel requests per file (uploads) and per storage (ranged reads).
+    s3_concurrency: int = _env_int("CKPT_S3_CONCURRENCY", 8)
     #: arrays and maps one decoded msgpack document may build (spec/checkpoint-format.md
     #: §14): what bounds a document's decoded size, since one input byte is one container.
     max_containers: int = 1 << 21
@@ -141,3 +161,94 @@ def override(**changes: float | str) -> Iterator[Knobs]:
         yield _current
     finally:
         _current = old
+
+
+# --- read at each call (see the module docstring) ------------------------------------------
+
+#: the ``os.pathsep``-separated directories ``ckpt replay`` trusts to import an entry point from
+REPLAY_TRUST = "CKPT_REPLAY_TRUST"
+
+
+def ledger_dir() -> str:
+    """``CKPT_LEDGER_DIR``: where a manager's step ledger goes instead of beside its run
+    (in ``DIR/<run dir name>``); ``""``: beside the run. (The default ledger of
+    ``ckpt.save``/``ckpt.load`` reads :attr:`Knobs.ledger_dir`, fixed at import.)"""
+    return os.environ.get("CKPT_LEDGER_DIR", "")
+
+
+def ledger_verify() -> str | None:
+    """``CKPT_LEDGER_VERIFY``: overrides every ``Ledger``'s ``verify`` policy (``strict``,
+    ``warn``, ``off``; the ledger refuses anything else); None: the caller's choice stands."""
+    return os.environ.get("CKPT_LEDGER_VERIFY") or None
+
+
+def lease_signal() -> int | None:
+    """``CKPT_LEASE_SIGNAL``: the signal number read-lease breaks are delivered with
+    (spec/checkpoint-format.md §11.1); None: the default (``SIGRTMAX - 6``)."""
+    raw = os.environ.get("CKPT_LEASE_SIGNAL")
+    return int(raw) if raw else None
+
+
+def lease_handler() -> Literal["auto", "off"]:
+    """``CKPT_LEASE_HANDLER``: ``auto`` (default) installs the lease-break signal handler
+    at the first lease-protected mapping, from the main thread only; ``off`` never
+    installs it implicitly: mappings are then protected only after the program called
+    ``ckpt.storage.install_lease_handler()``, and loads read into fresh memory otherwise
+    (spec/checkpoint-format.md §11.1)."""
+    raw = (os.environ.get("CKPT_LEASE_HANDLER") or "auto").strip().lower()
+    if raw in ("auto", "1", "on"):
+        return "auto"
+    if raw in ("off", "0"):
+        return "off"
+    raise ValueError(f"CKPT_LEASE_HANDLER={raw!r}: 'auto' or 'off' is required")
+
+
+def progress_forced() -> bool | None:
+    """``CKPT_PROGRESS``: ``1`` draws the CLI's progress bars whatever stderr is, ``0``
+    never; None (unset or another value): only when stderr is a terminal."""
+    raw = os.environ.get("CKPT_PROGRESS")
+    return raw == "1" if raw in ("0", "1") else None
+
+
+def replay_trust(env: Mapping[str, str] | None = None) -> list[str]:
+    """The directories :data:`REPLAY_TRUST` lists, in ``env`` (default: this process's
+    environment); empty entries dropped."""
+    raw = (os.environ if env is None else env).get(REPLAY_TRUST, "")
+    return [d for d in raw.split(os.pathsep) if d]
+
+
+def local_launch() -> tuple[int | None, int | None]:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` as a launcher (torchrun, Slurm wrappers) set
+    them, recorded in a checkpoint's topology; None where unset or not a number."""
+    rank, size = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    return (int(rank) if rank.isdigit() else None, int(size) if size.isdigit() else None)
+
+
+@dataclass(frozen=True, slots=True)
+class AwsEnv:
+    """The standard ``AWS_*`` variables the object-store backend itself acts on (the
+    client library reads the rest: keys, session token, web identity, instance metadata)."""
+
+    #: ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL`` (an S3-compatible server)
+    endpoint: str | None
+    #: ``AWS_REGION``, else ``AWS_DEFAULT_REGION``
+    region: str | None
+    #: ``AWS_EC2_METADATA_DISABLED`` is ``1``/``true``: instance metadata is no credential source
+    metadata_disabled: bool
+    #: a key, a web identity or a container credential endpoint is set
+    has_credential_source: bool
+
+
+_AWS_CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                           "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+def aws_env() -> AwsEnv:
+    """The ``AWS_*`` settings of :class:`AwsEnv`, read now."""
+    env = os.environ
+    return AwsEnv(
+        endpoint=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None,
+        region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
+        metadata_disabled=env.get("AWS_EC2_METADATA_DISABLED", "").lower() in ("1", "true"),
+        has_credential_source=any(env.get(k) for k in _AWS_CREDENTIAL_SOURCES),
+    )

@@ -566,6 +566,12 @@ class CheckpointReader:
         The lease also covers an in-place overwrite: opening the file for writing breaks
         it the same way, so the tensors keep the verified bytes.
 
+        Process-wide effect: the lease's breaks arrive as a signal, whose handler the
+        first mapped load installs (on the main thread only). Install it yourself at
+        start-up with ``ckpt.storage.install_lease_handler()``, or set
+        ``CKPT_LEASE_HANDLER=off`` to keep any load from installing it (loads then read
+        into fresh memory unless you installed it); ``mmap=False`` never installs it.
+
         ``mmap=False`` always reads into fresh tensors (resizable storages, nothing
         shared with the page cache). ``mmap=True`` insists on the protected mapping: where
         no lease can be taken it raises ``UnprotectedMappingError`` instead of reading.

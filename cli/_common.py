@@ -155,13 +155,12 @@ def refuse_nonempty(path: str, what: str, how: str) -> None:
 # -- progress --------------------------------------------------------------------------
 def progress_enabled() -> bool:
     """Bars go to stderr, only when it is a terminal; ``CKPT_PROGRESS=0`` or ``1`` forces it."""
-    import os
     import sys
 
-    forced = os.environ.get("CKPT_PROGRESS")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return sys.stderr.isatty()
+    from ckpt.knobs import progress_forced
+
+    forced = progress_forced()
+    return sys.stderr.isatty() if forced is None else forced
 
 
 class Progress:

@@ -85,7 +85,7 @@ class Env:
             cmd += ["--threads", str(self.threads)]
         if self.deterministic:
             cmd.append("--deterministic")
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **self.env}  # the child's environment: ours, passed on (spec/knobs.md)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PKG_ROOT, cwd, env.get("PYTHONPATH")]))
         with open(log, "ab") as out:
             rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
@@ -267,6 +267,8 @@ FIXES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("both", {"threads": 1, "deterministic": True, "env": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}}),
 )
 
+# The child's sitecustomize: it reads the CKPT_DET_* variables this process sets for it
+# (spec/knobs.md, "set for a child process"); no torch import here, the CLI stays fast.
 _SITE = '''import os
 if os.environ.get("CKPT_DET_THREADS") or os.environ.get("CKPT_DET_DETERMINISTIC"):
     import torch
@@ -279,7 +281,7 @@ if os.environ.get("CKPT_DET_THREADS") or os.environ.get("CKPT_DET_DETERMINISTIC"
 
 def _run_script(argv: Sequence[str], run: str, settings: dict[str, Any], site: str, log: str) -> int:
     cmd = [a.replace("{run}", run) for a in argv]
-    env = {**os.environ, **settings.get("env", {})}
+    env = {**os.environ, **settings.get("env", {})}  # the child's environment: ours, passed on
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
     if settings.get("threads"):
         env["CKPT_DET_THREADS"] = str(settings["threads"])

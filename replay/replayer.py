@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import xxhash
 
 from ckpt.context.env import capture_env, env_diff
+from ckpt.knobs import REPLAY_TRUST, replay_trust
 from replay import digest as dg
 from replay.clock import VectorClock
 from replay.errors import DivergenceError, ReplayError
@@ -452,7 +453,7 @@ def _abs_diff(ref: "torch.Tensor", live: "torch.Tensor") -> tuple[float | None, 
 
 
 # -- entry points ------------------------------------------------------------------------------
-TRUST_ENV = "CKPT_REPLAY_TRUST"
+TRUST_ENV = REPLAY_TRUST
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,13 +508,10 @@ def resolve_entry_point(spec: str, *, search_path: tuple[str, ...] = ()) -> Entr
 def trusted_by_env(ep: EntryPoint, env: Mapping[str, str] | None = None) -> bool:
     """True when ``ep``'s file lies under a directory listed in ``CKPT_REPLAY_TRUST``
     (``os.pathsep``-separated), the documented allow-list of ``ckpt replay``."""
-    raw = (os.environ if env is None else env).get(TRUST_ENV, "")
-    if ep.file is None or not raw:
+    dirs = replay_trust(env)
+    if ep.file is None or not dirs:
         return False
-    for d in raw.split(os.pathsep):
-        if d and ep.file.is_relative_to(Path(d).resolve()):
-            return True
-    return False
+    return any(ep.file.is_relative_to(Path(d).resolve()) for d in dirs)
 
 
 def load_entry_point(spec: str, *, search_path: tuple[str, ...] = ()) -> Callable[[Recorder], Any]:

@@ -16,11 +16,15 @@ if ROOT not in sys.path:
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    result = yield  # after every plugin's own (the -m selection, pytest-xdist's)
+    _xdist_groups(config, items)
     _scale_timeouts(config, items)
     try:
         import torch
 
+        _TORCH_THREADS.append(torch.get_num_threads())  # before any test changed it
         has_cuda = torch.cuda.is_available()
     except Exception:  # pragma: no cover
         has_cuda = False
@@ -29,6 +33,43 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+    return result
+
+
+def _xdist_groups(config, items) -> None:
+    """``--dist loadgroup``: a worker names each ``xdist_group`` test ``NODEID@GROUP``, which
+    the controller's scheduler reads to send a group to one worker. pytest-xdist 3.8 sets
+    ``item._nodeid``, which pytest 9.2 no longer reads (``Node.nodeid`` is ``str(item._id)``):
+    without this every group's tests were spread over the workers and each paid for its
+    shared run again."""
+    if not getattr(config.option, "loadgroup", False):  # set in each worker by pytest-xdist
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if not names or "@" in item.nodeid:
+            continue
+        grouped = f"{item.nodeid}@{'_'.join(names)}"
+        if hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(grouped)
+        else:
+            item._nodeid = grouped
+
+
+_TORCH_THREADS: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """torch's intra-op thread count is per process: a test that pins it (a recording's
+    environment) must not leak it into the next test of its process, which a replay compares
+    with its recording's (``num_threads``); which test ran before is chance under pytest-xdist."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and _TORCH_THREADS and torch.get_num_threads() != _TORCH_THREADS[0]:
+        torch.set_num_threads(_TORCH_THREADS[0])
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,8 @@
 
 - :func:`hang_s`: the bound for a wait that takes ``quiet_s`` on a quiet machine (at least
   10x it), times ``CKPT_TIMEOUT_SCALE`` (``replay.watchdog.hang_bound``);
-- :func:`run`: ``subprocess.run`` whose bound, when it expires, makes the child's whole
+- :func:`run` (and :func:`popen` + :func:`communicate` for a child the test talks to
+  meanwhile): ``subprocess.run`` whose bound, when it expires, makes the child's whole
   process group dump its Python stacks (``PYTHONFAULTHANDLER`` + SIGABRT) and then fails
   the test naming the hang, with everything the command printed;
 - tests/conftest.py scales every pytest-timeout bound (the ini default and each
@@ -32,35 +33,65 @@ def hang_s(quiet_s: float, *, floor_s: float = 60.0) -> float:
     return hang_bound(quiet_s, floor_s=floor_s)
 
 
-def run(cmd: Sequence[str] | str, *, bound_s: float, input: str | None = None, **kw: Any) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, **kw)`` (output captured as text unless ``stdout`` is given),
-    failing the test with every process's stacks if it has not exited after ``bound_s``
-    (already a hang bound: pass :func:`hang_s`)."""
-    kw.setdefault("text", True)
+def popen(cmd: Sequence[str] | str, **kw: Any) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **kw)`` in its own process group, with ``PYTHONFAULTHANDLER``
+    set, so that :func:`communicate` can make it and its workers dump their stacks."""
+    env = dict(kw.pop("env", None) or os.environ)
+    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT dumps every thread's stacks (workers inherit it)
+    return subprocess.Popen(cmd, env=env, start_new_session=True, **kw)
+
+
+def communicate(p: subprocess.Popen, *, bound_s: float, input: Any = None) -> tuple[Any, Any]:
+    """``p.communicate(input)`` (also the wait for a child without pipes), failing the test with
+    its stacks if it has not exited after ``bound_s`` (a hang bound: pass :func:`hang_s`).
+    Started by :func:`popen`, its whole process group dumps its stacks; another child gets SIGABRT alone."""
+    try:
+        return p.communicate(input, timeout=bound_s)
+    except subprocess.TimeoutExpired:
+        pass
+    own_group = _pgid(p.pid) == p.pid
+    _signal(p, signal.SIGABRT, own_group)  # the command (and its workers) dump their stacks
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _signal(p, signal.SIGKILL, own_group)
+        out, err = p.communicate()
+    pytest.fail(f"HANG: {p.args!r} had not exited after {bound_s:.0f} s (a hang bound: 10x its quiet time "
+                f"times CKPT_TIMEOUT_SCALE={scale():g}); its processes' stacks follow its output.\n"
+                f"--- stdout ---\n{out}\n--- stderr (stacks at the end) ---\n{err}", pytrace=False)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _signal(p: subprocess.Popen, sig: int, group: bool) -> None:
+    try:
+        os.killpg(p.pid, sig) if group else p.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def run(cmd: Sequence[str] | str, *, bound_s: float, input: str | bytes | None = None, **kw: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, **kw)`` (stdout and stderr captured, as text unless ``text`` or
+    ``encoding`` is given; ``check=True`` raises ``CalledProcessError`` as there), failing the test with every
+    process's stacks if it has not exited after ``bound_s`` (already a hang bound: pass :func:`hang_s`)."""
+    check = kw.pop("check", False)
     kw.pop("capture_output", None)
     kw.setdefault("stdout", subprocess.PIPE)
     kw.setdefault("stderr", subprocess.PIPE)
-    env = dict(kw.pop("env", None) or os.environ)
-    env["PYTHONFAULTHANDLER"] = "1"  # SIGABRT dumps every thread's stacks (workers inherit it)
-    p = subprocess.Popen(cmd, env=env, start_new_session=True,
-                         stdin=subprocess.PIPE if input is not None else None, **kw)
+    if "text" not in kw and "universal_newlines" not in kw and "encoding" not in kw:
+        kw["text"] = True
+    p = popen(cmd, stdin=subprocess.PIPE if input is not None else None, **kw)
     try:
-        out, err = p.communicate(input, timeout=bound_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(p.pid, signal.SIGABRT)  # the command and its workers dump their stacks
-        except ProcessLookupError:
-            pass
-        try:
-            out, err = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, err = p.communicate()
-        pytest.fail(f"HANG: {cmd!r} had not exited after {bound_s:.0f} s (a hang bound: 10x its quiet time "
-                    f"times CKPT_TIMEOUT_SCALE={scale():g}); its processes' stacks follow its output.\n"
-                    f"--- stdout ---\n{out}\n--- stderr (stacks at the end) ---\n{err}", pytrace=False)
+        out, err = communicate(p, bound_s=bound_s, input=input)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    if check and p.returncode:
+        raise subprocess.CalledProcessError(p.returncode, p.args, out, err)
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)

@@ -95,6 +95,7 @@ def capture_env() -> dict[str, Any]:
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "num_threads": torch.get_num_threads(),
         "num_interop_threads": torch.get_num_interop_threads(),
+        # Recorded as data (compared at load), never acted on: not a knob (spec/knobs.md).
         "env": {k: os.environ.get(k) for k in _ENV_VARS},
     }
 

@@ -51,6 +51,8 @@ def default_code_dir() -> str:
 
 
 def _git(args: list[str], cwd: str) -> bytes:
+    # git gets this process's environment as is (not read here: passed on, spec/knobs.md),
+    # plus GIT_OPTIONAL_LOCKS so a status never takes the index lock.
     # close_fds (the default) keeps our other descriptors (locks, open checkpoint files)
     # out of git; stdin is /dev/null so git never waits on the terminal.
     return subprocess.run(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
+
+from ..knobs import local_launch
 
 __all__ = ["capture_topology"]
 
@@ -14,13 +15,13 @@ def capture_topology() -> dict[str, Any]:
 
     dist = torch.distributed
     initialised = dist.is_available() and dist.is_initialized()
-    local_rank = os.environ.get("LOCAL_RANK")
+    local_rank, local_world_size = local_launch()
     out: dict[str, Any] = {
         "distributed": bool(initialised),
         "world_size": dist.get_world_size() if initialised else 1,
         "rank": dist.get_rank() if initialised else 0,
-        "local_rank": int(local_rank) if local_rank and local_rank.isdigit() else None,
-        "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("LOCAL_WORLD_SIZE", "").isdigit() else None,
+        "local_rank": local_rank,
+        "local_world_size": local_world_size,
         "backend": str(dist.get_backend()) if initialised else None,
         "hostname": socket.gethostname(),
         "device_kind": "cpu",

@@ -9,11 +9,19 @@ An MoE layer chooses its experts through :func:`select`::
 Without a guard that routes, ``select`` is ``logits.topk(k).indices``. With one, it
 returns the cached ids for a batch warmed up after a rollback: expert *choice* from the
 restored weights, gates, computation and update from the current ones.
+
+Which controller ``select`` asks: the one passed as ``router=`` (the guard's
+``guard.routing``), else the one a ``LossGuard`` installed in the current context (a
+:class:`contextvars.ContextVar`, not a module global: each thread, and each context
+copied with ``contextvars.copy_context()``, has its own). A guard installs its
+controller in the context that constructs it, so the layers' call needs no handle as
+long as the forward pass runs in the thread that built the guard; a forward run
+elsewhere passes ``router=`` explicitly.
 """
 
 from __future__ import annotations
 
-import threading
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ..errors import GuardError
@@ -22,19 +30,25 @@ from . import events as ev
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["select", "RoutingController", "encode_experts", "decode_experts", "MAX_EXPERTS"]
+__all__ = ["select", "current", "RoutingController", "encode_experts", "decode_experts", "MAX_EXPERTS"]
 
 #: expert ids are taped as u16
 MAX_EXPERTS = 1 << 16
 
-_lock = threading.Lock()
-_controller: RoutingController | None = None
+#: the controller the layers' ``select`` asks when none is passed (see the module docstring)
+_active: ContextVar["RoutingController | None"] = ContextVar("ckpt.guard.routing", default=None)
 
 
-def select(layer: Any, logits: "torch.Tensor", k: int) -> "torch.Tensor":
+def current() -> "RoutingController | None":
+    """The controller installed in the current context, if any."""
+    return _active.get()
+
+
+def select(layer: Any, logits: "torch.Tensor", k: int, *, router: "RoutingController | None" = None) -> "torch.Tensor":
     """The ``k`` experts each token goes to, as ``[tokens, k]`` int64 ids, for the MoE
-    layer ``layer`` whose router produced ``logits`` (``[tokens, experts]``)."""
-    ctl = _controller
+    layer ``layer`` whose router produced ``logits`` (``[tokens, experts]``). ``router``:
+    the controller to ask (default: the one installed in the current context)."""
+    ctl = router if router is not None else _active.get()
     if ctl is not None:
         got = ctl.select(layer, logits, k)
         if got is not None:
@@ -81,19 +95,18 @@ class RoutingController:
         #: (epoch, step, layer, digest) of every replay, in order (what tests compare)
         self.replayed: list[tuple[int, int, str, bytes]] = []
 
-    # -- installation: one controller per process --------------------------------------------
+    # -- installation: one controller per context ---------------------------------------------
     def install(self) -> None:
-        global _controller
-        with _lock:
-            if _controller is not None and _controller is not self:
-                raise GuardError("another LossGuard with routing is installed in this process: close it first")
-            _controller = self
+        """Make this the controller ``select`` asks in the current context (thread)."""
+        other = _active.get()
+        if other is not None and other is not self:
+            raise GuardError("another LossGuard with routing is installed in this thread (context): close it first")
+        _active.set(self)
 
     def uninstall(self) -> None:
-        global _controller
-        with _lock:
-            if _controller is self:
-                _controller = None
+        """Stop answering ``select`` in the current context (a no-op where another is installed)."""
+        if _active.get() is self:
+            _active.set(None)
 
     # -- the MoE layers' call -----------------------------------------------------------------
     def _name(self, layer: Any) -> str:

@@ -13,7 +13,8 @@ model, but not the loss accumulated since the last log (``Trainer._tr_loss``), t
 loader Trainer builds, nor the moments Trainer restores RNG and skips data on resume. The
 subclass overrides Trainer's documented checkpoint hooks (``_save_checkpoint``,
 ``_load_optimizer_and_scheduler``, ``_load_rng_state``, ``_load_scaler``,
-``get_train_dataloader``) and installs one callback (``on_train_begin``).
+``get_train_dataloader``, ``get_batch_samples``) and installs one callback
+(``on_train_begin``). Nothing in ``transformers`` or ``accelerate`` is reassigned.
 
 What is saved, through one ``CheckpointManager`` (async by default), at Trainer's own save
 points (``save_strategy``/``save_steps``) and on SIGTERM/SIGUSR1:
@@ -51,7 +52,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..data import ResumableLoader
-from ..manager import CheckpointManager, RetentionPolicy, list_checkpoints
+from ..manager import CheckpointManager, RetentionPolicy
+from ..manager.listing import may_resume
 
 __all__ = ["CkptTrainer"]
 
@@ -177,6 +179,7 @@ class CkptTrainer(Trainer):
         self._ckpt_live: dict[str, _Live] = {}
         self._ckpt_trainer_state = _TrainerStateful(self)
         self._ckpt_rng_pending = False
+        self._ckpt_positioned: Any = None  # our loader's iterator while the resumed epoch runs
         self._ckpt_last_step: int | None = None
         #: step of the checkpoint the last train() resumed from (None: started fresh)
         self.ckpt_resumed_from: int | None = None
@@ -197,7 +200,9 @@ class CkptTrainer(Trainer):
                              trial: Any = None, ignore_keys_for_eval: Any = None) -> Any:
         # A non-None marker turns on Trainer's resume path (its load hooks, which we own);
         # whether a checkpoint actually verifies is decided in _init_training_state.
-        marker = self.ckpt_dir if any(r.committed for r in list_checkpoints(self.ckpt_dir)) else None
+        # A crashed save's complete temporary copy counts: the manager publishes it when it
+        # takes the run's lock, after this decision (ckpt.manager.listing.may_resume).
+        marker = self.ckpt_dir if may_resume(self.ckpt_dir) else None
         try:
             return super()._inner_training_loop(batch_size, args, marker, trial, ignore_keys_for_eval)
         finally:
@@ -309,22 +314,28 @@ class CkptTrainer(Trainer):
         self._globalstep_last_logged = lv["globalstep_last_logged"]
         self.current_flos = lv["current_flos"]
 
-    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
-        import transformers.trainer as tt
-
-        skip = tt.skip_first_batches
+    def _run_epoch(self, **kwargs: Any) -> Any:
+        # In the resumed epoch Trainer counts the micro-batches already trained (its step
+        # counters must start there) and rebuilds its data loader to drop them
+        # (accelerate's ``skip_first_batches``). Our loader is already at the resumed
+        # position (O(1)): dropping batches would move it past the position. So Trainer
+        # gets an empty DataLoader to rebuild, and get_batch_samples serves this epoch
+        # from our loader's iterator, made here, where Trainer would have made it.
         loader = self._ckpt_loader
-
-        def no_skip(dataloader: Any, num_batches: int = 0) -> Any:
-            # Our loader is already at the resumed position (O(1)); re-reading and
-            # dropping batches would move it past the position.
-            return dataloader if dataloader is loader else skip(dataloader, num_batches)
-
-        tt.skip_first_batches = no_skip
+        if not (loader is not None and kwargs.get("train_dataloader") is loader
+                and kwargs.get("resume_from_checkpoint") is not None and kwargs.get("epoch") == kwargs.get("epochs_trained")
+                and kwargs.get("steps_trained_in_current_epoch", 0) > 0 and not self.args.ignore_data_skip):
+            return super()._run_epoch(**kwargs)
+        self._ckpt_positioned = iter(loader)
         try:
-            return super()._run_epoch(*args, **kwargs)
+            return super()._run_epoch(**{**kwargs, "train_dataloader": torch.utils.data.DataLoader([])})
         finally:
-            tt.skip_first_batches = skip
+            self._ckpt_positioned = None
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        if self._ckpt_positioned is not None:  # the resumed epoch: see _run_epoch
+            epoch_iterator = self._ckpt_positioned
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     # -- save --------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:

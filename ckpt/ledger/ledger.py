@@ -27,6 +27,7 @@ import warnings
 from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
 
 from ..errors import ResumeDivergedError
+from ..knobs import ledger_verify
 from .compare import RNG_BEFORE, ResumeReport, compare_step, find_batch, find_hint, likely_cause, used_streams
 from .digest import batch_digest, params_digest, rng_digests
 from .record import GuardEntry, LedgerOpen, LedgerStep, ResumeCheck, Value
@@ -158,7 +159,7 @@ class Ledger:
             OWN_LEDGER[0] = True
             for f in list(ON_OWN_LEDGER):
                 f()
-        verify = os.environ.get(ENV_VERIFY, verify)  # type: ignore[assignment]
+        verify = ledger_verify() or verify  # type: ignore[assignment]
         if verify not in ("strict", "warn", "off"):
             raise ValueError(f"verify must be 'strict', 'warn' or 'off', not {verify!r}")
         if params_every < 0:

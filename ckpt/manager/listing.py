@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CkptError, UnsupportedVersionError
-from ..format.manifest import MANIFEST_NAME, decode_manifest
+from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest
 from ..knobs import knobs
 from ..reader import CheckpointReader
 from ..storage import Storage, resolve
@@ -37,6 +37,32 @@ class CheckpointRecord:
     step: int
     committed: bool
     metrics: dict[str, Any] | None = None
+
+
+def may_resume(run_dir: str | os.PathLike[str], *, storage: Storage | None = None) -> bool:
+    """Whether a manager's ``resume()`` in ``run_dir`` may find a checkpoint: a committed
+    one, or the temporary copy of a save that a crash interrupted after it was complete
+    (the manager's recovery, when it takes the run's lock, publishes that copy before
+    ``resume`` looks). A caller deciding *before* it builds the manager whether to resume
+    must count both: counting committed ones only skips the resume of a run killed in its
+    save's last moments, and the run then starts again from step 0 (seen under load)."""
+    if any(r.committed for r in list_checkpoints(run_dir, storage=storage)):
+        return True
+    storage, root = resolve(run_dir, storage)
+    root = storage.commit.record_path(os.fspath(run_dir), root)
+    try:
+        names = storage.listdir(root)
+    except FileNotFoundError:
+        return False
+    return any(_temporary_of_a_step(n) for n in names)
+
+
+def _temporary_of_a_step(name: str) -> bool:
+    """``.tmp-step-NNNNNNNN-<hex>`` (a save's copy) or the same with ``.old`` (an overwrite's)."""
+    if not name.startswith(TMP_PREFIX):
+        return False
+    base = name[len(TMP_PREFIX):].removesuffix(".old")
+    return _NAME_RE.match(base.rsplit("-", 1)[0]) is not None
 
 
 def list_checkpoints(

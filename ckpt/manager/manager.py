@@ -283,9 +283,10 @@ class CheckpointManager:
         return self.ledger.report if self.ledger is not None else None
 
     def _make_ledger(self, params_every: int, verify: str) -> Any:
-        from ..ledger import ENV_DIR, Ledger
+        from ..knobs import ledger_dir
+        from ..ledger import Ledger
 
-        root = os.environ.get(ENV_DIR)
+        root = ledger_dir()
         if root:
             directory = os.path.join(root, os.path.basename(self.run_dir))
         else:  # an append-only tape: a local file, beside the run where it is local

@@ -60,6 +60,7 @@ __all__ = [
     "PendingCheckpoint",
     "Recovery",
     "FencedStorage",
+    "install_lease_handler",
 ]
 
 
@@ -163,3 +164,25 @@ def backend_for(scheme: str, url: str) -> Any:
 def forget_backends() -> None:
     """Drop cached backend instances (tests that change the AWS environment call it)."""
     _CACHE.clear()
+
+
+def install_lease_handler() -> None:
+    """Install the read lease's signal handler now (spec/checkpoint-format.md §11.1).
+
+    A fresh load maps a local checkpoint file only under a read lease, whose breaks (a
+    writer or a truncation of the file) are signalled to the main thread; a handler then
+    moves the mapped bytes off the file. That handler is process-wide: by default the
+    first protected mapping installs it, from the main thread only (a first load off the
+    main thread reads into fresh memory instead). Call this at start-up, from the main
+    thread, to choose the moment yourself (and so let loads in any thread map), or with
+    ``CKPT_LEASE_HANDLER=off``, which stops the implicit installation. Idempotent.
+    Raises ``UnprotectedMappingError`` (naming why) where it cannot be installed: off
+    the main thread, the signal (``CKPT_LEASE_SIGNAL``) already handled by the program,
+    or a platform without leases."""
+    from ..errors import UnprotectedMappingError
+    from . import _lease
+
+    try:
+        _lease.install_handler()
+    except _lease.LeaseUnavailable as e:
+        raise UnprotectedMappingError(f"no lease-break handler: {e}") from None

@@ -20,10 +20,18 @@ address (``mremap(MREMAP_FIXED)``, one page-table update), and releases the leas
 then does the truncation proceed, and it no longer reaches the tensors. The bytes kept
 are the bytes that were verified: the file could not change while the lease was held.
 
+The handler is process-wide state (one signal disposition), so when it is installed is
+the program's choice: :func:`install_handler` (``ckpt.storage.install_lease_handler()``)
+installs it explicitly, from the main thread; otherwise the first lease-protected mapping
+installs it, on the main thread only (off the main thread nothing is installed: that load
+reads into fresh memory). ``CKPT_LEASE_HANDLER=off`` (``ckpt.knobs.lease_handler``)
+turns the implicit installation off: a program that owns its signals installs the handler
+itself or gets no mappings. ``state(mmap=False)`` never maps, so never installs it.
+
 Where a lease cannot be taken (not the file's owner without CAP_LEASE, a filesystem
 without leases such as NFS, leases disabled, the file open for writing somewhere, the
-signal already used by the program, or the first protected load running off the main
-thread, where no handler can be installed), :func:`map_leased` raises
+signal already used by the program, the handler not installed and not to be installed
+here: off the main thread, or ``CKPT_LEASE_HANDLER=off``), :func:`map_leased` raises
 :class:`LeaseUnavailable` and the caller reads into fresh memory instead: never an
 unprotected mapping by default.
 
@@ -48,7 +56,10 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["map_leased", "map_private", "lease_signal", "migrations", "unchanged", "close_leased", "LeaseUnavailable"]
+from .. import knobs
+
+__all__ = ["map_leased", "map_private", "lease_signal", "install_handler", "handler_installed", "migrations",
+           "unchanged", "close_leased", "LeaseUnavailable"]
 
 F_SETOWN_EX = 15
 F_OWNER_TID = 0
@@ -85,9 +96,9 @@ except (OSError, AttributeError):  # not Linux/glibc: no leases, no mremap
 
 def lease_signal() -> int:
     """The signal lease breaks are delivered with (``CKPT_LEASE_SIGNAL`` overrides it)."""
-    raw = os.environ.get("CKPT_LEASE_SIGNAL")
-    if raw:
-        return int(raw)
+    forced = knobs.lease_signal()
+    if forced is not None:
+        return forced
     return int(signal.SIGRTMAX) - 6 if hasattr(signal, "SIGRTMAX") else 0
 
 
@@ -188,13 +199,33 @@ def _on_break(signum: int, frame: Any) -> None:
                 pass
 
 
-def _ensure_handler(sig: int) -> None:
+def install_handler() -> int:
+    """Install the lease-break handler for :func:`lease_signal` now (idempotent); returns
+    the signal. Raises :class:`LeaseUnavailable` off the main thread (Python runs signal
+    handlers there only), where the signal is already handled by the program, or
+    without leases (not Linux). Explicit: ``CKPT_LEASE_HANDLER=off`` does not stop it."""
+    if _LIBC is None or not hasattr(signal, "SIGRTMAX"):
+        raise LeaseUnavailable("leases need Linux")
+    sig = lease_signal()
+    _ensure_handler(sig, explicit=True)
+    return sig
+
+
+def handler_installed() -> bool:
+    """Whether this process's lease-break handler is installed (for :func:`lease_signal`)."""
+    return _installed is not None and _installed == lease_signal()
+
+
+def _ensure_handler(sig: int, *, explicit: bool = False) -> None:
     global _installed
     if _installed == sig:
         return
     with _install_lock:
         if _installed == sig:
             return
+        if not explicit and knobs.lease_handler() == "off":
+            raise LeaseUnavailable("the lease-break handler is not installed (CKPT_LEASE_HANDLER=off; "
+                                   "ckpt.storage.install_lease_handler() installs it)")
         if threading.current_thread() is not threading.main_thread():
             raise LeaseUnavailable("the lease-break handler can only be installed from the main thread")
         current = signal.getsignal(sig)

@@ -36,6 +36,7 @@ from obstore.store import S3Store
 from ..errors import CheckpointExistsError, CkptError, FormatError, SaveConflictError, StorageError, UnsafePathError
 from ..format.digest import ChunkHasher
 from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest
+from ..knobs import aws_env, knobs
 from ._objlock import LOCK_NAME, ObjectLock
 from .base import Storage
 from .commit import Commit, ManifestLastCommit, recoverable
@@ -43,15 +44,12 @@ from .commit import Commit, ManifestLastCommit, recoverable
 __all__ = ["S3Storage", "S3File", "ObjectLock", "bucket_of", "Stats"]
 
 MiB = 1 << 20
-#: multipart part size and ranged-read block size: 8-16 MiB is where S3 throughput per
-#: request levels off (AWS guidance) and it matches our chunk sizes
-PART_SIZE = int(os.environ.get("CKPT_S3_PART_SIZE", 16 * MiB))
-BLOCK_SIZE = int(os.environ.get("CKPT_S3_BLOCK_SIZE", 16 * MiB))
-#: an in-place load reads each file twice (verify, then copy): keep the first pass's bytes
-#: in an unlinked local temporary file so the second pass does not download them again
-SPOOL = os.environ.get("CKPT_S3_SPOOL", "1") != "0"
-#: parallel requests per file (uploads) and per storage (ranged reads)
-CONCURRENCY = int(os.environ.get("CKPT_S3_CONCURRENCY", 8))
+# The tunables (ckpt.knobs, spec/knobs.md): multipart part size and ranged-read block size,
+# the in-place load's local spool of the first pass, parallel requests per file and storage.
+PART_SIZE = knobs().s3_part_size
+BLOCK_SIZE = knobs().s3_block_size
+SPOOL = knobs().s3_spool
+CONCURRENCY = knobs().s3_concurrency
 #: how often an overwrite retries its If-Match put after another writer replaced MANIFEST
 _CAS_TRIES = 16
 
@@ -84,25 +82,19 @@ class Stats:
             return {k: getattr(self, k) for k in ("gets", "get_bytes", "puts", "put_bytes", "heads", "lists", "deletes")}
 
 
-_CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-                       "AWS_CONTAINER_CREDENTIALS_FULL_URI")
-
-
 def _store_from_env(bucket: str) -> S3Store:
-    if os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() in ("1", "true") and not any(
-        os.environ.get(k) for k in _CREDENTIAL_SOURCES
-    ):
+    aws = aws_env()
+    if aws.metadata_disabled and not aws.has_credential_source:
         # The standard switch: with instance metadata off and no other source, there is
         # nothing to ask; fail now instead of timing out against the metadata address.
         raise StorageError("no AWS credentials in the environment, and AWS_EC2_METADATA_DISABLED is set",
                            path=f"s3://{bucket}")
     config: dict[str, Any] = {}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = aws.endpoint
     if endpoint:
         config["endpoint"] = endpoint
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        config["region"] = region
+    if aws.region:
+        config["region"] = aws.region
     client: dict[str, Any] = {}
     if endpoint and endpoint.startswith("http://"):
         client["allow_http"] = True  # a local S3-compatible server (tests, on-premises)

@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import hangs
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "bench" / "gpu.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(GPU), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return hangs.run([sys.executable, str(GPU), *args], capture_output=True, text=True, bound_s=hangs.hang_s(60),
+                     env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_it_compiles(tmp_path: Path) -> None:
@@ -39,6 +40,7 @@ def test_bad_options_are_usage_errors(args: list[str]) -> None:
     assert p.returncode == 2 and "error:" in p.stderr, (p.returncode, p.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the run would measure")
 def test_without_cuda_it_says_so_and_exits_0() -> None:
     p = _run("--rounds", "7")

@@ -40,6 +40,7 @@ PLANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_bisect_names_the_planted_step_module_and_phase(plant: str, tmp_path, monkeypatch) -> None:
     a = _run(tmp_path, "a", "", 5, monkeypatch)
@@ -64,6 +65,7 @@ def test_bisect_names_the_planted_step_module_and_phase(plant: str, tmp_path, mo
         assert cmp.first.count and cmp.first.max_abs is not None and cmp.first.max_abs > 0
 
 
+@pytest.mark.slow
 def test_capsule_reproduces_the_runs_step_exactly(tmp_path, monkeypatch) -> None:
     """The traced step from a capsule computes the loss the run recorded for that step."""
     a = _run(tmp_path, "a", "", 99, monkeypatch)
@@ -78,6 +80,7 @@ def test_capsule_reproduces_the_runs_step_exactly(tmp_path, monkeypatch) -> None
     assert float(loss) == loss5
 
 
+@pytest.mark.slow
 def test_trace_file_round_trip_and_ulp(tmp_path, monkeypatch) -> None:
     a = _run(tmp_path, "a", "", 99, monkeypatch, steps=3)
     cap = str(tmp_path / "c")

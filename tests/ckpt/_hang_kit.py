@@ -11,15 +11,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+import hangs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 #: seconds before a run is declared hung: a detector, not a speed requirement
-HANG_BOUND_S = 420
+HANG_BOUND_S = hangs.hang_s(42)
 
 PRELUDE = f"""\
 import faulthandler, sys
-faulthandler.dump_traceback_later({HANG_BOUND_S}, exit=True)
+faulthandler.dump_traceback_later({HANG_BOUND_S:.0f}, exit=True)
 sys.path.insert(0, {str(ROOT)!r})
 """
 
@@ -28,15 +29,12 @@ def run_script(script: Path, *args: str, cwd: Path) -> str:
     """Run ``script`` (which starts with ``PRELUDE``); return its output, or fail naming
     a hang (with every thread's stack) or the error."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        p = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, timeout=HANG_BOUND_S + 120)
-    except subprocess.TimeoutExpired as e:  # the in-process detector did not even fire
-        out = (e.stdout or b"").decode(errors="replace")
-        raise AssertionError(f"HUNG: {script.name} outlived its hang detector; output:\n{out[-6000:]}") from None
+    # the outer bound catches a child whose in-process detector did not even fire
+    p = hangs.run([sys.executable, str(script), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                  stderr=subprocess.STDOUT, text=False, bound_s=HANG_BOUND_S + hangs.hang_s(12))
     out = p.stdout.decode(errors="replace")
     if "Timeout (" in out and "most recent call first" in out:
-        raise AssertionError(f"HUNG: {script.name} made no progress for {HANG_BOUND_S} s; every thread's stack:\n"
+        raise AssertionError(f"HUNG: {script.name} made no progress for {HANG_BOUND_S:.0f} s; every thread's stack:\n"
                              + out[-12000:])
     assert p.returncode == 0, f"{script.name} failed (rc {p.returncode}):\n{out[-6000:]}"
     return out

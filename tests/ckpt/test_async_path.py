@@ -22,6 +22,7 @@ from ckpt.manager import CheckpointManager
 from ckpt.staging import Staging
 from ckpt.storage import LocalStorage
 from tests.sim.faultfs import FaultyStorage
+import hangs
 
 
 @pytest.mark.parametrize("threshold", [0, 1, 1 << 40])
@@ -99,13 +100,14 @@ print("leaving", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_interpreter_exit_waits_for_the_save_in_flight_and_an_idle_worker_does_not_hold_it(tmp_path: Path) -> None:
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, "-c", EXIT_WITH_A_SAVE_IN_FLIGHT, str(tmp_path / "run")], capture_output=True,
-                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    p = hangs.run([sys.executable, "-c", EXIT_WITH_A_SAVE_IN_FLIGHT, str(tmp_path / "run")], capture_output=True,
+                  text=True, bound_s=hangs.hang_s(30), env={**os.environ, "PYTHONPATH": str(root)})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["leaving"]
     r = ckpt.open(tmp_path / "run" / "step-00000002")

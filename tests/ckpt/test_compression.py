@@ -219,6 +219,7 @@ def test_a_flipped_bit_in_a_packed_span_is_a_checksum_error_not_a_decoding_one(t
     assert not target["m"]["w"].any()  # all or nothing: the target was not written
 
 
+@pytest.mark.slow
 def test_hostile_planes_are_refused_before_allocation() -> None:
     def vector(name: str) -> Path:
         return V2 / name / json.loads((V2 / name / "expected.json").read_text())["path"]

@@ -16,6 +16,7 @@ from ckpt.dcp.interop import import_dcp
 from ckpt.errors import FormatError, LimitExceededError
 
 from tests.ckpt._dcp_kit import rows, write_dcp
+import hangs
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -130,6 +131,7 @@ def test_malformed_metadata_is_a_format_error(tmp_path: Path, case: str) -> None
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_the_cli_reports_each_malformed_metadata_in_one_line(tmp_path: Path) -> None:
     """`ckpt import dcp` as a real process: exit 3, one `error:` line naming the value, no
     traceback, nothing written (these were 9 tracebacks on 3930a40)."""
@@ -144,9 +146,9 @@ def test_the_cli_reports_each_malformed_metadata_in_one_line(tmp_path: Path) -> 
         write_dcp(tmp_path / case, {"w": ((4,), [((0,), torch.zeros(4))])}, mutate=BAD[case][0])
 
     def run(case: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "ckpt_cli", "import", "dcp", str(tmp_path / case),
-                               str(tmp_path / f"out-{case}")], cwd=repo, capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, CKPT_PROGRESS="0"))
+        return hangs.run([sys.executable, "-m", "ckpt_cli", "import", "dcp", str(tmp_path / case),
+                               str(tmp_path / f"out-{case}")], cwd=repo, capture_output=True, text=True, bound_s=hangs.hang_s(30),
+                         env=dict(os.environ, CKPT_PROGRESS="0"))
 
     with ThreadPoolExecutor(4) as pool:
         for case, r in zip(cases, pool.map(run, cases)):

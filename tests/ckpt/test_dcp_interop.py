@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 import ckpt
 from ckpt.dcp.interop import read_dcp_metadata
 from ckpt.errors import FormatError
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,9 +32,10 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return hangs.run([sys.executable, "-m", "ckpt_cli", *args], cwd=REPO, capture_output=True, text=True, bound_s=hangs.hang_s(30))
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_dcp_round_trip_through_our_format(tmp_path: Path) -> None:
     m, opt = _trained()
@@ -75,6 +77,7 @@ class _Evil:
         return (os.system, ("echo pwned",))
 
 
+@pytest.mark.slow
 def test_restricted_unpickler_refuses_foreign_globals(tmp_path: Path) -> None:
     d = tmp_path / "evil"
     d.mkdir()

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
+import hangs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -332,7 +333,7 @@ def test_sharded_save_reshard_resume_and_failures(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = "import runpy, sys; sys.argv = ['cli', 'inspect', sys.argv[1]]; sys.modules.setdefault('torch', None); runpy.run_module('cli', run_name='__main__')"
-    shown = subprocess.run([sys.executable, "-c", code, os.path.join(out, "C")], cwd=repo, capture_output=True, text=True, timeout=120)
+    shown = hangs.run([sys.executable, "-c", code, os.path.join(out, "C")], cwd=repo, capture_output=True, text=True, bound_s=hangs.hang_s(12))
     assert shown.returncode == 0, shown.stderr
     assert "sharded: saved on 4 rank(s), mesh 2x2 (dp, tp)" in shown.stdout
     line = next(ln for ln in shown.stdout.splitlines() if ln.strip().startswith("model.0.weight "))

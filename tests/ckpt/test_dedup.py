@@ -25,6 +25,7 @@ import ckpt
 from ckpt import CheckpointManager, RetentionPolicy
 from ckpt.storage import LocalStorage
 from tests.sim.faultfs import FaultPlan, FaultyStorage
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -215,6 +216,7 @@ def _check_run(run: Path) -> None:
         assert torch.equal(got["ema"]["w"], torch.full((20000,), float(step // 3))), name
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_step_of_a_dedup_save_leaves_no_dangling_reference(tmp_path: Path) -> None:
     run = tmp_path / "run"
     # A save here is 14-24 storage operations (mkdir, links, creates, directory fsyncs, the publishing
@@ -223,12 +225,12 @@ def test_sigkill_at_any_step_of_a_dedup_save_leaves_no_dangling_reference(tmp_pa
     # The children clean what the killed ones left at once (no grace: no other writer here).
     env = {**os.environ, "CKPT_ORPHAN_GRACE_S": "0"}
     for kill_at in (3, 9, 16, 24, 33, 45):
-        out = subprocess.run([sys.executable, "-c", _CHILD, str(run), str(kill_at)], capture_output=True, text=True,
-                             cwd=REPO, timeout=300, env=env)
+        out = hangs.run([sys.executable, "-c", _CHILD, str(run), str(kill_at)], capture_output=True, text=True,
+                        cwd=REPO, bound_s=hangs.hang_s(30), env=env)
         assert out.returncode == -9, (kill_at, out.returncode, out.stdout, out.stderr[-2000:])
         _check_run(run)
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(run), "0"], capture_output=True, text=True, cwd=REPO, timeout=300,
-                         env=env)
+    out = hangs.run([sys.executable, "-c", _CHILD, str(run), "0"], capture_output=True, text=True, cwd=REPO, bound_s=hangs.hang_s(30),
+                    env=env)
     assert out.returncode == 0 and out.stdout.startswith("done"), out.stderr[-2000:]
     _check_run(run)
     names = sorted(n for n in os.listdir(run) if n.startswith("step-"))

@@ -25,6 +25,7 @@ from ckpt.ledger import auto
 from ckpt.ledger.compare import likely_cause, compare_step
 from ckpt.ledger.ledger import ResumeVerified
 from ckpt.testing import kill_env
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "ckpt", "scripts", "gpt_port.py")
@@ -41,8 +42,8 @@ def _run(cwd, *flags, kill_at=None):
     env["PYTHONPATH"] = ROOT
     if kill_at is not None:
         env.update(kill_env(kill_at, env))  # the harness's kill switch, as check-resume installs it
-    return subprocess.run([sys.executable, SCRIPT, "--out_dir=out", *flags], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return hangs.run([sys.executable, SCRIPT, "--out_dir=out", *flags], cwd=cwd, env=env, capture_output=True,
+                     text=True, bound_s=hangs.hang_s(30))
 
 
 def _kill_and_resume(tmp_path, port):
@@ -55,6 +56,7 @@ def _kill_and_resume(tmp_path, port):
     return second
 
 
+@pytest.mark.slow
 def test_quick_start_swap_is_caught_at_its_first_resume_naming_the_cause(tmp_path):
     """torch.save/torch.load -> ckpt.save/ckpt.load and nothing else: DIFFERENT at the first
     re-run step, the cause named: the stream moved between the load and that step."""
@@ -71,6 +73,7 @@ def test_quick_start_swap_is_caught_at_its_first_resume_naming_the_cause(tmp_pat
     assert not problems and [c.verdict for t in tapes for c in t.checks] == ["diverged"]
 
 
+@pytest.mark.slow
 def test_guided_port_is_verified_exact_and_is_bit_identical(tmp_path):
     out = _kill_and_resume(tmp_path, "guided")
     assert out.stderr.splitlines() == [
@@ -289,11 +292,12 @@ def test_values_round_trip_on_the_tape_and_a_differing_value_is_named(tmp_path):
 def _check(cwd, *command, work):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CKPT_LEDGER_", "CKPT_CHECK_", "CKPT_AUTO"))}
     env["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "10", "--work-dir", work,
+    return hangs.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "10", "--work-dir", work,
                            "--", sys.executable, SCRIPT, *command], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+                     bound_s=hangs.hang_s(60))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("work", ["relative", "absolute"])
 def test_check_resume_runs_the_script_where_it_lives_with_its_own_output_per_run(tmp_path, work):
     """The script reads data/input.txt relative to its working directory and resumes only
@@ -318,6 +322,7 @@ def test_check_resume_runs_the_script_where_it_lives_with_its_own_output_per_run
     assert "checkpoint ckpt: config differs in init_from, out_dir (not state" in swap.stdout
 
 
+@pytest.mark.slow
 def test_check_resume_refuses_a_run_whose_output_lands_outside_its_place(tmp_path):
     _data(tmp_path)
     res = _check(tmp_path, "--out_dir=" + str(tmp_path / "shared"), "--init_from={resume}", work="chk")

@@ -31,6 +31,7 @@ from ckpt.format.manifest import MANIFEST_NAME, decode_manifest
 from ckpt.knobs import override
 from ckpt.storage import LocalStorage
 from ckpt.writer import tensor_memoryview
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 CS = 4096  # the smallest chunk size a reader accepts: exercises chunk boundaries cheaply
@@ -750,7 +751,7 @@ def test_save_and_load_never_call_pickle(tmp_path: Path, monkeypatch: pytest.Mon
 
 def _subprocess(code: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = hangs.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, bound_s=hangs.hang_s(12))
     assert out.returncode == 0, out.stderr
     return out.stdout
 

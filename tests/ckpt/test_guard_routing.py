@@ -13,6 +13,7 @@ import torch
 
 import ckpt
 from ckpt.data import EpochOrder, ResumableLoader
+from ckpt.errors import GuardError
 from ckpt.guard import GuardConfig, LossGuard
 from ckpt.ledger import read_ledger_dir
 from runs.common.tiny_lm import CorpusDataset, make_corpus, unlikely_corpus
@@ -119,6 +120,7 @@ def test_the_replayed_window_trains_with_the_cached_experts(tmp_path) -> None:
     assert check_tape(tape.path) == []
 
 
+@pytest.mark.slow
 def test_the_warmup_moves_no_training_stream(tmp_path) -> None:
     # The same run twice: with a warmup whose cache is dropped right after it (so nothing
     # is replayed) and with no warmup at all. Bit-identical: the warmup's forward passes
@@ -131,6 +133,7 @@ def test_the_warmup_moves_no_training_stream(tmp_path) -> None:
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow
 def test_a_resume_inside_the_window_still_replays(tmp_path) -> None:
     straight = moe_run(str(tmp_path / "a"), every=2)
     cut = moe_run(str(tmp_path / "b"), every=2, stop=43)  # killed inside the replayed window
@@ -144,3 +147,50 @@ def test_a_resume_inside_the_window_still_replays(tmp_path) -> None:
                                                                        (45, "blocks.0.moe"), (45, "blocks.1.moe")]
     for p, q in zip(straight.model.state_dict().values(), again.model.state_dict().values()):
         assert torch.equal(p, q)
+
+
+def _controller_with(layer: torch.nn.Module, ids: torch.Tensor) -> Any:
+    from ckpt.guard.routing import RoutingController
+
+    model = torch.nn.ModuleDict({"moe": layer})
+    ctl = RoutingController(model, lambda: (0, 7), lambda rec: None, lambda kind, compute: compute())
+    ctl.cache[(0, 7, "moe")] = ids
+    return ctl
+
+
+def test_the_installed_controller_is_per_thread_and_an_explicit_router_wins() -> None:
+    import threading
+
+    from ckpt.guard import routing
+
+    layer = torch.nn.Linear(2, 2)
+    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])
+    mine = _controller_with(layer, torch.tensor([[0, 1], [1, 2]]))
+    theirs = _controller_with(layer, torch.tensor([[2, 0], [0, 1]]))
+    top = logits.topk(2, dim=-1).indices
+    mine.install()
+    try:
+        assert routing.current() is mine
+        assert routing.select(layer, logits, 2).tolist() == [[0, 1], [1, 2]]
+        assert routing.select(layer, logits, 2, router=theirs).tolist() == [[2, 0], [0, 1]]
+        seen: list[Any] = []
+
+        def other_thread() -> None:
+            # a thread of its own: nothing installed here, and installing does not collide
+            seen.append(routing.current())
+            seen.append(routing.select(layer, logits, 2).tolist())
+            theirs.install()
+            seen.append(routing.select(layer, logits, 2).tolist())
+            theirs.uninstall()
+
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert seen == [None, top.tolist(), [[2, 0], [0, 1]]]
+        with pytest.raises(GuardError, match="another LossGuard"):
+            theirs.install()
+        assert routing.current() is mine
+    finally:
+        mine.uninstall()
+    assert routing.current() is None
+    assert torch.equal(routing.select(layer, logits, 2), top)

@@ -26,6 +26,7 @@ import zstandard
 import ckpt
 from tests.ckpt._manifest_kit import manifest_body, sign_manifest
 from ckpt.knobs import override
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -58,8 +59,8 @@ _PROBE = textwrap.dedent(
 
 
 def probe(path: Path, *actions: str, key: str = "") -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(path), key, *actions], cwd=REPO, capture_output=True, text=True, timeout=300
+    out = hangs.run(
+        [sys.executable, "-c", _PROBE, str(path), key, *actions], cwd=REPO, capture_output=True, text=True, bound_s=hangs.hang_s(30)
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return [json.loads(line) for line in out.stdout.strip().splitlines()]
@@ -107,12 +108,14 @@ def small(tmp_path: Path) -> Path:
     return ck
 
 
+@pytest.mark.slow
 def test_a_manifest_declaring_1_gib_chunks(small: Path) -> None:
     _resign(small, chunk=1 << 30)
     for got in probe(small, "verify", "tensor", "state", key="m/w"):
         assert got["outcome"] == "ok" and got["growth"] <= SLACK, got
 
 
+@pytest.mark.slow
 def test_a_zstd_state_file_inflating_past_its_document(small: Path) -> None:
     """256 MiB of output from a few hundred KiB of frame, declared honestly: the reader
     may hold the 256 MiB it declares, not a second copy of it."""
@@ -126,6 +129,7 @@ def test_a_zstd_state_file_inflating_past_its_document(small: Path) -> None:
     assert got["growth"] <= len(raw) + SLACK, got
 
 
+@pytest.mark.slow
 def test_a_zstd_frame_claiming_the_limit_that_holds_nothing(small: Path) -> None:
     sf = small / "rank-00000.state.msgpack.zst"
     sf.write_bytes(struct.pack("<IBQ", 0xFD2FB528, 0b1110_0000, 1 << 30) + b"\x01\x00\x00")
@@ -134,6 +138,7 @@ def test_a_zstd_frame_claiming_the_limit_that_holds_nothing(small: Path) -> None
     assert got["outcome"] == "FormatError" and got["growth"] <= SLACK, got
 
 
+@pytest.mark.slow
 def test_a_sparse_tensor_file_read_one_small_tensor(tmp_path: Path) -> None:
     """A 256 MiB tensor file with next to nothing on disk, one 256 MiB chunk, re-signed:
     a lazy read of a 12-byte tensor, and a full verify, hold a bounded buffer, not the
@@ -161,6 +166,7 @@ def test_a_sparse_tensor_file_read_one_small_tensor(tmp_path: Path) -> None:
         assert got["outcome"] == "ok" and got["growth"] <= SLACK, got
 
 
+@pytest.mark.slow
 def test_a_sparse_uncompressed_state_file_above_the_limit(small: Path) -> None:
     """Codec nil: the state file is the document, so its size is bound by the 1 GiB
     document limit whatever the disk holds; refused before reading."""
@@ -181,6 +187,7 @@ def test_a_sparse_uncompressed_state_file_above_the_limit(small: Path) -> None:
     assert got["outcome"] == "FormatError" and got["growth"] <= SLACK, got
 
 
+@pytest.mark.slow
 def test_a_state_file_of_empty_arrays_is_bounded_by_the_container_limit(small: Path) -> None:
     """2^24 one-byte empty arrays (16 MiB, a few KiB compressed) made 3.6 GiB of lists:
     each is within msgpack's per-container limits. Knobs.max_containers bounds how many
@@ -216,6 +223,7 @@ def test_the_container_limit_counts_arrays_maps_and_tuples_of_one_document() -> 
             decode_tree(body)
 
 
+@pytest.mark.slow
 def test_a_small_state_file_holding_a_huge_bin_is_not_copied(small: Path) -> None:
     """A few KiB of zstd frame declaring (honestly) a document of one 256 MiB bin: decoding
     copied the bin out of the document, so the reader held twice the declared size. A
@@ -236,6 +244,7 @@ def test_a_small_state_file_holding_a_huge_bin_is_not_copied(small: Path) -> Non
     assert got["growth"] <= len(doc) + SLACK, got
 
 
+@pytest.mark.slow
 def test_a_state_that_compresses_past_the_value_ratio_is_stored_uncompressed(tmp_path: Path) -> None:
     """The writer never writes what the reader refuses: a state whose zstd frame would be
     more than value_ratio times smaller than a value in it is stored with codec nil."""

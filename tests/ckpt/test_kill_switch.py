@@ -16,6 +16,7 @@ import pytest
 from ckpt.ledger import read_ledger_dir
 from ckpt.testing import EXIT_CODES, CommandCheck, ResumeCheckResult, Verdict, kill_env
 from ckpt.testing.kill_switch import SITE_DIR
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,8 +33,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", SCRIPT], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return hangs.run([sys.executable, "-c", SCRIPT], cwd=cwd, env=env, capture_output=True, text=True,
+                     bound_s=hangs.hang_s(12))
 
 
 def _steps(cwd: Path) -> list[int]:
@@ -42,6 +43,7 @@ def _steps(cwd: Path) -> list[int]:
     return [s.step for t in tapes for s in t.steps]
 
 
+@pytest.mark.slow
 def test_the_installed_switch_kills_right_after_the_step_and_the_bare_variable_does_nothing(tmp_path: Path) -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     base["PYTHONPATH"] = ROOT
@@ -121,6 +123,7 @@ COMMAND = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_check_command_kills_through_the_switch_and_names_a_python_that_skips_it(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from ckpt.testing import check_command

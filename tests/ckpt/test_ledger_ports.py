@@ -16,6 +16,7 @@ import torch
 
 import ckpt
 from ckpt.testing import kill_env
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "docs", "examples", "tiny_gpt.py")
@@ -27,8 +28,8 @@ def _run(cwd, *flags, kill_at=None):
     env["PYTHONPATH"] = ROOT
     if kill_at is not None:
         env.update(kill_env(kill_at, env))  # the harness's kill switch, as check-resume installs it
-    return subprocess.run([sys.executable, SCRIPT, "--out", "run", *STEPS, *flags], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return hangs.run([sys.executable, SCRIPT, "--out", "run", *STEPS, *flags], cwd=cwd, env=env,
+                     capture_output=True, text=True, bound_s=hangs.hang_s(30))
 
 
 def _tensors(path):
@@ -39,9 +40,9 @@ def _tensors(path):
 def _check_resume(tmp_path, *flags):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "9", "--work-dir",
+    return hangs.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--kill-at", "9", "--work-dir",
                            str(tmp_path), "--", sys.executable, SCRIPT, "--out", "{run}/run", *STEPS, *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                     cwd=ROOT, env=env, capture_output=True, text=True, bound_s=hangs.hang_s(60))
 
 
 def _checks(run_dir):
@@ -50,6 +51,7 @@ def _checks(run_dir):
     return [c for t in tapes for c in t.checks]
 
 
+@pytest.mark.slow
 def test_naive_port_is_caught_at_the_first_resumed_step_naming_the_batch(tmp_path):
     """check-resume -- python script.py: DIFFERENT with the cause; the resumed process's own
     verification (warn policy) named the batch at the first resumed step, on its tape."""
@@ -67,6 +69,7 @@ def test_naive_port_is_caught_at_the_first_resumed_step_naming_the_batch(tmp_pat
     assert "ResumeVerificationWarning: resume diverged at step 7" in log
 
 
+@pytest.mark.slow
 def test_evaluation_outside_isolated_is_named_as_the_cause(tmp_path):
     first = _run(tmp_path, "--save-batch", kill_at=9)
     assert first.returncode == -signal.SIGKILL, first.stderr
@@ -78,6 +81,7 @@ def test_evaluation_outside_isolated_is_named_as_the_cause(tmp_path):
     assert "ckpt.rng.isolated()" in out.stdout
 
 
+@pytest.mark.slow
 def test_correct_port_verifies_and_is_bit_identical(tmp_path):
     """check-resume -- python script.py says IDENTICAL; checked again here with torch.equal."""
     res = _check_resume(tmp_path, "--save-batch", "--isolate-eval")
@@ -115,14 +119,15 @@ ckpt.save(os.path.join(sys.argv[1], "ckpt"), {"w": torch.zeros(2)}, step=1)  # n
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, said", [(NO_CHECKPOINT, "never reached a checkpoint"), (NO_LEDGER, "no step ledger")])
 def test_check_resume_command_makes_no_claim(tmp_path, body, said):
     script = tmp_path / "s.py"
     script.write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_LEDGER_")}
     env["PYTHONPATH"] = ROOT
-    res = subprocess.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--work-dir", str(tmp_path / "w"), "--",
+    res = hangs.run([sys.executable, "-m", "ckpt_cli", "check-resume", "--work-dir", str(tmp_path / "w"), "--",
                           sys.executable, str(script), "{run}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+                    bound_s=hangs.hang_s(30))
     assert res.returncode == 2, res.stdout + res.stderr
     assert said in res.stdout and res.stdout.rstrip().endswith("NO CLAIM")

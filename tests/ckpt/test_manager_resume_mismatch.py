@@ -24,6 +24,7 @@ import torch
 import ckpt
 from ckpt.errors import CheckpointExistsError, ResumeMismatchError, StateMismatchError
 from ckpt.manager import CheckpointManager, ConfigChangedWarning, ResumeFallbackWarning, latest
+import hangs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,10 +66,11 @@ def _tree(run_dir: Path) -> dict[str, str]:
 
 def _script(run_dir: Path, layers: int, width: int = 4) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-c", SCRIPT, str(run_dir), str(layers), str(width)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return hangs.run([sys.executable, "-c", SCRIPT, str(run_dir), str(layers), str(width)], cwd=ROOT, env=env,
+                     capture_output=True, text=True, bound_s=hangs.hang_s(30))
 
 
+@pytest.mark.slow
 def test_a_changed_model_stops_the_script_and_leaves_the_run_byte_identical(tmp_path: Path) -> None:
     first = _script(tmp_path, layers=2)
     assert first.returncode == 0, first.stderr

@@ -30,6 +30,7 @@ from ckpt.manager import list_checkpoints
 from ckpt.writer import begin, commit, write_part
 
 from _hang_kit import PRELUDE, git_checkout, run_script
+import hangs
 
 EPOCHS = 10
 
@@ -107,6 +108,7 @@ SPY = PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_no_process_is_started_on_the_save_thread(tmp_path: Path) -> None:
     """git (and ``uname -p``, behind ``platform.platform()``) run on the thread that
     builds the manager; the background save thread starts no process."""
@@ -250,6 +252,7 @@ def test_capture_commit_off_the_main_thread_reads_the_git_files_and_starts_nothi
     assert got[1] == full  # a background save finds the loop's capture
 
 
+@pytest.mark.slow
 def test_capture_env_off_the_main_thread_starts_no_process_and_names_the_same_platform(tmp_path: Path) -> None:
     script = tmp_path / "env_probe.py"
     script.write_text(PRELUDE + textwrap.dedent("""
@@ -285,11 +288,12 @@ SIGNALS = PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["012", "210", "102", "120", "021", "201"])
 def test_sigterm_terminates_after_managers_close_in_any_order(tmp_path: Path, order: str) -> None:
     script = tmp_path / "signals.py"
     script.write_text(SIGNALS)
-    p = subprocess.run([sys.executable, str(script), str(tmp_path), order], capture_output=True, timeout=300)
+    p = hangs.run([sys.executable, str(script), str(tmp_path), order], capture_output=True, text=False, bound_s=hangs.hang_s(30))
     out = (p.stdout + p.stderr).decode(errors="replace")
     assert p.returncode == -15, f"closing in order {order} left SIGTERM handled (rc {p.returncode}):\n{out[-3000:]}"
 

@@ -20,6 +20,7 @@ from ckpt.errors import FormatError, UnsupportedValueError
 from ckpt.format.codec import unpackb
 from ckpt.format.tree import EXT_TUPLE, decode_tree
 from ckpt.knobs import override
+import hangs
 
 SF = "rank-00000.safetensors"
 
@@ -129,7 +130,7 @@ def test_the_cli_maps_a_hostile_header_to_exit_3(ck: Path) -> None:
     (n,) = struct.unpack_from("<Q", data, 0)
     _resign_file(ck, SF, data[:8] + b"[" * (n // 2) + b"]" * (n // 2) + data[8 + n :])
     repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(ck)], cwd=repo, capture_output=True, text=True,
-                         timeout=120)
+    out = hangs.run([sys.executable, "-m", "ckpt_cli", "verify", str(ck)], cwd=repo, capture_output=True, text=True,
+                    bound_s=hangs.hang_s(12))
     assert out.returncode == 3, out.stderr
     assert "Traceback" not in out.stderr and out.stderr.startswith(f"CORRUPT: {ck}: safetensors header is not valid JSON")

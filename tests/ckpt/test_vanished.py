@@ -24,6 +24,7 @@ import ckpt
 from ckpt.errors import CheckpointNotFoundError, CheckpointVanishedError, CkptError
 from ckpt.knobs import override
 from ckpt.storage import local
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,6 +134,6 @@ def test_concurrent_retention_raises_only_documented_errors(tmp_path: Path) -> N
                 if proc.poll() is not None:
                     break
         finally:
-            proc.wait(timeout=60)
+            hangs.communicate(proc, bound_s=hangs.hang_s(6))
         # every outcome is a success or a not-found kind: never corruption, never a raw OSError
         assert set(outcomes) <= {"ok", "CheckpointNotFoundError", "CheckpointVanishedError"}, outcomes

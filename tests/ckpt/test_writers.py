@@ -3,7 +3,7 @@ window, a full disk, and chained signal handlers (issue 9, items 9-13).
 
 Children are real Python processes started with ``sys.executable``; they wait for
 each other on files, never on sleeps, so the tests hold with the cores oversubscribed.
-The ``timeout=`` arguments only stop a hung child from hanging the suite.
+Their bounds (tests/hangs.py) only stop a hung child from hanging the suite.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from ckpt.errors import RunDirLockedError
 from ckpt.manager import CheckpointManager, RetentionPolicy, list_checkpoints
 from ckpt.runlock import LOCK_NAME
 from ckpt.writer import recover
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HANG = 180  # seconds before a child is declared hung (never reached when things work)
+HANG = hangs.hang_s(18)  # seconds before a child is declared hung (never reached when things work)
 
 
 def _py(code: str, *args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True, text=True, timeout=HANG, **kw)
+    return hangs.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True, text=True, bound_s=HANG, **kw)
 
 
 def _last_json(out: str) -> dict:
@@ -71,6 +72,7 @@ def _start_holder(run: str) -> tuple[subprocess.Popen, int]:
     return p, int(line[1])
 
 
+@pytest.mark.slow
 def test_second_manager_is_refused_naming_pid_and_host_and_sigkill_leaves_no_stale_lock(tmp_path):
     run = str(tmp_path / "run")
     holder, pid = _start_holder(run)
@@ -87,7 +89,7 @@ def test_second_manager_is_refused_naming_pid_and_host_and_sigkill_leaves_no_sta
         assert not os.path.exists(os.path.join(run, "step-00000007"))
     finally:
         holder.kill()  # SIGKILL: no close(), no atexit
-        holder.wait(timeout=HANG)
+        hangs.communicate(holder, bound_s=HANG)
     assert holder.returncode == -signal.SIGKILL
     got = _last_json(_py(TRY, run).stdout)
     assert got == {"saved": True}
@@ -107,6 +109,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.slow
 def test_a_forked_child_outliving_a_killed_holder_does_not_keep_the_lock(tmp_path):
     run = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD_AND_FORK), run], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -115,7 +118,7 @@ def test_a_forked_child_outliving_a_killed_holder_does_not_keep_the_lock(tmp_pat
     try:
         assert "locked" in _last_json(_py(TRY, run).stdout)
         p.kill()
-        p.wait(timeout=HANG)
+        hangs.communicate(p, bound_s=HANG)
         os.kill(int(child), 0)  # the child is still alive, holding a copy of every fd
         assert _last_json(_py(TRY, run).stdout) == {"saved": True}
     finally:
@@ -126,6 +129,7 @@ def test_a_forked_child_outliving_a_killed_holder_does_not_keep_the_lock(tmp_pat
             pass
 
 
+@pytest.mark.slow
 def test_lock_is_held_for_the_lifetime_and_released_by_close_and_context_exit(tmp_path):
     run = tmp_path / "run"
     a = CheckpointManager(run, {"c": {"n": 1}}, signals=())
@@ -216,10 +220,10 @@ def test_save_under_a_process_group_refuses_and_one_rank_locks_for_the_job(tmp_p
             subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK), str(r), str(tmp_path), held], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for r in range(2)
         ]
-        outs = [p.communicate(timeout=HANG) for p in procs]
+        outs = [hangs.communicate(p, bound_s=HANG) for p in procs]
     finally:
         holder.kill()
-        holder.wait(timeout=HANG)
+        hangs.communicate(holder, bound_s=HANG)
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, e
     res = [_last_json(o) for o, _ in outs]
@@ -258,6 +262,7 @@ except CheckpointExistsError as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rename2", [True, False], ids=["renameat2", "fallback"])
 def test_two_processes_racing_overwrite_false_exactly_one_wins(tmp_path, rename2):
     path, meet = tmp_path / "step-00000001", tmp_path / "meet"
@@ -266,7 +271,7 @@ def test_two_processes_racing_overwrite_false_exactly_one_wins(tmp_path, rename2
         subprocess.Popen([sys.executable, "-c", textwrap.dedent(RACE), str(i), str(path), str(meet), "1" if rename2 else "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in (1, 2)
     ]
-    outs = [p.communicate(timeout=HANG) for p in procs]
+    outs = [hangs.communicate(p, bound_s=HANG) for p in procs]
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, e
     res = [_last_json(o) for o, _ in outs]
@@ -324,6 +329,7 @@ def _crash_cases():
             yield pytest.param(rename2, overwrite, id=f"{'renameat2' if rename2 else 'fallback'}-{'overwrite' if overwrite else 'fresh'}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rename2,overwrite", list(_crash_cases()))
 def test_a_kill_at_any_step_of_the_commit_leaves_a_complete_copy_that_cleanup_keeps(tmp_path, rename2, overwrite):
     killed_at = []
@@ -456,12 +462,13 @@ print(json.dumps({"seen": seen, "stopped": mgr.should_stop, "saved": [r.step for
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
 def test_previous_signal_handler_is_called_and_restored_on_close(tmp_path, signame):
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SIG), str(tmp_path / "run"), signame], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "READY"
     p.send_signal(getattr(signal, signame))
-    out, err = p.communicate(timeout=HANG)
+    out, err = hangs.communicate(p, bound_s=HANG)
     assert p.returncode == 0, err
     got = _last_json(out)
     assert got["seen"] == [int(getattr(signal, signame))]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,10 +49,11 @@ def bad_paths(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
 
 
 def _run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", *argv], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=cwd)
+    return hangs.run([sys.executable, "-m", "ckpt_cli", *argv], capture_output=True, text=True, bound_s=hangs.hang_s(30),
+                     env=env, cwd=cwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_on_every_bad_path_is_one_line_and_its_code(bad_paths: dict[str, Any], command: str) -> None:
     base: Path = bad_paths["base"]

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 import ckpt
 from ckpt_cli.main import cli
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -116,7 +117,7 @@ def test_diff_identical_and_changed(run_dir):
 
 def _subprocess(*args: str, **kw):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, **kw)
+    return hangs.run([sys.executable, "-m", "ckpt_cli", *args], capture_output=True, text=True, env=env, cwd=ROOT, bound_s=hangs.hang_s(12), **kw)
 
 
 def test_real_subprocess_inspect_verify_without_torch(run_dir):
@@ -126,7 +127,7 @@ def test_real_subprocess_inspect_verify_without_torch(run_dir):
         "try:\n    runpy.run_module('cli', run_name='__main__')\nexcept SystemExit as e:\n    code=e.code\n"
         "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')" % p
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
+    out = hangs.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, bound_s=hangs.hang_s(12))
     assert "seven fields" in out.stdout and out.stdout.strip().endswith("NOTORCH"), out.stdout + out.stderr
     res = _subprocess("verify", p)
     assert res.returncode == 0 and res.stdout.startswith("ok:")
@@ -147,8 +148,8 @@ def test_checkpoint_commands_do_not_import_torch(run_dir, args, code):
         "try:\n    runpy.run_module('cli', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
         "print('EXIT', code, 'TORCH' if 'torch' in sys.modules else 'NOTORCH')" % (argv,)
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
+    out = hangs.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                    env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, bound_s=hangs.hang_s(12))
     assert out.stdout.strip().splitlines()[-1] == f"EXIT {code} NOTORCH", out.stdout + out.stderr
 
 
@@ -158,7 +159,7 @@ def test_help_does_not_import_torch():
         "try:\n    cli.main(['--help'], prog_name='ckpt')\nexcept SystemExit:\n    pass\n"
         "print('TORCH' if 'torch' in sys.modules else 'NOTORCH')"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=60)
+    out = hangs.run([sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, bound_s=hangs.hang_s(6))
     assert out.stdout.strip().endswith("NOTORCH"), out.stdout + out.stderr
 
 

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 import ckpt
 from ckpt_cli.main import cli
+import hangs
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "spec" / "cli.md"
@@ -233,8 +234,8 @@ def test_real_subprocess_exit_codes_and_stderr(world: dict[str, Path]) -> None:
     env = dict(os.environ, CKPT_PROGRESS="0")
 
     def sh(*args: Any) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "ckpt_cli", *map(str, args)], capture_output=True, text=True,
-                              timeout=120, env=env, cwd=world["base"])
+        return hangs.run([sys.executable, "-m", "ckpt_cli", *map(str, args)], capture_output=True, text=True,
+                         bound_s=hangs.hang_s(12), env=env, cwd=world["base"])
 
     p = sh("inspect", world["dcp"])
     assert p.returncode == 7 and p.stdout == "" and p.stderr.startswith("error: not a checkpoint: a DCP checkpoint")
@@ -372,7 +373,7 @@ def test_replay_names_the_file_of_an_installed_entry_point(tmp_path: Path) -> No
             "from replay.replayer import resolve_entry_point\n"
             "print(resolve_entry_point('runs.diloco.run:main').file)\n"
             "print('runs' in sys.modules)") % str(ROOT)
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60,
-                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    p = hangs.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, bound_s=hangs.hang_s(6),
+                  env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     file, imported = p.stdout.split()
     assert file == str(ROOT / "runs" / "diloco" / "run.py") and imported == "False", p.stdout + p.stderr

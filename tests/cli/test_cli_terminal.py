@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckpt
+import hangs
 
 ROOT = Path(__file__).resolve().parents[2]
 CKPT = [sys.executable, "-m", "ckpt_cli"]
@@ -40,7 +41,7 @@ def _with_tty_stderr(args: list[str], env: dict[str, str]) -> tuple[int, str, st
     os.close(slave)
     chunks: list[bytes] = []
     while True:
-        r, _, _ = select.select([master], [], [], 120)
+        r, _, _ = select.select([master], [], [], hangs.hang_s(12))
         if not r:
             break
         try:
@@ -51,16 +52,18 @@ def _with_tty_stderr(args: list[str], env: dict[str, str]) -> tuple[int, str, st
             break
         chunks.append(data)
     out = p.stdout.read().decode() if p.stdout else ""
-    rc = p.wait(timeout=120)
+    hangs.communicate(p, bound_s=hangs.hang_s(12))
+    rc = p.returncode
     os.close(master)
     return rc, out, b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_verify_draws_a_bar_on_a_terminal_only(big: Path) -> None:
     rc, out, err = _with_tty_stderr([*CKPT, "verify", str(big)], _env())
     assert rc == 0 and out.startswith(f"ok: {big}")
     assert "verifying" in err and "100%" in err  # click's bar, on stderr
-    piped = subprocess.run([*CKPT, "verify", str(big)], capture_output=True, text=True, env=_env(), timeout=120)
+    piped = hangs.run([*CKPT, "verify", str(big)], capture_output=True, text=True, env=_env(), bound_s=hangs.hang_s(12))
     assert piped.returncode == 0 and piped.stderr == "" and piped.stdout.startswith("ok: ")
     rc, out, err = _with_tty_stderr([*CKPT, "verify", str(big)], _env(CKPT_PROGRESS="0"))
     assert rc == 0 and "verifying" not in err
@@ -72,27 +75,28 @@ def test_export_hf_draws_a_bar_on_a_terminal(big: Path, tmp_path: Path) -> None:
     assert rc == 0 and "exporting" in err and out.startswith("exported 'model'")
 
 
+@pytest.mark.slow
 def test_completion_scripts_generate_and_bash_loads_one() -> None:
     for shell, marker in (("bash", "complete -o nosort -F _ckpt_completion ckpt"), ("zsh", "#compdef ckpt"),
                           ("fish", "complete --no-files --command ckpt")):
-        p = subprocess.run([*CKPT, "completion", shell], capture_output=True, text=True, timeout=60)
+        p = hangs.run([*CKPT, "completion", shell], capture_output=True, text=True, bound_s=hangs.hang_s(6))
         assert p.returncode == 0 and marker in p.stdout, (shell, p.stdout[:300])
-        same = subprocess.run([*CKPT], capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "_CKPT_COMPLETE": f"{shell}_source"})
+        same = hangs.run([*CKPT], capture_output=True, text=True, bound_s=hangs.hang_s(6),
+                         env={**os.environ, "_CKPT_COMPLETE": f"{shell}_source"})
         assert same.stdout.strip() == p.stdout.strip()  # what click generates from the environment variable
     # the completions themselves: subcommands, then a subgroup's commands
-    p = subprocess.run([*CKPT], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "_CKPT_COMPLETE": "bash_complete", "COMP_WORDS": "ckpt ex", "COMP_CWORD": "1"})
+    p = hangs.run([*CKPT], capture_output=True, text=True, bound_s=hangs.hang_s(6),
+                  env={**os.environ, "_CKPT_COMPLETE": "bash_complete", "COMP_WORDS": "ckpt ex", "COMP_CWORD": "1"})
     assert p.stdout.split() == ["plain,export"]
-    p = subprocess.run([*CKPT], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "_CKPT_COMPLETE": "bash_complete", "COMP_WORDS": "ckpt export ", "COMP_CWORD": "2"})
+    p = hangs.run([*CKPT], capture_output=True, text=True, bound_s=hangs.hang_s(6),
+                  env={**os.environ, "_CKPT_COMPLETE": "bash_complete", "COMP_WORDS": "ckpt export ", "COMP_CWORD": "2"})
     assert sorted(p.stdout.split()) == ["plain,dcp", "plain,hf"]
     bash = shutil.which("bash")
     if bash is None:  # pragma: no cover - every CI image has bash
         return
     ckpt_bin = Path(sys.executable).with_name("ckpt")
-    p = subprocess.run([bash, "-c", f'eval "$({ckpt_bin} completion bash)" && complete -p ckpt'], capture_output=True,
-                       text=True, timeout=60)
+    p = hangs.run([bash, "-c", f'eval "$({ckpt_bin} completion bash)" && complete -p ckpt'], capture_output=True,
+                  text=True, bound_s=hangs.hang_s(6))
     assert p.returncode == 0 and "_ckpt_completion" in p.stdout, p.stderr
 
 
@@ -100,6 +104,6 @@ def test_help_and_progress_import_nothing_heavy() -> None:
     probe = ("import sys\nfrom ckpt_cli.main import cli\nimport ckpt_cli._common\n"
              "try:\n    cli.main(['--help'], prog_name='ckpt')\nexcept SystemExit:\n    pass\n"
              "print(sorted(m for m in ('torch', 'tqdm', 'rich', 'numpy', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    out = hangs.run([sys.executable, "-c", probe], capture_output=True, text=True, bound_s=hangs.hang_s(6))
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
     assert "Exit codes: 0 ok" in out.stdout and "ckpt completion bash" in out.stdout

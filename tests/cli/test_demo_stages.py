@@ -28,7 +28,8 @@ def _ckpt(*args: str, quiet_s: float = 60.0) -> subprocess.CompletedProcess[str]
 
 
 # the first test to ask for the shared run pays for it (1-2.5 min on 2 busy cores)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+# one worker runs every reader of the shared run (pytest-xdist), so it is paid for once
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.xdist_group("stages-quick")]
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import hangs
 
 
 def test_a_user_cli_folder_is_not_shadowed(tmp_path):
@@ -11,7 +12,7 @@ def test_a_user_cli_folder_is_not_shadowed(tmp_path):
     user_cli.mkdir()
     (user_cli / "__init__.py").write_text("WHOSE = 'user'\n")
     (user_cli / "__main__.py").write_text("print('the user cli')\n")
-    run = lambda *args: subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    run = lambda *args: hangs.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, bound_s=hangs.hang_s(12))
 
     mine = run("-c", "import cli; print(cli.WHOSE)")
     assert mine.stdout.strip() == "user", mine.stderr

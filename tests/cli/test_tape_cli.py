@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from ckpt_cli.main import cli
 from replay import Recorder, record
+import hangs
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = ROOT / "tests" / "replay" / "replay_entry.py"
@@ -174,17 +175,18 @@ def test_replay_cli_diverged_exit_6(tmp_path: Path) -> None:
 def test_cli_module_does_not_import_torch() -> None:
     code = ("import sys; import ckpt_cli.tape_cmd, replay, replay.tape, replay.check; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                   timeout=60)
+    hangs.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+              bound_s=hangs.hang_s(6))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_real_subprocess(tape: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def sh(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], capture_output=True, text=True, env=env,
-                              cwd=tmp_path, timeout=100)
+        return hangs.run([sys.executable, "-m", "ckpt_cli", *args], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, bound_s=hangs.hang_s(10))
 
     p = sh("tape", "verify", str(tape))
     assert p.returncode == 0 and p.stdout.startswith("ok: ")

@@ -401,10 +401,30 @@ def test_every_link_resolves() -> None:
 RUNNABLE = [b for b in BLOCKS[1:] if b.lang in ("python", "console") and "no-run" not in b.options]
 
 
+def _xdist_group(b: Block) -> str | None:
+    """The pytest-xdist group of a block: the blocks of one ``after=`` chain share a scratch
+    directory that the chain's first block fills, and a ``shared=`` block shares its run with the
+    tests that read it (``xdist_group(NAME)`` in their modules): one worker must run them all, or
+    another worker would pay for the same run again."""
+    root = b
+    while root.options.get("after"):
+        firsts = [x for x in BLOCKS if x.options.get("id") == root.options["after"]]
+        if not firsts:
+            return None  # the test itself fails naming the missing id
+        root = firsts[0]
+    if "shared" in root.options:
+        return root.options["shared"]
+    chained = root is not b or any(x.options.get("after") == root.options.get("id") for x in BLOCKS if "id" in root.options)
+    return f"readme-{root.options['id']}" if chained else None
+
+
 def _param(b: Block) -> Any:
     # a block's own timeout= bounds the whole test too (pytest-timeout's default is 300 s),
     # with room for the blocks that run before its commands (after=)
     marks = [pytest.mark.timeout(int(float(b.options["timeout"])) + 300)] if "timeout" in b.options else []
+    group = _xdist_group(b)
+    if group:
+        marks.append(pytest.mark.xdist_group(group))
     page = "" if b.page == "README.md" else Path(b.page).relative_to("docs").with_suffix("").as_posix() + "-"
     return pytest.param(b, id=f"{page}line{b.line}-{b.lang}", marks=marks)
 

@@ -33,12 +33,38 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class KillAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
+    """SIGKILL after optimizer step ``step``; with ``settled``, only once the saves started
+    so far have committed (the resume point is then known, not a race with the async save)."""
+
+    def __init__(self, step: int, settled: bool = False) -> None:
         self.step = step
+        self.settled = settled
+        self.trainer: CkptTrainer | None = None
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if state.global_step == self.step:
+            if self.settled and self.trainer is not None and self.trainer._ckpt_mgr is not None:
+                self.trainer._ckpt_mgr.wait()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Watch(TrainerCallback):
+    """What the resume did, seen from inside the loop: whether the resumed epoch was served
+    by the positioned loader, and that no function of transformers was ever replaced."""
+
+    def __init__(self) -> None:
+        import accelerate
+        import transformers.trainer as tt
+
+        self.tt, self.original = tt, accelerate.skip_first_batches
+        self.untouched = True
+        self.positioned_steps = 0
+        self.trainer: CkptTrainer | None = None
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.untouched &= self.tt.skip_first_batches is self.original
+        if self.trainer is not None and self.trainer._ckpt_positioned is not None:
+            self.positioned_steps += 1
 
 
 def main() -> None:
@@ -47,6 +73,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--kill-settled", action="store_true", help="kill only once the saves in flight committed")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
@@ -73,8 +100,10 @@ def main() -> None:
     # 44 samples, 4 per micro-batch per rank, 2 micro-batches per step: the epoch has
     # 11 (1 rank) or 5 (2 ranks) micro-batches, an odd count, so every epoch ends with a
     # partial accumulation step and the run crosses several epoch ends.
+    watch, kill = Watch(), KillAt(a.kill_at, a.kill_settled)
     trainer = CkptTrainer(model=model, args=args, train_dataset=Tokens(44, 16, 101), ckpt_dir=a.run_dir,
-                          callbacks=[KillAt(a.kill_at)] if a.kill_at else None)
+                          callbacks=[watch, *([kill] if a.kill_at else [])])
+    watch.trainer = kill.trainer = trainer
     trainer.train()
     rank = args.process_index
     log = [{k: v for k, v in e.items() if k in ("loss", "grad_norm", "learning_rate", "epoch", "step")}
@@ -82,7 +111,9 @@ def main() -> None:
     ckpt.save(os.path.join(a.out, f"rank-{rank}"),
               {"model": model, "optim": trainer.optimizer.optimizer, "sched": trainer.lr_scheduler},
               step=trainer.state.global_step, extra={"log": log, "epoch": trainer.state.epoch,
-                                                      "resumed_from": trainer.ckpt_resumed_from},
+                                                      "resumed_from": trainer.ckpt_resumed_from,
+                                                      "untouched": watch.untouched,
+                                                      "positioned_steps": watch.positioned_steps},
               this_rank_only=world > 1)  # each rank writes its own final state, to its own path
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import hangs
 
 pytest.importorskip("accelerate")
 pytest.importorskip("torchdata.stateful_dataloader")
@@ -31,7 +32,7 @@ def _run(run_dir: Path, out: Path, loader: str, kill_at: int = 0) -> int:
     cmd = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), "--out", str(out), "--steps", str(STEPS), "--loader", loader]
     if kill_at:
         cmd += ["--kill-at", str(kill_at)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    p = hangs.run(cmd, cwd=ROOT, capture_output=True, text=True, bound_s=hangs.hang_s(24))
     if not kill_at and p.returncode:
         raise AssertionError(p.stdout[-2000:] + p.stderr[-3000:])
     return p.returncode

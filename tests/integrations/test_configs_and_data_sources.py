@@ -158,6 +158,7 @@ def test_torchdata_stateful_dataloader_resumes_mid_epoch_exactly(tmp_path: Path,
     assert ws.keys() == wr.keys() and all(torch.equal(ws[k], wr[k]) for k in ws)
 
 
+@pytest.mark.slow
 def test_import_ckpt_never_imports_the_integrations_or_their_libraries() -> None:
     import subprocess
     import sys

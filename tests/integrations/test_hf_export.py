@@ -19,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt.interop.hf import export_hf  # noqa: E402
+import hangs
 
 # multi-process runs, subprocesses or heavy imports: `make check` leaves them out
 pytestmark = pytest.mark.slow
@@ -102,16 +103,16 @@ def test_cli_export_hf_as_a_user_runs_it(saved, tmp_path: Path) -> None:
     path, model, x = saved
     out = tmp_path / "exported"
     env = dict(os.environ, CKPT_PROGRESS="0")
-    p = subprocess.run([sys.executable, "-m", "ckpt_cli", "export", "hf", str(path), str(out)], capture_output=True,
-                       text=True, timeout=300, env=env)
+    p = hangs.run([sys.executable, "-m", "ckpt_cli", "export", "hf", str(path), str(out)], capture_output=True,
+                  text=True, bound_s=hangs.hang_s(30), env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0].startswith(f"exported 'model' of {path} -> {out}: model.safetensors (28 tensors,")
     assert "tied: lm_head.weight is transformer.wte.weight" in p.stdout
     loaded = GPT2LMHeadModel.from_pretrained(out).eval()
     assert torch.equal(_logits(loaded, x), _logits(model, x))
-    p = subprocess.run([sys.executable, "-m", "ckpt_cli", "export", "hf", str(path), str(out)], capture_output=True,
-                       text=True, timeout=300, env=env)
+    p = hangs.run([sys.executable, "-m", "ckpt_cli", "export", "hf", str(path), str(out)], capture_output=True,
+                  text=True, bound_s=hangs.hang_s(30), env=env)
     assert p.returncode == 2 and "is not empty" in p.stderr  # never mixed into an earlier export
-    p = subprocess.run([sys.executable, "-m", "ckpt_cli", "inspect", str(out)], capture_output=True, text=True,
-                       timeout=300, env=env)
+    p = hangs.run([sys.executable, "-m", "ckpt_cli", "inspect", str(out)], capture_output=True, text=True,
+                  bound_s=hangs.hang_s(30), env=env)
     assert p.returncode == 7 and "a Hugging Face model directory" in p.stderr

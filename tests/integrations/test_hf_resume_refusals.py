@@ -62,6 +62,7 @@ def run(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_another_model_shape_is_refused_and_the_run_survives(run: Path) -> None:
     before = _tree(run)
     with warnings.catch_warnings():
@@ -76,6 +77,7 @@ def test_another_model_shape_is_refused_and_the_run_survives(run: Path) -> None:
     assert _tree(run) == before
 
 
+@pytest.mark.slow
 def test_a_changed_dropout_and_learning_rate_are_named_in_one_warning(run: Path) -> None:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
@@ -87,9 +89,35 @@ def test_a_changed_dropout_and_learning_rate_are_named_in_one_warning(run: Path)
     assert "training.max_steps: 4 -> 6" in msgs[0]
 
 
+@pytest.mark.slow
 def test_an_unchanged_resume_warns_nothing_about_config(run: Path) -> None:
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         trainer = _train(run, 4)
     assert trainer.ckpt_resumed_from == 4
     assert not [w for w in rec if issubclass(w.category, ConfigChangedWarning)], [str(w.message) for w in rec]
+
+
+@pytest.mark.slow
+def test_a_save_killed_after_it_was_complete_is_resumed_not_restarted(run: Path) -> None:
+    """Regression (seen twice under load in the random-kill trials): a run SIGKILLed in its
+    save's last moments leaves the complete copy under its temporary name. ``train()``
+    decided whether to resume from the committed checkpoints alone, before the manager's
+    recovery published that copy, so it trained again from step 0 and then refused to
+    save over the recovered step ("step 4 is already saved"). Now the copy counts."""
+    (run / "step-00000004").rename(run / ".tmp-step-00000004-0123456789ab")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _train(run, 6)
+    assert trainer.ckpt_resumed_from == 4 and trainer.state.global_step == 6
+
+
+def test_may_resume_counts_committed_checkpoints_and_complete_temporary_copies(tmp_path: Path) -> None:
+    from ckpt.manager.listing import may_resume
+
+    assert not may_resume(tmp_path / "absent") and not may_resume(tmp_path)
+    (tmp_path / ".tmp-notes-0123456789ab").mkdir()  # not a step's copy
+    (tmp_path / "step-00000002").mkdir()  # no MANIFEST: not committed
+    assert not may_resume(tmp_path)
+    (tmp_path / ".tmp-step-00000004-0123456789ab.old").mkdir()
+    assert may_resume(tmp_path)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import hangs
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -35,7 +36,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(run_dir: Path, out: Path, *, world: int, kill_at: int = 0) -> list[int]:
+def _run(run_dir: Path, out: Path, *, world: int, kill_at: int = 0, settled: bool = False) -> list[int]:
     """Start ``world`` fresh processes (as torchrun would) and return their exit codes."""
     port = _free_port()
     procs = []
@@ -46,11 +47,11 @@ def _run(run_dir: Path, out: Path, *, world: int, kill_at: int = 0) -> list[int]
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cmd = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), "--out", str(out), "--steps", str(STEPS)]
         if kill_at:
-            cmd += ["--kill-at", str(kill_at)]
+            cmd += ["--kill-at", str(kill_at), *(["--kill-settled"] if settled else [])]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     codes, outputs = [], []
     for p in procs:
-        o, _ = p.communicate(timeout=240)
+        o, _ = hangs.communicate(p, bound_s=hangs.hang_s(24))
         codes.append(p.returncode)
         outputs.append(o.decode(errors="replace"))
     if kill_at == 0 and any(codes):
@@ -58,7 +59,7 @@ def _run(run_dir: Path, out: Path, *, world: int, kill_at: int = 0) -> list[int]
     return codes
 
 
-def _assert_identical(a: Path, b: Path) -> None:
+def _assert_identical(a: Path, b: Path, kill_at: int) -> None:
     ra, rb = ckpt.open(a), ckpt.open(b)
     keys = list(ra.iter_tensor_keys())
     assert keys == list(rb.iter_tensor_keys()) and len(keys) > 50
@@ -69,21 +70,30 @@ def _assert_identical(a: Path, b: Path) -> None:
     assert ca["extra"]["log"] == cb["extra"]["log"] and len(ca["extra"]["log"]) == STEPS  # every step's loss, lr, grad norm, epoch
     assert ca["extra"]["epoch"] == cb["extra"]["epoch"]
     assert ca["extra"]["resumed_from"] is None
-    assert cb["extra"]["resumed_from"] in (3, 6)  # 6 unless the async save of 6 was still in flight at the kill
+    last = kill_at // 3 * 3  # saves every 3 steps: the newest before the kill, unless its async save was still in flight
+    assert cb["extra"]["resumed_from"] in (last - 3, last)
+    assert ca["extra"]["untouched"] and cb["extra"]["untouched"]  # transformers.trainer.skip_first_batches never replaced
+    assert ca["extra"]["positioned_steps"] == 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2])
-def test_hf_trainer_kill_and_resume_in_fresh_processes_is_bit_identical(tmp_path: Path, world: int) -> None:
+@pytest.mark.parametrize("world,kill_at", [(1, 8), (2, 8), (1, 10)])
+def test_hf_trainer_kill_and_resume_in_fresh_processes_is_bit_identical(tmp_path: Path, world: int, kill_at: int) -> None:
+    """Kill at 8: the resume starts an epoch (step 6: 11 micro-batches, one epoch, on one rank).
+    Kill at 10 on one rank, once the save of 9 committed: step 9 is 6 micro-batches into
+    epoch 1, the mid-epoch resume that Trainer would skip batches for."""
     if world > 1 and not torch.distributed.is_gloo_available():
         pytest.skip("gloo is not available")
     _run(tmp_path / "straight", tmp_path / "out-a", world=world)
-    codes = _run(tmp_path / "crashed", tmp_path / "out-b", world=world, kill_at=8)
+    codes = _run(tmp_path / "crashed", tmp_path / "out-b", world=world, kill_at=kill_at, settled=kill_at == 10)
     assert codes == [-9] * world  # SIGKILL: no cleanup ran
     assert not (tmp_path / "out-b").exists()
     _run(tmp_path / "crashed", tmp_path / "out-b", world=world)
     for rank in range(world):
-        _assert_identical(tmp_path / "out-a" / f"rank-{rank}", tmp_path / "out-b" / f"rank-{rank}")
+        _assert_identical(tmp_path / "out-a" / f"rank-{rank}", tmp_path / "out-b" / f"rank-{rank}", kill_at)
+    if kill_at == 10:  # the resumed epoch's 3 optimizer steps (10-12) came from the positioned loader
+        extra = ckpt.open(tmp_path / "out-b" / "rank-0").context()["extra"]
+        assert (extra["resumed_from"], extra["positioned_steps"]) == (9, 3)
     # the run directory holds ckpt checkpoints only: Trainer wrote no pickle files
     names = {p.name for p in (tmp_path / "crashed").iterdir()}
     assert {"step-00000009", "step-00000012"} <= names

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import hangs
 
 pytest.importorskip("lightning.pytorch")
 pytest.importorskip("torchdata.stateful_dataloader")
@@ -28,7 +29,7 @@ def _run(run_dir: Path, out: Path, kill_at: int = 0) -> int:
     cmd = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), "--out", str(out), "--steps", str(STEPS)]
     if kill_at:
         cmd += ["--kill-at", str(kill_at)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    p = hangs.run(cmd, cwd=ROOT, capture_output=True, text=True, bound_s=hangs.hang_s(24))
     if not kill_at and p.returncode:
         raise AssertionError(p.stdout[-2000:] + p.stderr[-3000:])
     return p.returncode

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import hangs
+
 ROOT = Path(__file__).resolve().parents[2]
 
 BLOCK = """
@@ -86,8 +88,8 @@ def _run(tmp_path: Path, mode: str) -> str:
     (tmp_path / "sitecustomize.py").write_text(BLOCK)
     (tmp_path / "exchange.py").write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    p = subprocess.run([sys.executable, str(tmp_path / "exchange.py"), mode], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=240)
+    p = hangs.run([sys.executable, str(tmp_path / "exchange.py"), mode], capture_output=True, text=True,
+                  env=env, cwd=ROOT, bound_s=hangs.hang_s(24))
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 

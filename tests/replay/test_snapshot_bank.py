@@ -141,6 +141,7 @@ def test_bank_conservation_consistency_and_exact_restore(seed, n, extra, steps, 
     replay_from(run, sorted(run.outcomes)[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bank_at_scale_many_overlapping_snapshots() -> None:
     extra = [(i, (i * 7 + 3) % 16) for i in range(40)]

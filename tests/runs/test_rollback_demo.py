@@ -15,6 +15,10 @@ from ckpt_cli.main import cli
 
 from hangs import hang_s, run
 
+# a demo run: `make check` leaves it out; one worker runs every reader of the shared run
+# (pytest-xdist), so it is paid for once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rollback-quick")]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -32,9 +32,10 @@ from ckpt.errors import (
     UnsafePathError,
     UnsupportedSchemeError,
 )
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HANG = 120  # a subprocess that has not finished by then is stuck, not slow
+HANG = hangs.hang_s(12)  # a subprocess that has not finished by then is stuck, not slow
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ckpt.ledger.ResumeVerificationWarning")]
 
@@ -50,8 +51,8 @@ def _objects(bucket, prefix: str) -> list[str]:
 
 
 def _run(bucket, code: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, env=bucket.env,
-                          capture_output=True, text=True, timeout=HANG, input=stdin)
+    return hangs.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, env=bucket.env,
+                     capture_output=True, text=True, bound_s=HANG, input=stdin)
 
 
 # --- save, load, lazy reads ------------------------------------------------------------
@@ -247,7 +248,7 @@ def test_conditional_put_race_exactly_one_writer_wins(s3) -> None:
     for p in procs:
         p.stdin.write("go\n")
         p.stdin.flush()
-    outs = [p.communicate(timeout=HANG) for p in procs]
+    outs = [hangs.communicate(p, bound_s=HANG) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     res = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
     winners = [i for i, r in zip((1, 2), res) if r["won"]]
@@ -383,8 +384,8 @@ def test_one_manager_per_run_prefix(s3) -> None:
 
 
 def _ckpt(bucket, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckpt_cli", *args], cwd=ROOT, env=bucket.env,
-                          capture_output=True, text=True, timeout=HANG)
+    return hangs.run([sys.executable, "-m", "ckpt_cli", *args], cwd=ROOT, env=bucket.env,
+                     capture_output=True, text=True, bound_s=HANG)
 
 
 def test_cli_ls_verify_inspect_on_s3(s3) -> None:
@@ -501,17 +502,17 @@ def test_s3_without_the_extra_names_the_extra(tmp_path, monkeypatch) -> None:
 
 def test_cli_refuses_an_unknown_scheme_without_creating_anything(tmp_path) -> None:
     for args in (["verify", "gs://b/run/step-1"], ["ls", "gs://b/run"], ["inspect", "gs://b/x"]):
-        p = subprocess.run([sys.executable, "-m", "ckpt_cli", *args], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=HANG, env={**os.environ, "PYTHONPATH": ROOT})
+        p = hangs.run([sys.executable, "-m", "ckpt_cli", *args], cwd=tmp_path, capture_output=True, text=True,
+                      bound_s=HANG, env={**os.environ, "PYTHONPATH": ROOT})
         assert p.returncode == 2, (args, p.returncode, p.stderr)
         assert "gs://" in p.stderr and "ckpt-replay[gcs]" in p.stderr
     assert os.listdir(tmp_path) == []
 
 
 def test_import_ckpt_does_not_import_the_s3_backend() -> None:
-    p = subprocess.run([sys.executable, "-c", "import sys, ckpt, ckpt.storage, ckpt.reader, ckpt.manager;"
+    p = hangs.run([sys.executable, "-c", "import sys, ckpt, ckpt.storage, ckpt.reader, ckpt.manager;"
                         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('obstore', 's3fs', 'boto3') or m == 'ckpt.storage.s3'))"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=HANG)
+                  cwd=ROOT, capture_output=True, text=True, bound_s=HANG)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
 

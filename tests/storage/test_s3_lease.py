@@ -36,6 +36,7 @@ from hangs import hang_s
 
 pytest.importorskip("obstore", reason="the s3 extra is not installed (pip install 'ckpt-replay[s3]')")
 from ckpt.storage import _objlock  # noqa: E402
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HANG = hang_s(12.0, floor_s=120.0)  # an event not seen by then will not come: a hang detector (scaled), not a verdict
@@ -237,8 +238,8 @@ def test_the_heartbeat_never_blocks_process_exit(s3) -> None:
         # no release: the interpreter must still exit at once
     """)
     env = {**s3.env, "CKPT_LOCK_HEARTBEAT_S": "0.05", "CKPT_LOCK_EXPIRY_S": "0.5"}
-    p = subprocess.run([sys.executable, "-c", code, s3.url("exit")], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=HANG)
+    p = hangs.run([sys.executable, "-c", code, s3.url("exit")], cwd=ROOT, env=env, capture_output=True,
+                  text=True, bound_s=HANG)
     assert p.returncode == 0 and p.stdout.startswith("HELD"), p.stderr[-2000:]
     # Its lock stays behind (a lock left by an exited process), and, the pid being gone
     # in this very namespace, the next writer takes it over at once.

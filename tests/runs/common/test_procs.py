@@ -37,6 +37,7 @@ def _gloo_rank(rank: int, port: int) -> None:
     leave_gloo()
 
 
+@pytest.mark.slow
 def test_workers_report_exit_codes_join_one_gloo_world_and_kill_what_outlives_the_run() -> None:
     port = free_port()
     with Workers() as w:

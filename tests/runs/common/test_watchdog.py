@@ -17,6 +17,7 @@ import pytest
 
 from replay.errors import HangError
 from replay.watchdog import Watchdog, beat, hang_bound, waiting_in
+import hangs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -29,9 +30,9 @@ STALL_S = hang_bound(2.0, floor_s=30.0)
 def _stuck_run(tmp_path: Path, fault: str) -> subprocess.CompletedProcess[str]:
     # a hang detector for the harness itself: the watchdog plus its stacks wait (< 15 s)
     # plus the start-up, many times over
-    return subprocess.run([sys.executable, str(HERE / "stuck_run.py"), str(tmp_path / "watch"), fault, str(STALL_S)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=hang_bound(30.0) + 4 * STALL_S,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return hangs.run([sys.executable, str(HERE / "stuck_run.py"), str(tmp_path / "watch"), fault, str(STALL_S)],
+                     capture_output=True, text=True, cwd=ROOT, bound_s=hang_bound(30.0) + 4 * STALL_S,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.slow

@@ -42,6 +42,7 @@ def test_error_shrinks_with_the_bits(bits: int) -> None:
     assert err <= bound, err
 
 
+@pytest.mark.slow
 def test_an_int4_run_under_chaos_sends_a_third_of_the_bytes_and_replays_bit_for_bit(tmp_path) -> None:
     from replay import check_tape, replay
 

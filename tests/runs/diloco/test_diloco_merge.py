@@ -81,6 +81,7 @@ def test_config_refuses_an_unknown_model_update() -> None:
     assert (cfg.model_update, cfg.update_alpha) == ("rda", 0.25)
 
 
+@pytest.mark.slow
 def test_rda_model_update_replays_bit_for_bit_and_snapshots_carry_the_bases(tmp_path) -> None:
     """RDA in the merge and in the model update, under chaos (it replaces the merge-only
     run's test, whose assertions it keeps): the tape pins every model

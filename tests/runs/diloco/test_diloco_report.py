@@ -32,6 +32,7 @@ def test_diloco_goodput_counts_steps_up_to_the_last_merged_contribution() -> Non
     assert (useful, cap) == (11, 16)
 
 
+@pytest.mark.slow
 def test_baseline_without_faults_counts_every_step(tmp_path: Path) -> None:
     cfg = tiny(steps=16)
     b = run_baseline(cfg, NO_FAULTS, tmp_path / "ck")
@@ -40,6 +41,7 @@ def test_baseline_without_faults_counts_every_step(tmp_path: Path) -> None:
     assert [Path(p).name for p in b.checkpoints] == ["step-00000012", "step-00000016"]  # keep_last=2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_baseline_under_chaos_stops_everyone_and_restarts_from_a_checkpoint(tmp_path: Path) -> None:
     cfg = tiny()

@@ -59,6 +59,7 @@ def _assert_continues_identically(orig, rr) -> None:
     assert run.syncer.plans == orig.syncer.plans[rr.syncer_step:]
 
 
+@pytest.mark.slow
 def test_snapshots_committed_kept_by_retention_and_on_the_tape(snap_run) -> None:
     res, d = snap_run
     outcomes = res.extra["snapshots"]
@@ -90,6 +91,7 @@ def test_snapshots_committed_kept_by_retention_and_on_the_tape(snap_run) -> None
     assert check_tape(res.tape) == []  # every cut consistent, every crossing message recorded
 
 
+@pytest.mark.slow
 def test_failed_learners_are_excluded_by_policy_and_taped(snap_run) -> None:
     res, _ = snap_run
     outcomes = res.extra["snapshots"]
@@ -104,6 +106,7 @@ def test_failed_learners_are_excluded_by_policy_and_taped(snap_run) -> None:
             assert a not in o["parts"]
 
 
+@pytest.mark.slow
 def test_force_replay_with_snapshots_is_identical(snap_run) -> None:
     res, _ = snap_run
     r = replay(res.tape, mode="force")
@@ -111,6 +114,7 @@ def test_force_replay_with_snapshots_is_identical(snap_run) -> None:
     assert r.events_compared == sum(1 for e in TapeReader(res.tape).events() if e.kind.name != "actor")
 
 
+@pytest.mark.slow
 def test_restore_mid_run_snapshot_continues_bit_identically(snap_run) -> None:
     res, d = snap_run
     kept = [k for k in list_snapshots(d / "checkpoints") if k["meta"]["exact"]]  # kept by retention
@@ -122,6 +126,7 @@ def test_restore_mid_run_snapshot_continues_bit_identically(snap_run) -> None:
     _assert_continues_identically(res, rr)
 
 
+@pytest.mark.slow
 def test_restore_earliest_snapshot_replays_the_faults_after_it(tmp_path: Path) -> None:
     # Every snapshot kept: the earliest one with all learners in it (usually syncer step
     # 1, before the kill) is continued; deaths, recoveries and rejoins after the cut are
@@ -159,6 +164,7 @@ def test_restore_refuses_a_non_snapshot(tmp_path: Path) -> None:
         restore_run(tmp_path / "nope.tape", p)
 
 
+@pytest.mark.slow
 def test_snapshot_parts_show_each_field_where_it_belongs(snap_run) -> None:
     """Parameters are the weights, optimizer state the optimizer, the loader state the
     data offsets, the run's config with its hash; and reading a part back gives exactly
@@ -219,6 +225,7 @@ class _SyncerCrash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) -> None:
     """The one fault that costs a pause: the syncer dies mid-run. The run goes on from
     a snapshot (dead learners left out of it are replaced), taking fresh decisions, on a new tape
@@ -271,6 +278,7 @@ def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) ->
         _same(theirs[a], mine[a])
 
 
+@pytest.mark.slow
 def test_a_partial_snapshot_continues_live_and_the_left_out_learners_rejoin(tmp_path: Path) -> None:
     """After a syncer fault the run continues from a snapshot that left a learner out while
     it was still recovering: the syncer and the included learners start from their parts,

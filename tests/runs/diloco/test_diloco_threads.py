@@ -70,6 +70,7 @@ def test_schedule_covers_four_fault_classes_and_is_seeded() -> None:
     assert "learner-0" not in s.mortal()
 
 
+@pytest.mark.slow
 def test_chaos_is_absorbed_without_downtime(chaos_run) -> None:
     res, cfg = chaos_run, tiny()
     sy = res.syncer
@@ -94,6 +95,7 @@ def test_chaos_is_absorbed_without_downtime(chaos_run) -> None:
     assert len(_events(res.tape, "fault_recovered")) == len(reborn)
 
 
+@pytest.mark.slow
 def test_tape_check_clean_and_duplicate_merge_caught(chaos_run, tmp_path: Path) -> None:
     assert check_tape(chaos_run.tape) == []
     bad = tmp_path / "bad.tape"
@@ -106,6 +108,7 @@ def test_tape_check_clean_and_duplicate_merge_caught(chaos_run, tmp_path: Path) 
     assert CliRunner().invoke(cli, ["tape", "check", chaos_run.tape]).exit_code == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.004])
 def test_force_replay_is_bit_identical(chaos_run, delay: float, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DELAY_ENV, str(delay))
@@ -123,12 +126,14 @@ def test_force_replay_is_bit_identical(chaos_run, delay: float, monkeypatch: pyt
     assert again.syncer.plans == chaos_run.syncer.plans
 
 
+@pytest.mark.slow
 def test_force_replay_cli(chaos_run) -> None:
     r = CliRunner().invoke(cli, ["replay", chaos_run.tape, "--mode", "force", "--trust"])
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith("IDENTICAL:"), r.output  # stderr names the entry point it trusted
 
 
+@pytest.mark.slow
 def test_slow_replacements_still_finish_every_step(tmp_path: Path) -> None:
     # Replacement learners made much slower than everyone else: under a wall-clock rule
     # the syncer would end the run while they are still catching up. The last round is

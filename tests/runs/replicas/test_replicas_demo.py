@@ -19,7 +19,8 @@ import replay  # noqa: E402
 from replay import TapeReader  # noqa: E402
 
 # the first test to ask for the shared run pays for it (1-2 min on 2 busy cores)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+# one worker runs every reader of the shared run (pytest-xdist), so it is paid for once
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.xdist_group("replicas-quick")]
 
 SCENARIOS = ("nofault", "replace", "shrink", "sdc", "spike", "spike-ref")
 

@@ -38,6 +38,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> RunOutcome:
     return record(CFG, tmp_path_factory.mktemp("stages") / "run")
 
 
+@pytest.mark.slow
 def test_the_tape_checks_clean_and_holds_the_schedule(run: RunOutcome) -> None:
     assert check_tape(run.tape) == []
     sched = run.ctl.schedule
@@ -62,6 +63,7 @@ def test_the_tape_checks_clean_and_holds_the_schedule(run: RunOutcome) -> None:
     assert sum(run.ctl.busy.values()) == CFG.replicas * CFG.stages * CFG.steps - 6
 
 
+@pytest.mark.slow
 def test_snapshot_restores_and_continues_bit_identically(run: RunOutcome) -> None:
     snap = Path(run.run_dir) / "snapshots" / "step-00005"
     rr = restore_run(run.tape, snap)
@@ -77,6 +79,7 @@ def test_snapshot_restores_and_continues_bit_identically(run: RunOutcome) -> Non
             assert a.dtype == b.dtype and torch.equal(a, b), (w, n)
 
 
+@pytest.mark.slow
 def test_error_feedback_residuals_cross_the_snapshot_exactly(run: RunOutcome) -> None:
     import ckpt
 
@@ -131,6 +134,7 @@ def _rewrite(src: str, dst: Path, insert_after: Any, new_kind: str, fields: tupl
     return inserted
 
 
+@pytest.mark.slow
 def test_a_send_from_an_offline_stage_is_caught(run: RunOutcome, tmp_path: Path) -> None:
     evs = list(TapeReader(run.tape).events())
     (down,) = [e for e in evs if e.actor == "r0s2" and e.kind.name == "stage_down"]
