@@ -5,11 +5,16 @@ BIN := $(VENV)/bin
 # torch is pinned here (the CPU wheel on this kind of machine); the package's own range stays open.
 TORCH_PIN ?= torch==2.13.0
 
+# torchtitan's checkpoint component alone (16 MB): the extra [torchtitan] brings its datasets,
+# wandb and tensorboard too (about 580 MB), none of which the component imports. Installed last,
+# so that no later pip run reports the dependencies left out.
 $(BIN)/.installed: pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[test,demo,hf,lightning,accelerate,torchdata,torchft,s3,docs]'
+	$(BIN)/pip install -q tyro==1.0.17 spmd_types==0.2.3
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0
 	touch $@
 
 .PHONY: venv demo test check lint docs busy-test busy-demos bench fuzz clean

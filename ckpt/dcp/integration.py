@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from ..writer import CheckpointInfo, abort, part_name_for_rank
 from .integration_probe import holds_dtensor
 from ..format.sharded import decode_layout
 
-__all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "unwrap_checkpoint_error"]
+__all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "dcp_load", "restore_rank_rng", "raise_failed_save", "unwrap_checkpoint_error"]
 
 
 def _rank() -> int:
@@ -139,22 +139,28 @@ def save_sharded(
     try:
         dcp.save(sd, storage_writer=writer, planner=SavePlanner())
     except BaseException as e:
-        # The coordinator opened the temporary directory; nothing was renamed into
-        # place, so remove it (the other ranks have stopped writing: DCP gathered them).
-        if writer.pending is not None and (writer.pending.tag or storage.isdir(writer.pending.tmp_dir)):
-            abort(writer.pending, storage=storage)
-        err = unwrap_checkpoint_error(e)
-        if err is not e:
-            raise err from None
-        if isinstance(e, Exception) and not isinstance(e, CkptError):
-            # e.g. gloo's "Connection closed by peer" when a rank died mid-save
-            from ..distributed import DistributedSaveError
-
-            raise DistributedSaveError(f"sharded save failed, nothing committed: {type(e).__name__}: {e}", path=writer.path) from e
-        raise
+        raise_failed_save(writer, e)
     reader = CheckpointReader(writer.path, storage=storage)
     m = reader.manifest
     return CheckpointInfo(reader.path, m.id, m.step, m.total_bytes, m)
+
+
+def raise_failed_save(writer: Any, e: BaseException) -> NoReturn:
+    """Raise what a failed DCP save through ``writer`` (a ``ckpt.dcp.StorageWriter``) means,
+    after removing the temporary directory its coordinator opened: nothing was renamed into
+    place, and the other ranks have stopped writing (DCP gathered them)."""
+    pending = writer.pending
+    if pending is not None and (pending.tag or writer.storage.isdir(pending.tmp_dir)):
+        abort(pending, storage=writer.storage)
+    err = unwrap_checkpoint_error(e)
+    if err is not e:
+        raise err from None
+    if isinstance(e, Exception) and not isinstance(e, CkptError):
+        # e.g. gloo's "Connection closed by peer" when a rank died mid-save
+        from ..distributed import DistributedSaveError
+
+        raise DistributedSaveError(f"sharded save failed, nothing committed: {type(e).__name__}: {e}", path=writer.path) from e
+    raise e
 
 
 def new_rank_seed(checkpoint_id: str, rank: int) -> int:
@@ -193,13 +199,9 @@ def load_sharded(
     exactness: str = "warn",
 ) -> Any:
     """Collective when a process group is up; works on one process without one (M = 1)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     from .._load import load_into
-    from ..context.rng import restore_rng as _restore_rng
-    from .planner import LoadPlanner
-    from .storage import StorageReader
 
     layout = decode_layout(reader.manifest, path=reader.path)
     rank = _rank()
@@ -210,15 +212,7 @@ def load_sharded(
     result = load_into(reader, {}, part=part, data=data, restore_rng_state=False, verify=verify, exactness=exactness)
     state = state or {}
     sd, modules = _dcp_state(state)
-    sreader = StorageReader(reader.path, verify=verify, storage=reader.storage)
-    sreader._reader = reader
-    try:
-        dcp.load(sd, storage_reader=sreader, planner=LoadPlanner())
-    except BaseException as e:
-        err = unwrap_checkpoint_error(e)
-        if err is e:
-            raise
-        raise err from None
+    dcp_load(reader, sd, verify=verify)
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, sd[name])
@@ -229,11 +223,35 @@ def load_sharded(
         elif isinstance(obj, dict) and isinstance(sd[name], dict) and sd[name] is not obj:
             obj.clear()
             obj.update(sd[name])
-    restored: list[str] = []
-    if restore_rng:
-        ctx_rng = result.context.get("rng")
-        if own and ctx_rng is not None:
-            restored = _restore_rng(ctx_rng, generators, path=reader.path)
-        elif not own:
-            restored = _seed_new_rank(new_rank_seed(reader.manifest.id, rank), generators)
+    restored = restore_rank_rng(reader, result.context.get("rng"), generators) if restore_rng else []
     return replace(result, restored_rng=tuple(restored))
+
+
+def dcp_load(reader: CheckpointReader, state_dict: dict[str, Any], *, verify: bool = True) -> None:
+    """``dcp.load`` of an opened checkpoint into ``state_dict`` (collective), through our
+    reader and the pickle-free planner; our own error when a rank failed with one."""
+    import torch.distributed.checkpoint as dcp
+
+    from .planner import LoadPlanner
+    from .storage import StorageReader
+
+    sreader = StorageReader(reader.path, verify=verify, storage=reader.storage)
+    sreader._reader = reader
+    try:
+        dcp.load(state_dict, storage_reader=sreader, planner=LoadPlanner())
+    except BaseException as e:
+        err = unwrap_checkpoint_error(e)
+        if err is e:
+            raise
+        raise err from None
+
+
+def restore_rank_rng(reader: CheckpointReader, saved: Mapping[str, Any] | None, generators: Mapping[str, Any] | None = None) -> list[str]:
+    """§S.4: this rank's saved streams (``saved``: its part's context ``rng``) when the saving
+    job had this rank; a rank it did not have seeds its streams by the new-rank rule."""
+    from ..context.rng import restore_rng as _restore_rng
+
+    rank = _rank()
+    if rank >= decode_layout(reader.manifest, path=reader.path).world_size:
+        return _seed_new_rank(new_rank_seed(reader.manifest.id, rank), generators)
+    return _restore_rng(saved, generators, path=reader.path) if saved is not None else []

@@ -12,6 +12,7 @@ requested box, only the file chunks of the saved chunks it overlaps, each verifi
 from __future__ import annotations
 
 import os
+import threading
 
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..context import prime as prime_context
+from ..context.rng import capture_rng
 from ..errors import CkptError, FormatError, StateMismatchError
 from ..format import dtypes
 from ..format.manifest import PartEntry
@@ -103,7 +105,10 @@ class StorageWriter(_DcpWriter):
     """A DCP storage writer that writes one ckpt checkpoint at ``path``.
 
     The keyword options are the context fields of ``ckpt.save`` (each rank passes its own
-    ``data``, ``generators``, ``extra``; ``rng`` as there).
+    ``data``, ``generators``, ``extra``; ``rng`` as there). With ``rng=True`` the streams
+    are captured when the save is requested (the writer is made, or DCP resets it for the
+    next checkpoint on the requesting thread), not when the part is written: ``async_save``
+    writes on a thread of its own while training draws on.
     """
 
     def __init__(
@@ -126,6 +131,9 @@ class StorageWriter(_DcpWriter):
         self._explicit_storage = storage
         self._storage, self.path = resolve(path, storage)
         self._opts = dict(step=step, config=config, data=data, generators=generators, rng=rng, extra=extra, lineage=lineage, code_dir=code_dir)
+        self._rng_wanted = rng is True
+        self._requester = threading.get_ident()
+        self._snapshot_rng()
         self._meta = dict(meta or {})
         self._overwrite = overwrite
         # DCP's async_save writes on a thread of its own: git runs here, on the caller's
@@ -140,9 +148,21 @@ class StorageWriter(_DcpWriter):
     def checkpoint_id(self) -> str:
         return self.path
 
+    @property
+    def storage(self) -> Storage:
+        """The storage backend the checkpoint is written to (resolved from the path)."""
+        return self._storage
+
+    def _snapshot_rng(self) -> None:
+        if self._rng_wanted:
+            self._opts["rng"] = capture_rng(self._opts["generators"])
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self._storage, self.path = resolve(checkpoint_id, self._explicit_storage)
+        if threading.get_ident() == self._requester:
+            # a writer reused for the next save; DCP's async thread resets it too, too late
+            self._snapshot_rng()
         self.pending = None
         self.manifest = None
 
