@@ -112,6 +112,14 @@ def run_lightning(a: argparse.Namespace, killer: T.Killer) -> None:
             fully_shard(self.net.block, mesh=mesh)
             fully_shard(self.net, mesh=mesh)
 
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            probe = os.environ.get("CKPT_PROBE")
+            if probe and batch_idx % T.ACCUM == 0:
+                st = {"model": _local(self.net.state_dict()), "optim": _local(self.trainer.optimizers[0].state_dict()),
+                      "batch": batch}
+                ckpt.save(os.path.join(probe, f"rank-{rank()}-step-{self.trainer.global_step}"), st,
+                          step=self.trainer.global_step, this_rank_only=True, overwrite=True)
+
         def train_dataloader(self) -> Any:
             # built here, under the process group: a ResumableLoader takes its rank from it
             return T.make_loader(a)
@@ -139,7 +147,11 @@ def run_lightning(a: argparse.Namespace, killer: T.Killer) -> None:
     module = Module()
     io = IO()
     every = CkptModelCheckpoint(dirpath=a.run_dir, every_n_train_steps=T.SAVE_EVERY, save_top_k=-1)
-    strategy = CkptModelParallelStrategy() if a.strategy == "fsdp2" else "ddp"
+    # FSDP2 over every process: Lightning's "auto" sizes are one data-parallel group per
+    # node and tensor parallelism within it, which a module sharded only over the
+    # data-parallel mesh would turn into independent replicas
+    strategy = (CkptModelParallelStrategy(data_parallel_size=a.procs, tensor_parallel_size=1)
+                if a.strategy == "fsdp2" else "ddp")
     trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=a.procs, strategy=strategy,
                          precision="bf16-mixed", accumulate_grad_batches=T.ACCUM, gradient_clip_val=1.0, plugins=[io],
                          callbacks=[io.rng_callback, every], logger=False, enable_progress_bar=False,
