@@ -9,7 +9,7 @@ random augmentation in the workers, warmup + decay, accumulation 2, clipping, dr
 bf16 autocast on CPU. Prints, per mode, trials run and identical, and each difference.
 
 ``--multiproc``: the same on 2 gloo processes (``tests/integrations/trainer_multiproc.py``:
-Lightning ``strategy="ddp"`` with its own launcher, Accelerate under ``torchrun``); the kill
+Lightning ``strategy="ddp"`` and FSDP2 (``lightning-fsdp2``) with its own launcher, Accelerate under ``torchrun``); the kill
 takes down the whole job, and every rank's final state is compared.
 
     python bench/trainer_trials.py --trials 10 [--modes hf/resumable,lightning/stateful] [--seed 0]
@@ -32,7 +32,8 @@ import time  # noqa: E402
 import trainer_trial as T  # noqa: E402
 
 MODES = ("hf/resumable", "lightning/resumable", "lightning/stateful", "accelerate/resumable", "accelerate/stateful")
-MULTIPROC_MODES = ("lightning/stateful", "lightning/resumable", "accelerate/stateful", "accelerate/resumable")
+MULTIPROC_MODES = ("lightning/stateful", "lightning/resumable", "lightning-fsdp2/stateful", "lightning-fsdp2/resumable",
+                   "accelerate/stateful", "accelerate/resumable")
 
 
 def main() -> None:

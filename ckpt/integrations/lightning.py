@@ -67,10 +67,14 @@ rank 0 only, so ``io.rng_callback`` gathers every rank's RNG streams and data-lo
 into it (``on_save_checkpoint``, pickle-free byte collectives) and each rank restores its
 own; each rank keeps its ledger in ``<dirpath>/ledger/rank-NNNNN``. A checkpoint saved by
 another number of processes is refused with ``ResumeMismatchError`` (never called exact).
-FSDP2: ``CkptModelParallelStrategy()`` (a ``ModelParallelStrategy`` that saves full state
-dicts through this plugin and loads them back onto the shards) trains, saves and resumes on
-CPU/gloo, but its resume is **not exact yet** (measured: the first resumed batch differs;
-the ledger reports it). Not supported yet: ``ckpt_path="hpc"``, ``storage_options``, async
+FSDP2: ``CkptModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` (a
+``ModelParallelStrategy`` that saves full state dicts through this plugin and loads them
+back onto the shards; N processes) resumes exactly in the 2-process trials, with either
+loader. Lightning's default sizes (``"auto"``: one data-parallel group per node, tensor
+parallelism within it) with a module sharded over the data-parallel mesh only make each
+rank of a node train its own replica from its own batches; the full state dict would hold
+rank 0's, so the first save refuses it (``StateMismatchError`` naming the parameter).
+Not supported yet: ``ckpt_path="hpc"``, ``storage_options``, async
 checkpointing, DeepSpeed and Lightning's own ``FSDPStrategy``.
 """
 
@@ -86,7 +90,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from ..errors import CkptError, ResumeMismatchError, UnsupportedValueError
+from ..errors import CkptError, ResumeMismatchError, StateMismatchError, UnsupportedValueError
 from ..format.tree import TensorRef
 from ..manager import ResumeFallbackWarning, warn_config_changed
 from ..reader import CheckpointReader
@@ -465,8 +469,13 @@ class CkptModelParallelStrategy(ModelParallelStrategy):
     every rank's RNG and loader states included (``io.rng_callback``), and loads a ckpt
     checkpoint through the plugin on every rank, then scatters the weights and the
     optimizer state onto this job's shards as Lightning does for a full checkpoint.
-    Trains, saves and resumes on CPU/gloo; the resume is not exact yet (measured in 2
-    trials; the step ledger reports it)."""
+
+    For FSDP2 over every process give the sizes: ``data_parallel_size=<processes>,
+    tensor_parallel_size=1`` (exact in 2-process random-kill trials on CPU/gloo). Lightning's
+    ``"auto"`` sizes are one data-parallel group per node and tensor parallelism within it:
+    parameters sharded over the data-parallel mesh only are then replicated across a node's
+    ranks with nothing keeping the copies equal, and a save that finds them different is
+    refused (``StateMismatchError``) rather than writing rank 0's copy as everyone's."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.pop("save_distributed_checkpoint", False):
@@ -479,6 +488,8 @@ class CkptModelParallelStrategy(ModelParallelStrategy):
         # checkpoint is (Lightning saves a step again after a resume): the plugin, on
         # rank 0, replaces it atomically
         path = self.broadcast(filepath)
+        assert self.model is not None
+        _refuse_independent_replicas(self.model, self.world_size, os.fspath(path))
         super(ModelParallelStrategy, self).save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Any = None) -> dict[str, Any]:
@@ -500,3 +511,51 @@ class CkptModelParallelStrategy(ModelParallelStrategy):
             state = _rekey_optimizer_state_if_needed(checkpoint["optimizer_states"][i], self.model)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=options)
         return checkpoint
+
+
+def _mesh_coordinate(p: Any) -> tuple[int, list[int]]:
+    """The size of the mesh a parameter is spread over (1 for a plain tensor) and this
+    rank's coordinate on it."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or not callable(getattr(p, "to_local", None)):
+        return 1, []
+    return int(mesh.size()), list(mesh.get_coordinate() or [])
+
+
+def _refuse_independent_replicas(model: torch.nn.Module, world_size: int, path: str) -> None:
+    """Refuse a full-state-dict save that would hold one rank's copy of state that other
+    ranks hold differently.
+
+    A parameter spread over a mesh smaller than the world (a plain tensor, or a DTensor
+    on the data-parallel mesh while the tensor-parallel dimension holds more than one
+    rank, as Lightning's ``"auto"`` sizes give on one node) is replicated on the ranks
+    outside its mesh, and nothing keeps those copies equal but identical inputs. The full
+    state dict is gathered on rank 0's copy, so a rank whose copy differs would resume
+    from another rank's weights: not exact, and silently so. A collective (every rank
+    saves); only run when such a parameter exists, so FSDP2 over the whole world and
+    2-D meshes pay nothing."""
+    if world_size <= 1:
+        return
+    narrow = [(name, p) for name, p in model.named_parameters() if _mesh_coordinate(p)[0] < world_size]
+    if not narrow:
+        return
+    from ..context.digest import tensor_digest
+
+    mine = {name: [_mesh_coordinate(p)[1], tensor_digest(p)] for name, p in narrow}
+    everyone = gather_to_all(mine)
+    for name in mine:
+        first: dict[tuple[int, ...], int] = {}
+        for rank, record in enumerate(everyone):
+            coordinate, digest = tuple(record[name][0]), record[name][1]
+            seen = first.setdefault(coordinate, rank)
+            if everyone[seen][name][1] != digest:
+                size = _mesh_coordinate(dict(narrow)[name])[0]
+                raise StateMismatchError(
+                    f"cannot save {path}: rank {rank} holds another {name!r} than rank {seen}, although the parameter "
+                    f"is spread over {size} of the {world_size} processes, so each holds a full copy of its shard: "
+                    "the ranks train independent replicas and the checkpoint would hold only one of them. For FSDP2 "
+                    f"over every process use CkptModelParallelStrategy(data_parallel_size={world_size}, "
+                    "tensor_parallel_size=1) (Lightning's 'auto' sizes make one data-parallel group per node); with "
+                    "tensor parallelism, give every rank of a tensor-parallel group the same batches",
+                    path=path, key=name, ranks=[seen, rank], mesh_size=size, world_size=world_size,
+                )

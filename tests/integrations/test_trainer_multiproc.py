@@ -1,5 +1,6 @@
 """Random-kill trials on 2 gloo processes (issue 25, item 4), as users launch each trainer:
-Lightning ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` (its own launcher) and
+Lightning ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` (its own launcher), the same
+with FSDP2 (``CkptModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``), and
 ``CkptAccelerator(cpu=True)`` under ``torchrun --standalone --nproc-per-node 2``; the run
 of ``trainer_trial.py`` (``num_workers=2`` with random augmentation, warmup + decay,
 accumulation 2, clipping, dropout, bf16 autocast). Each trial SIGKILLs the whole job (both
@@ -27,7 +28,8 @@ import trainer_trial as T  # noqa: E402
 from ckpt.ledger import read_ledger_dir  # noqa: E402
 
 STEPS = 10
-MODES = [("lightning", "stateful"), ("lightning", "resumable"), ("accelerate", "stateful"), ("accelerate", "resumable")]
+MODES = [("lightning", "stateful"), ("lightning", "resumable"), ("lightning-fsdp2", "stateful"),
+         ("lightning-fsdp2", "resumable"), ("accelerate", "stateful"), ("accelerate", "resumable")]
 CASES = [(t, lo, *T.draw(random.Random(f"multiproc/{t}/{lo}"), STEPS)) for t, lo in MODES]
 
 
@@ -73,7 +75,7 @@ def test_two_process_random_kill_resumes_bit_identically(straight: dict[str, Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a hang bound for up to three 2-process jobs (tests/hangs.py), never a speed verdict
-@pytest.mark.parametrize("trainer", ["lightning", "accelerate"])
+@pytest.mark.parametrize("trainer", ["lightning", "lightning-fsdp2", "accelerate"])
 def test_a_world_size_change_is_refused_not_called_exact(tmp_path: Path, trainer: str) -> None:
     """A 2-process run resumed by 1 process stops with ``ResumeMismatchError`` naming both
     world sizes before a step is taken; the run's checkpoints are untouched."""
@@ -84,3 +86,20 @@ def test_a_world_size_change_is_refused_not_called_exact(tmp_path: Path, trainer
         M.launch(M.command(trainer, "resumable", run, out, STEPS, procs=1), expect_kill=False)
     assert "ResumeMismatchError" in str(e.value) and "saved by 2 process(es), this run has 1" in str(e.value)
     assert sorted(os.listdir(run)) == before and not os.path.exists(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a hang bound for one 2-process job (tests/hangs.py), never a speed verdict
+def test_fsdp2_ranks_training_independent_replicas_are_refused_at_the_first_save(tmp_path: Path) -> None:
+    """``CkptModelParallelStrategy()`` with Lightning's default sizes on one node: a data-parallel
+    mesh of 1 and 2-way tensor parallelism that this module does not use, each rank reading its
+    own batches. Both ranks then train their own copy of the whole model, and the full state
+    dict would hold rank 0's only (rank 1 would resume from rank 0's weights: the 0/2 of the
+    first FSDP2 trials). The first save refuses it, naming the parameter and the fix."""
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    with pytest.raises(RuntimeError) as e:
+        M.launch(M.command("lightning-fsdp2-auto", "resumable", run, out, STEPS), expect_kill=False)
+    message = str(e.value)
+    assert "StateMismatchError" in message and "independent replicas" in message, message[-3000:]
+    assert "data_parallel_size=2, tensor_parallel_size=1" in message
+    assert not any(n.startswith("step-") for n in os.listdir(run)) and not os.path.exists(out)

@@ -104,21 +104,13 @@ def run_lightning(a: argparse.Namespace, killer: T.Killer) -> None:
             self.net = T.TinyGPT()
 
         def configure_model(self) -> None:
-            if a.strategy != "fsdp2":
+            if not a.strategy.startswith("fsdp2"):
                 return
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
             fully_shard(self.net.block, mesh=mesh)
             fully_shard(self.net, mesh=mesh)
-
-        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            probe = os.environ.get("CKPT_PROBE")
-            if probe and batch_idx % T.ACCUM == 0:
-                st = {"model": _local(self.net.state_dict()), "optim": _local(self.trainer.optimizers[0].state_dict()),
-                      "batch": batch}
-                ckpt.save(os.path.join(probe, f"rank-{rank()}-step-{self.trainer.global_step}"), st,
-                          step=self.trainer.global_step, this_rank_only=True, overwrite=True)
 
         def train_dataloader(self) -> Any:
             # built here, under the process group: a ResumableLoader takes its rank from it
@@ -147,11 +139,15 @@ def run_lightning(a: argparse.Namespace, killer: T.Killer) -> None:
     module = Module()
     io = IO()
     every = CkptModelCheckpoint(dirpath=a.run_dir, every_n_train_steps=T.SAVE_EVERY, save_top_k=-1)
-    # FSDP2 over every process: Lightning's "auto" sizes are one data-parallel group per
-    # node and tensor parallelism within it, which a module sharded only over the
-    # data-parallel mesh would turn into independent replicas
-    strategy = (CkptModelParallelStrategy(data_parallel_size=a.procs, tensor_parallel_size=1)
-                if a.strategy == "fsdp2" else "ddp")
+    # FSDP2 over every process. "fsdp2-auto": Lightning's default sizes, one data-parallel
+    # group per node and tensor parallelism within it, which this module (sharded over the
+    # data-parallel mesh only, each rank reading its own batches) turns into independent
+    # replicas: refused at the first save
+    strategy: Any = "ddp"
+    if a.strategy == "fsdp2":
+        strategy = CkptModelParallelStrategy(data_parallel_size=a.procs, tensor_parallel_size=1)
+    elif a.strategy == "fsdp2-auto":
+        strategy = CkptModelParallelStrategy()
     trainer = pl.Trainer(max_steps=a.steps, accelerator="cpu", devices=a.procs, strategy=strategy,
                          precision="bf16-mixed", accumulate_grad_batches=T.ACCUM, gradient_clip_val=1.0, plugins=[io],
                          callbacks=[io.rng_callback, every], logger=False, enable_progress_bar=False,
@@ -172,7 +168,8 @@ def command(trainer: str, loader: str, run_dir: str, out: str, steps: int, kill:
             procs: int = PROCS) -> list[str]:
     """The job's command line: the launcher as the trainer's users start it, wrapped so
     that its pid is known to the kill (``sh`` execs into it). ``trainer``: ``lightning``,
-    ``lightning-fsdp2`` (``CkptModelParallelStrategy``) or ``accelerate``."""
+    ``lightning-fsdp2`` (``CkptModelParallelStrategy`` sharding over every process),
+    ``lightning-fsdp2-auto`` (its default sizes) or ``accelerate``."""
     trainer, _, strategy = trainer.partition("-")
     me = [os.path.abspath(__file__), "--trainer", trainer, "--loader", loader, "--run-dir", run_dir, "--out", out,
           "--steps", str(steps), "--procs", str(procs), "--strategy", strategy or "ddp"]
@@ -213,7 +210,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--procs", type=int, default=PROCS)
-    p.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp", help="Lightning: ddp or FSDP2 (ModelParallel)")
+    p.add_argument("--strategy", choices=("ddp", "fsdp2", "fsdp2-auto"), default="ddp",
+                   help="Lightning: ddp or FSDP2 (ModelParallel over every process, or with Lightning's auto sizes)")
     p.add_argument("--kill", type=int, default=0)
     p.add_argument("--where", choices=("step", "save", "micro"), default="step")
     a = p.parse_args()
