@@ -15,7 +15,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from ckpt.errors import ResumeMismatchError  # noqa: E402
+from ckpt.errors import ResumeMismatchError, StateMismatchError  # noqa: E402
 from ckpt.integrations.lightning import CkptCheckpointIO, CkptModelCheckpoint  # noqa: E402
 from ckpt.manager import ConfigChangedWarning, ResumeFallbackWarning  # noqa: E402
 
@@ -128,3 +128,26 @@ def test_a_plain_model_checkpoint_with_save_last_resumes_from_its_last(tmp_path:
         fit(6)
         assert (tmp_path / "last.ckpt" / "MANIFEST").is_file()
         assert fit(8).seen == [6, 7]
+
+
+def test_ranks_holding_different_copies_of_a_replicated_parameter_are_refused_at_save(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CkptModelParallelStrategy`` saves rank 0's full state dict: a parameter replicated
+    outside its mesh (here plain tensors in a world of 2) must be the same on every rank,
+    else the other rank would resume from rank 0's copy. The ranks' records travel through
+    ``gather_to_all``; here the other rank's is the record of a module with other weights.
+    The 2-process run is ``test_trainer_multiproc.py``."""
+    import ckpt.integrations.lightning as L
+
+    torch.manual_seed(0)
+    mine, theirs = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    sent: list[Any] = []
+    monkeypatch.setattr(L, "gather_to_all", lambda record: (sent.append(record), [record, record])[1])
+    L._refuse_independent_replicas(theirs, 2, "runs/x/step-4")  # equal copies: saved
+    monkeypatch.setattr(L, "gather_to_all", lambda record: [record, sent[0]])
+    with pytest.raises(StateMismatchError, match="rank 1 holds another 'weight' than rank 0") as e:
+        L._refuse_independent_replicas(mine, 2, "runs/x/step-4")
+    assert e.value.path == "runs/x/step-4" and e.value.context["ranks"] == [0, 1]
+    assert "data_parallel_size=2, tensor_parallel_size=1" in str(e.value)
+    monkeypatch.setattr(L, "gather_to_all", lambda record: pytest.fail("one process gathers nothing"))
+    L._refuse_independent_replicas(mine, 1, "runs/x/step-4")
