@@ -74,7 +74,9 @@ loader. Lightning's default sizes (``"auto"``: one data-parallel group per node,
 parallelism within it) with a module sharded over the data-parallel mesh only make each
 rank of a node train its own replica from its own batches; the full state dict would hold
 rank 0's, so the first save refuses it (``StateMismatchError`` naming the parameter).
-Not supported yet: ``ckpt_path="hpc"``, ``storage_options``, async
+Not exact yet with more than one process (``ddp`` and FSDP2): a ``StatefulDataLoader``
+checkpoint taken after an epoch's last batch (the next epoch's batches differ; the ledger
+reports it). Not supported yet: ``ckpt_path="hpc"``, ``storage_options``, async
 checkpointing, DeepSpeed and Lightning's own ``FSDPStrategy``.
 """
 

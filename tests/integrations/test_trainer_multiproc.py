@@ -31,6 +31,15 @@ STEPS = 10
 MODES = [("lightning", "stateful"), ("lightning", "resumable"), ("lightning-fsdp2", "stateful"),
          ("lightning-fsdp2", "resumable"), ("accelerate", "stateful"), ("accelerate", "resumable")]
 CASES = [(t, lo, *T.draw(random.Random(f"multiproc/{t}/{lo}"), STEPS)) for t, lo in MODES]
+# Lightning + StatefulDataLoader under a DistributedSampler, checkpoint after an epoch's last
+# batch (48 samples, 2 ranks, batch 4, accumulation 2: step 8 ends epoch 2): the first batch of
+# the next epoch differs on both ranks, under ddp and FSDP2 alike (measured; the ledger reports
+# it). Not yet found: setting the sampler's next epoch before Lightning builds that epoch's
+# iterator does not change it. The 1-process epoch-end case (no DistributedSampler) is exact.
+EPOCH_END = [pytest.param(t, "stateful", 9, "step", id=f"{t}-stateful-epoch-end-step9",
+                          marks=pytest.mark.xfail(strict=True, reason="multi-process StatefulDataLoader resume after an "
+                                                  "epoch's last batch: the next epoch's batches differ"))
+             for t in ("lightning", "lightning-fsdp2")]
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +58,8 @@ def _straight(cache: dict[str, Path], tmp: pytest.TempPathFactory, trainer: str,
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a hang bound for up to three 2-process jobs (tests/hangs.py), never a speed verdict
-@pytest.mark.parametrize(("trainer", "loader", "kill", "where"), CASES,
-                         ids=[f"{t}-{lo}-{w}{k}" for t, lo, k, w in CASES])
+@pytest.mark.parametrize(("trainer", "loader", "kill", "where"),
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[3]}{c[2]}") for c in CASES] + EPOCH_END)
 def test_two_process_random_kill_resumes_bit_identically(straight: dict[str, Path],
                                                          tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
                                                          trainer: str, loader: str, kill: int, where: str) -> None:
