@@ -325,3 +325,22 @@ if __name__ == "__main__":
         write()
     else:
         print(render())
+
+
+def _change_table(text: str, heading: str, end: str) -> list[tuple[str, str]]:
+    block = text[text.index(heading):]
+    block = block[:block.index(end)] if end in block else block
+    rows = [r.strip() for r in block.splitlines() if r.strip().startswith("|")]
+    return [tuple(c.strip() for c in r.strip("|").split("|")) for r in rows[2:]]  # type: ignore[misc]
+
+
+def test_the_readmes_where_a_change_belongs_table_is_the_specs() -> None:
+    """The README's short map of where a change belongs is the one in spec/architecture.md,
+    row for row: a change to either that is not made to both fails here."""
+    with open(os.path.join(ROOT, "spec", "architecture.md"), encoding="utf-8") as f:
+        spec = f.read()
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    ours = _change_table(spec, "## Where a change belongs", "Rules the layout enforces:")
+    theirs = _change_table(readme, "Where a change belongs", "Dependencies point down only")
+    assert len(ours) > 10 and theirs == ours
