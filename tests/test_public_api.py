@@ -207,39 +207,10 @@ def test_runs_use_only_the_libraries_public_names():
 
 
 def test_no_import_cycles():
-    graph = _graph()
-    # Tarjan's strongly connected components: every component of two or more modules is a cycle
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    cycles: list[set[str]] = []
+    from test_layering import cycles  # Tarjan's strongly connected components, one copy
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = set()
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.add(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                cycles.append(comp)
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    assert [sorted(c) for c in cycles if c not in KNOWN_CYCLES] == []
+    found = cycles(_graph())
+    assert [sorted(c) for c in found if c not in KNOWN_CYCLES] == []
 
 
 # -- the storage seam: the commit protocol is the backend's, never probed ---------------------------
