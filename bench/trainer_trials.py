@@ -9,8 +9,9 @@ random augmentation in the workers, warmup + decay, accumulation 2, clipping, dr
 bf16 autocast on CPU. Prints, per mode, trials run and identical, and each difference.
 
 ``--multiproc``: the same on 2 gloo processes (``tests/integrations/trainer_multiproc.py``:
-Lightning ``strategy="ddp"`` and FSDP2 (``lightning-fsdp2``) with its own launcher, Accelerate under ``torchrun``); the kill
-takes down the whole job, and every rank's final state is compared.
+Lightning ``strategy="ddp"`` and FSDP2 (``lightning-fsdp2``) with its own launcher, Accelerate
+under ``torchrun``); the kill takes down the whole job, and every rank's final state is
+compared.
 
     python bench/trainer_trials.py --trials 10 [--modes hf/resumable,lightning/stateful] [--seed 0]
     python bench/trainer_trials.py --multiproc --trials 5 [--modes lightning/stateful,accelerate/resumable]

@@ -37,8 +37,9 @@ CASES = [(t, lo, *T.draw(random.Random(f"multiproc/{t}/{lo}"), STEPS)) for t, lo
 # it). Not yet found: setting the sampler's next epoch before Lightning builds that epoch's
 # iterator does not change it. The 1-process epoch-end case (no DistributedSampler) is exact.
 EPOCH_END = [pytest.param(t, "stateful", 9, "step", id=f"{t}-stateful-epoch-end-step9",
-                          marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="multi-process StatefulDataLoader resume after an "
-                                                  "epoch's last batch: the next epoch's batches differ"))
+                          marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                  reason="multi-process StatefulDataLoader resume after an epoch's "
+                                                  "last batch: the next epoch's batches differ"))
              for t in ("lightning", "lightning-fsdp2")]
 
 
