@@ -47,15 +47,23 @@ def kill_job() -> None:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(ppid, []).append(int(d))
-    todo, groups = [int(os.environ[ROOT_ENV])], set()
+    todo, groups = [int(os.environ[ROOT_ENV])], []
     while todo:
         p = todo.pop()
         try:
-            groups.add(os.getpgid(p))
+            g = os.getpgid(p)
         except ProcessLookupError:
             continue
+        if g not in groups:
+            groups.append(g)
         todo += children.get(p, [])
-    for g in groups - {os.getpgrp()}:
+    # The launcher's group goes first. Both ranks reach the kill point at about the same
+    # time and each kills the other: were a rank to die before the launcher, torchrun would
+    # see a child die and exit 1 instead of dying by SIGKILL with the job. With the
+    # launcher first, the first kill any rank sends is the launcher's.
+    for g in groups:
+        if g == os.getpgrp():
+            continue
         try:
             os.killpg(g, signal.SIGKILL)
         except ProcessLookupError:
