@@ -258,12 +258,22 @@ def _memmove_all(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> 
         ctypes.memmove(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size())
 
 
-def _pagecache_memcpy(path: str, dst: dict[str, torch.Tensor]) -> None:
+def _pagecache_memcpy(path: str, dst: dict[str, torch.Tensor], hash_chunk: int = 0) -> None:
     """The bytes of a checkpoint's tensor file copied out of the page cache into the
-    targets with nothing else: map the file, memmove each tensor (the floor for a load)."""
+    targets with nothing else: map the file, memmove each tensor (the floor for a load).
+
+    ``hash_chunk``: first xxh3 every chunk of that size, on this one thread: the least a
+    verified all-or-nothing load does (no target may be written before the last chunk
+    matched, so every byte is read twice from memory, against once for the memcpy)."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: from_buffer needs writable
     try:
+        if hash_chunk:
+            import xxhash
+
+            with memoryview(mm) as mv:
+                for lo in range(0, len(mm), hash_chunk):
+                    xxhash.xxh3_128_digest(mv[lo : lo + hash_chunk])
         probe = ctypes.c_char.from_buffer(mm)
         addr = ctypes.addressof(probe)
         del probe
@@ -273,32 +283,6 @@ def _pagecache_memcpy(path: str, dst: dict[str, torch.Tensor]) -> None:
             ctypes.memmove(v.data_ptr(), addr + pos, n)
             pos += n
     finally:
-        mm.close()
-
-
-def _pagecache_hash_then_memcpy(path: str, dst: dict[str, torch.Tensor], chunk: int) -> None:
-    """The least a verified all-or-nothing load does, on one thread and with nothing
-    else: xxh3 of every ``chunk`` of the mapped file, then the memmoves of
-    :func:`_pagecache_memcpy` (every byte read twice from memory, since no target may be
-    written before the last chunk matched)."""
-    import xxhash
-
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    mv = memoryview(mm)
-    try:
-        for lo in range(0, len(mm), chunk):
-            xxhash.xxh3_128_digest(mv[lo : lo + chunk])
-        probe = ctypes.c_char.from_buffer(mm)
-        addr = ctypes.addressof(probe)
-        del probe
-        pos = 8 + int.from_bytes(mm[:8], "little")
-        for v in dst.values():
-            n = v.numel() * v.element_size()
-            ctypes.memmove(v.data_ptr(), addr + pos, n)
-            pos += n
-    finally:
-        mv.release()
         mm.close()
 
 
@@ -350,7 +334,7 @@ def bench_restore(tensors: dict[str, torch.Tensor], base: str, rounds: int) -> N
     contenders: dict[str, Callable[[], Any]] = {
         "memcpy (1 thread)": lambda: _memmove_all(tensors, dst),
         "page-cache memcpy": lambda: _pagecache_memcpy(tfile, dst),
-        "floor: xxh3+memcpy, 1 thr": lambda: _pagecache_hash_then_memcpy(tfile, dst, chunk),
+        "floor: xxh3+memcpy, 1 thr": lambda: _pagecache_memcpy(tfile, dst, chunk),
         "load, verified": lambda: load(True),
         "load, verified, 2-pass": lambda: load(True, mapped=False),
         "load, not verified": lambda: load(False),

@@ -76,20 +76,28 @@ def _helper_inside_first_call(monkeypatch: pytest.MonkeyPatch, inside: threading
     monkeypatch.setattr(_helpers, "run", run)
 
 
-def test_the_caller_waits_for_the_call_the_helper_is_running(monkeypatch: pytest.MonkeyPatch) -> None:
+def _held_call(monkeypatch: pytest.MonkeyPatch, done: list[str]) -> tuple[Callable[[], None], threading.Event]:
+    """Call 0, which the helper starts at once (before the caller takes any) and finishes
+    only once the returned event is set; it then records "helper's call" in ``done``."""
     inside, release = threading.Event(), threading.Event()
-    done: list[str] = []
 
     def helpers_call() -> None:
         inside.set()
         assert release.wait(BOUND_S)
         done.append("helper's call")
 
+    _helper_inside_first_call(monkeypatch, inside)
+    return helpers_call, release
+
+
+def test_the_caller_waits_for_the_call_the_helper_is_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    done: list[str] = []
+    helpers_call, release = _held_call(monkeypatch, done)
+
     def callers_call() -> None:
         done.append("caller's call")
         release.set()  # the helper's call finishes only now: share must wait for it
 
-    _helper_inside_first_call(monkeypatch, inside)
     _helpers.share([helpers_call, callers_call])
     assert done == ["caller's call", "helper's call"]
 
@@ -114,19 +122,13 @@ def test_without_a_helper_the_calls_after_a_failure_never_start(monkeypatch: pyt
 def test_an_interrupt_in_the_caller_still_waits_for_the_helpers_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """A KeyboardInterrupt in the caller's call must not return while the helper still runs
     a call: it may be copying out of a mapping the caller then unmaps."""
-    inside, release = threading.Event(), threading.Event()
     done: list[str] = []
-
-    def helpers_call() -> None:
-        inside.set()
-        assert release.wait(BOUND_S)
-        done.append("helper's call")
+    helpers_call, release = _held_call(monkeypatch, done)
 
     def interrupted() -> None:
         release.set()
         raise KeyboardInterrupt
 
-    _helper_inside_first_call(monkeypatch, inside)
     with pytest.raises(KeyboardInterrupt):
         _helpers.share([helpers_call, interrupted])
     assert done == ["helper's call"]
