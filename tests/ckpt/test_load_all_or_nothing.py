@@ -97,7 +97,9 @@ def test_a_bit_flip_in_any_chunk_of_any_tensor_file_leaves_every_target_as_it_wa
     bit-identical to before. (Before: the model held the corrupt bytes of every tensor read
     before the bad chunk; one weight came back as -1.8e36.) ``two-threads``: small files take
     the path of large ones, hashed and copied by two threads taking one-chunk pieces in turn;
-    the chunk named is still the flipped one."""
+    the chunk named is still the flipped one, and the error is that mismatch (a traceback
+    that kept a slice of the mapping once made unmapping it raise ``BufferError`` instead,
+    for files of 32 MiB and more corrupt in their first half)."""
     shares: list[int] = []
     if shared:
         from ckpt import _ranges
