@@ -156,9 +156,9 @@ def verify_view(
     From ``parallel_min`` bytes on (default :data:`PIPELINE_MIN_BYTES`), on this thread and
     a helper at once (xxh3 releases the GIL, and a mapping's first touch of each page is
     paid on both cores), each taking the next piece of about :data:`SHARED_PIECE` bytes as
-    it finishes one (``_helpers.share``): a busy machine that gives this process one core
-    then costs one pass on that core, no more. The error raised is the one the checks
-    made in order raise first."""
+    it finishes one (``_helpers.share``): a helper the scheduler keeps waiting holds the
+    check up for the piece it runs at most. The error raised is the one the checks made in
+    order raise first."""
     cs = f.chunk_size
     nchunks = (f.size + cs - 1) // cs
     per = max(1, SHARED_PIECE // cs)  # whole chunks: a chunk's digest is one sequential hash
