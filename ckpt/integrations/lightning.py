@@ -152,14 +152,21 @@ class _RestoreRNG(Callback):
                 return
             from lightning.fabric.utilities.data import _set_sampler_epoch
 
+            epoch = fit_loop.epoch_progress.current
             _sampler_order.pin(loaders, orders)
             try:
                 for dl in loaders:
-                    if isinstance(getattr(dl, "next_iter_state", None), dict) and callable(getattr(dl, "state_dict", None)):
+                    state = getattr(dl, "next_iter_state", None)
+                    if isinstance(state, dict) and callable(getattr(dl, "state_dict", None)):
                         # the iterator is built before Lightning sets the samplers' epoch (a
                         # DistributedSampler's order depends on it): set it first, as Lightning will
-                        _set_sampler_epoch(dl, fit_loop.epoch_progress.current.processed)
+                        _set_sampler_epoch(dl, epoch.processed)
                         dl.state_dict()
+                        if state.get("_iterator_finished") is True and epoch.processed < epoch.started:
+                            # saved after the epoch's last batch, before Lightning counted the
+                            # epoch: it builds the next epoch's iterator right after this and
+                            # only then counts the epoch and sets the samplers' epoch
+                            _set_sampler_epoch(dl, epoch.processed + 1)
             finally:
                 # the next epoch's draws continue from where the saved order left them
                 _sampler_order.unpin(loaders)
