@@ -225,6 +225,14 @@ class _RestoreRNG(Callback):
         # the loops are restored by now: the last step a record exists for (or 0)
         self._recorded = int(trainer.global_step)
         self._batches, self._losses = [], []
+        # A ModelCheckpoint forgets, in a fresh process, the step it saved last: with gradient
+        # accumulation, the first resumed micro-batch ends with global_step still at the step
+        # resumed from, and every_n_train_steps saved that step again, over the checkpoint
+        # resumed from, mid-accumulation (that micro-batch's gradient not in it): a second
+        # kill before the next save then resumed inexactly (measured, 1 and 2 processes).
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            if isinstance(callback, ModelCheckpoint) and hasattr(callback, "_last_global_step_saved"):
+                callback._last_global_step_saved = max(int(callback._last_global_step_saved), self._recorded)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._restore()
