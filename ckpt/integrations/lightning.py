@@ -74,10 +74,15 @@ loader. Lightning's default sizes (``"auto"``: one data-parallel group per node,
 parallelism within it) with a module sharded over the data-parallel mesh only make each
 rank of a node train its own replica from its own batches; the full state dict would hold
 rank 0's, so the first save refuses it (``StateMismatchError`` naming the parameter).
-Not exact yet with more than one process (``ddp`` and FSDP2): a ``StatefulDataLoader``
-checkpoint taken after an epoch's last batch (the next epoch's batches differ; the ledger
-reports it). Not supported yet: ``ckpt_path="hpc"``, ``storage_options``, async
-checkpointing, DeepSpeed and Lightning's own ``FSDPStrategy``.
+A ``StatefulDataLoader`` under more than one process: Lightning shards its sampler through
+a ``DistributedSamplerWrapper`` that draws a new order at every ``iter()``; the callback
+saves per rank the RNG streams the current order was drawn from and draws it again from
+them while the restored iterator is built (``_sampler_order``), and after an epoch-end
+checkpoint sets the next epoch on the sampler before Lightning builds that epoch's
+iterator: exact mid-epoch and after an epoch's last batch. A resumed ``ModelCheckpoint``
+does not save the step it resumed from again (it did, mid-accumulation, over the
+checkpoint resumed from). Not supported yet: ``ckpt_path="hpc"``, ``storage_options``,
+async checkpointing, DeepSpeed and Lightning's own ``FSDPStrategy``.
 """
 
 from __future__ import annotations
