@@ -43,6 +43,17 @@ EPOCH_STEPS = 14
 EPOCHS = [pytest.param(t, "stateful", k, w, s, id=f"{t}-stateful-{w}{k}-{label}")
           for t in ("lightning", "lightning-fsdp2")
           for k, w, s, label in ((9, "step", STEPS, "third-epoch"), (12, "save", EPOCH_STEPS, "epoch-end"))]
+# Accelerate + a prepared StatefulDataLoader under 2 processes (measured): Accelerate shards the
+# batch sampler (BatchSamplerShard), so the loader state no longer holds torchdata's
+# RandomSampler generator; each iterator draws one permutation from it, and the resumed process
+# has drawn fewer, so the resumed epoch reads another permutation (the workers', the main
+# process's RNG and the base seed match). Only a resume into the second epoch (the suite's
+# random draw: end of step 8, from step 4) happens to draw as often.
+EPOCHS.append(pytest.param("accelerate", "stateful", 9, "step", STEPS, id="accelerate-stateful-step9-third-epoch",
+                           marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+                               "Accelerate shards the batch sampler: the StatefulDataLoader state loses torchdata's "
+                               "RandomSampler generator, and a resume outside the second epoch reads another "
+                               "permutation"))))
 
 
 @pytest.fixture(scope="module")
