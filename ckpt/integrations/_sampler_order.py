@@ -1,4 +1,4 @@
-"""The order Lightning's ``DistributedSamplerWrapper`` shards, saved and drawn again on resume.
+"""The order a sharded sampler draws, saved and drawn again on resume (Lightning, Accelerate).
 
 Under more than one process Lightning replaces a loader's sampler by a distributed one.
 It recognises only torch's own ``RandomSampler`` and ``SequentialSampler`` (those become a
@@ -22,6 +22,15 @@ resume, every draw made while the restored iterator is built starts from those s
 so it reproduces the saved order and leaves the sampler's generator where the saved run
 had it (the next epoch's draws continue it). A sampler whose order depends on anything
 else (state of its own, another library's RNG) is not covered.
+
+Accelerate shards a prepared loader's batch sampler (``BatchSamplerShard``) instead, with the
+same effect: the ``StatefulDataLoader`` state no longer holds torchdata's ``RandomSampler``
+generator, each iterator draws one permutation from it, and a resumed process has drawn
+fewer (measured: only a resume into the second epoch read the saved order).
+:class:`IteratorDraws`, installed as the loader's ``_get_iterator``, keeps the generator's
+state before each iterator is built; the integration saves it with the loader's state, and
+the first iterator built after the load starts from it. Only the sampler's generator is
+set: the global streams are the caller's (Accelerate users restore them themselves).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch
 
 from ..context.rng import capture_rng, restore_rng
 
-__all__ = ["OrderDraws", "install", "saved_orders", "pin", "unpin"]
+__all__ = ["OrderDraws", "install", "saved_orders", "pin", "unpin", "IteratorDraws", "record_iterators"]
 
 
 def _wrapper(loader: Any) -> Any:
@@ -113,3 +122,56 @@ def unpin(loaders: Iterable[Any]) -> None:
         draws = _draws(loader)
         if draws is not None:
             draws.pinned = None
+
+
+def _order_generator(loader: Any) -> torch.Generator | None:
+    """The ``generator`` of the first sampler under a loader that has one (through
+    ``sampler`` and ``batch_sampler``, however deep the wrappers nest them)."""
+    todo, seen = [loader], set()
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator):
+            return g
+        todo += [getattr(obj, "batch_sampler", None), getattr(obj, "sampler", None)]
+    return None
+
+
+class IteratorDraws:
+    """A ``StatefulDataLoader``'s ``_get_iterator``: keeps the order generator's state
+    before each iterator is built (``before``); with ``pinned`` set, the next iterator
+    starts from that state instead (once: later epochs continue from it)."""
+
+    def __init__(self, loader: Any, generator: torch.Generator) -> None:
+        self._build = loader._get_iterator  # torchdata's own, bound to the instance
+        self._generator = generator
+        self.before: torch.Tensor | None = None
+        self.pinned: torch.Tensor | None = None
+
+    def __call__(self) -> Any:
+        if self.pinned is not None:
+            self._generator.set_state(self.pinned)
+            self.pinned = None
+        self.before = self._generator.get_state()
+        return self._build()
+
+
+def record_iterators(loader: Any) -> IteratorDraws | None:
+    """Install (once) and return the :class:`IteratorDraws` of the ``StatefulDataLoader``
+    under ``loader`` (prepared or not); None when there is none or its sampler has no
+    generator."""
+    base = getattr(loader, "base_dataloader", loader)
+    draws = getattr(base, "__dict__", {}).get("_get_iterator")
+    if isinstance(draws, IteratorDraws):
+        return draws
+    if not (callable(getattr(base, "_get_iterator", None)) and callable(getattr(base, "state_dict", None))):
+        return None
+    generator = _order_generator(base)
+    if generator is None:
+        return None
+    draws = IteratorDraws(base, generator)
+    base._get_iterator = draws
+    return draws

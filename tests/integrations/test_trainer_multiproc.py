@@ -31,29 +31,20 @@ STEPS = 10
 MODES = [("lightning", "stateful"), ("lightning", "resumable"), ("lightning-fsdp2", "stateful"),
          ("lightning-fsdp2", "resumable"), ("accelerate", "stateful"), ("accelerate", "resumable")]
 CASES = [(t, lo, *T.draw(random.Random(f"multiproc/{t}/{lo}"), STEPS)) for t, lo in MODES]
-# Lightning + StatefulDataLoader under 2 processes: Lightning shards torchdata's RandomSampler
+# StatefulDataLoader (shuffled) under 2 processes: Lightning shards torchdata's RandomSampler
 # through a DistributedSamplerWrapper, which draws a new permutation from the sampler's own
-# generator at every iter(); a restored loader iterates more often than the saved run did,
-# so only a resume into the second epoch read the saved order until ckpt replayed the draw
+# generator at every iter(); Accelerate shards the batch sampler (BatchSamplerShard), and each
+# iterator draws one permutation. Either way the loader state no longer holds that generator
+# and a resumed process has drawn another number of permutations, so only a resume into the
+# second epoch (the random draws above) read the saved order until ckpt replayed the draw
 # (ckpt/integrations/_sampler_order.py). 48 samples, 2 ranks, batch 4, accumulation 2: 3
 # steps an epoch. Killed at step 9: resumed from step 8, in the third epoch. Saved at step
-# 12, after the fourth epoch's last batch: the next epoch's iterator is built before
-# Lightning sets the samplers' epoch.
+# 12, after the fourth epoch's last batch (under Lightning the next epoch's iterator is built
+# before it sets the samplers' epoch).
 EPOCH_STEPS = 14
 EPOCHS = [pytest.param(t, "stateful", k, w, s, id=f"{t}-stateful-{w}{k}-{label}")
-          for t in ("lightning", "lightning-fsdp2")
+          for t in ("lightning", "lightning-fsdp2", "accelerate")
           for k, w, s, label in ((9, "step", STEPS, "third-epoch"), (12, "save", EPOCH_STEPS, "epoch-end"))]
-# Accelerate + a prepared StatefulDataLoader under 2 processes (measured): Accelerate shards the
-# batch sampler (BatchSamplerShard), so the loader state no longer holds torchdata's
-# RandomSampler generator; each iterator draws one permutation from it, and the resumed process
-# has drawn fewer, so the resumed epoch reads another permutation (the workers', the main
-# process's RNG and the base seed match). Only a resume into the second epoch (the suite's
-# random draw: end of step 8, from step 4) happens to draw as often.
-EPOCHS.append(pytest.param("accelerate", "stateful", 9, "step", STEPS, id="accelerate-stateful-step9-third-epoch",
-                           marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-                               "Accelerate shards the batch sampler: the StatefulDataLoader state loses torchdata's "
-                               "RandomSampler generator, and a resume outside the second epoch reads another "
-                               "permutation"))))
 
 
 @pytest.fixture(scope="module")
