@@ -5,6 +5,9 @@
   between (three pytest-xdist workers start worlds side by side, and gloo's own
   connections bind ephemeral ports); a file store has no port to lose, and gloo binds the
   ports of its connections itself;
+- :func:`agent_store` and :func:`launch_env`: for ranks that join with ``env://`` (a trainer
+  library does), the test's process serves the store itself on a port the OS assigned as
+  it listens, as torchrun's agent does, and every rank connects to it;
 - :func:`pg_timeout`: the group's timeout, a hang bound (``hangs.hang_s``): a peer slowed
   down by a loaded machine is never a failure, a rank stuck in a collective still ends;
 - :func:`arm` (in each rank) and :func:`join` (in the test): every rank is waited on by
@@ -25,7 +28,7 @@ import pytest
 
 from hangs import hang_s
 
-__all__ = ["file_init", "pg_timeout", "arm", "join"]
+__all__ = ["file_init", "agent_store", "launch_env", "pg_timeout", "arm", "join"]
 
 
 def file_init(directory: str | os.PathLike[str], name: str = "rendezvous") -> str:
@@ -35,6 +38,24 @@ def file_init(directory: str | os.PathLike[str], name: str = "rendezvous") -> st
     if path.exists():
         raise FileExistsError(f"{path}: a rendezvous file of an earlier world (one name per world)")
     return f"file://{path}"
+
+
+def agent_store() -> Any:
+    """A c10d ``TCPStore`` served by this process on port 0 (``.port``: the one the OS gave
+    it, held while the store lives): one world's rendezvous, as torchrun's agent serves it.
+    Keep it until the world's processes have exited; a new world needs a new store."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=hang_s(20)))
+
+
+def launch_env(store: Any, rank: int, world: int) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of ``world``, joining ``store``
+    (:func:`agent_store`): with ``TORCHELASTIC_USE_AGENT_STORE`` every rank's ``env://``
+    rendezvous connects to the store as a client, none starts one of its own."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def pg_timeout(quiet_s: float) -> datetime.timedelta:

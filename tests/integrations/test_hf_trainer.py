@@ -8,7 +8,6 @@ cosine schedule with warmup, gradient accumulation 2, epochs of an odd micro-bat
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import hangs
+import worlds
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -30,25 +30,18 @@ SCRIPT = Path(__file__).with_name("hf_gpt2_run.py")
 STEPS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(run_dir: Path, out: Path, *, world: int, kill_at: int = 0, settled: bool = False) -> list[int]:
     """Start ``world`` fresh processes (as torchrun would) and return their exit codes."""
-    port = _free_port()
+    store = worlds.agent_store() if world > 1 else None  # held until every rank has exited
     procs = []
     for rank in range(world):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        if world > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if store is not None:
+            env.update(worlds.launch_env(store, rank, world))
         cmd = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), "--out", str(out), "--steps", str(STEPS)]
         if kill_at:
             cmd += ["--kill-at", str(kill_at), *(["--kill-settled"] if settled else [])]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(hangs.popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     codes, outputs = [], []
     for p in procs:
         o, _ = hangs.communicate(p, bound_s=hangs.hang_s(24))
