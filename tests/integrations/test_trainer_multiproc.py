@@ -37,14 +37,17 @@ CASES = [(t, lo, *T.draw(random.Random(f"multiproc/{t}/{lo}"), STEPS)) for t, lo
 # it). Not yet found: setting the sampler's next epoch before Lightning builds that epoch's
 # iterator does not change it. The 1-process epoch-end case (no DistributedSampler) is exact.
 EPOCH_END = [pytest.param(t, "stateful", 9, "step", id=f"{t}-stateful-epoch-end-step9",
-                          marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                                  reason="multi-process StatefulDataLoader resume after an epoch's "
-                                                  "last batch: the next epoch's batches differ"))
+                          marks=[pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                   reason="multi-process StatefulDataLoader resume after an epoch's "
+                                                   "last batch: the next epoch's batches differ"),
+                                 pytest.mark.xdist_group(f"multiproc-{t}-stateful")])
              for t in ("lightning", "lightning-fsdp2")]
 
 
 @pytest.fixture(scope="module")
 def straight() -> dict[str, Path]:
+    """The straight 2-process runs, by trainer and loader: one per worker process, so the tests
+    that read one are in its pytest-xdist group (``multiproc-TRAINER-LOADER``)."""
     return {}
 
 
@@ -60,7 +63,9 @@ def _straight(cache: dict[str, Path], tmp: pytest.TempPathFactory, trainer: str,
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a hang bound for up to three 2-process jobs (tests/hangs.py), never a speed verdict
 @pytest.mark.parametrize(("trainer", "loader", "kill", "where"),
-                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[3]}{c[2]}") for c in CASES] + EPOCH_END)
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[3]}{c[2]}",
+                                       marks=pytest.mark.xdist_group(f"multiproc-{c[0]}-{c[1]}")) for c in CASES]
+                         + EPOCH_END)
 def test_two_process_random_kill_resumes_bit_identically(straight: dict[str, Path],
                                                          tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
                                                          trainer: str, loader: str, kill: int, where: str) -> None:
@@ -85,12 +90,15 @@ def test_two_process_random_kill_resumes_bit_identically(straight: dict[str, Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a hang bound for up to three 2-process jobs (tests/hangs.py), never a speed verdict
-@pytest.mark.parametrize("trainer", ["lightning", "lightning-fsdp2", "accelerate"])
-def test_a_world_size_change_is_refused_not_called_exact(tmp_path: Path, trainer: str) -> None:
+@pytest.mark.parametrize("trainer", [pytest.param(t, marks=pytest.mark.xdist_group(f"multiproc-{t}-resumable"))
+                                     for t in ("lightning", "lightning-fsdp2", "accelerate")])
+def test_a_world_size_change_is_refused_not_called_exact(straight: dict[str, Path],
+                                                         tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                                         trainer: str) -> None:
     """A 2-process run resumed by 1 process stops with ``ResumeMismatchError`` naming both
-    world sizes before a step is taken; the run's checkpoints are untouched."""
-    run, out = str(tmp_path / "run"), str(tmp_path / "out")
-    M.launch(M.command(trainer, "resumable", run, out, STEPS, 5, "step"), expect_kill=True)
+    world sizes before a step is taken; the run's checkpoints are untouched. The run is the
+    straight 2-process run of the trials (its checkpoints are what a resume loads)."""
+    run, out = str(_straight(straight, tmp_path_factory, trainer, "resumable").parent / "run"), str(tmp_path / "out")
     before = sorted(os.listdir(run))
     with pytest.raises(RuntimeError) as e:
         M.launch(M.command(trainer, "resumable", run, out, STEPS, procs=1), expect_kill=False)
