@@ -75,7 +75,8 @@ def _case(case: object) -> Any:
     trainer and loader share that run (the ``straight`` cache is per worker process)."""
     values, marks = (case.values, list(case.marks)) if hasattr(case, "values") else (case, [])
     t, lo, kill, where = values  # type: ignore[misc]
-    return pytest.param(*values, id=f"{t}-{lo}-{where}{kill}", marks=[*marks, pytest.mark.xdist_group(f"straight-{t}-{lo}")])
+    group = pytest.mark.xdist_group(f"straight-{t}-{lo}")
+    return pytest.param(*values, id=f"{t}-{lo}-{where}{kill}", marks=[*marks, group])
 
 
 @pytest.mark.slow
