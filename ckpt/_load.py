@@ -559,10 +559,9 @@ def _map_for_one_pass(r: _Read, reader: TensorSource) -> bool:
         return False
     if threading.current_thread() is not threading.main_thread():
         return False
-    mapper = getattr(r.handle, "map_private", None)
-    if mapper is None or r.handle.size() != f.size:
+    if not r.handle.mappable or r.handle.size() != f.size:
         return False  # no mapping: the two-pass read reports a size that differs, naming the file
-    mapping = mapper(f.size, require_lease=True)
+    mapping = r.handle.map_private(f.size, require_lease=True)
     if mapping is None:
         return False
     r.mapping = mapping

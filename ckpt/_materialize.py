@@ -155,12 +155,11 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
         path = os.path.join(reader.path, f.name)
         mm = None
         try:
-            mapper = getattr(handle, "map_private", None)
-            if mapper is not None and f.size:
+            if handle.mappable and f.size:
                 size = handle.size()
                 if size != f.size:
                     raise SizeMismatchError(f"file is {size} bytes, manifest says {f.size}", path=path, offset=min(size, f.size))
-                mm = mapper(f.size, require_lease=not unsafe)
+                mm = handle.map_private(f.size, require_lease=not unsafe)
                 if mm is None and mode is True:
                     raise UnprotectedMappingError(
                         "mmap=True, but no read lease can be taken on this file (another user's file, a filesystem "

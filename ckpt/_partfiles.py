@@ -274,14 +274,12 @@ def write_packed(
     pos = 0
     try:
         starts: list[int] = []
-        # A sink that consumes each piece before returning lets the encoder recycle its
-        # block buffers (FileSink.write_copy); one that keeps them gets fresh ones.
-        put = getattr(sink, "write_copy", None)
-        reuse = put is not None
-        put = put or sink.write
+        # Each piece is consumed before write_copy returns (FileSink), so the encoder
+        # recycles its block buffers.
+        put = sink.write_copy
         # One pipeline over every tensor's blocks: small tensors overlap too.
         items = [(_values(t), t.element_size()) for _, t in layout.packed]
-        for i, pieces in bpz.encode_many(items, block=k.bpz_block, pool=bpz.shared_pool(k.bpz_threads), reuse=reuse):
+        for i, pieces in bpz.encode_many(items, block=k.bpz_block, pool=bpz.shared_pool(k.bpz_threads), reuse=True):
             if i == len(starts):
                 starts.append(pos)
             for b in pieces:

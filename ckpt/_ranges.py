@@ -163,6 +163,7 @@ class MappedFile:
     mapping open while this is used."""
 
     __slots__ = ("path", "view", "_addr", "_size")
+    mappable = False
 
     def __init__(self, path: str, mapping: Any, size: int) -> None:
         self.path = path
@@ -182,6 +183,9 @@ class MappedFile:
 
     def size(self) -> int:
         return self._size
+
+    def map_private(self, size: int, *, require_lease: bool = True) -> None:
+        return None  # it is a mapping already: never mapped twice
 
     def close(self) -> None:
         self.view.release()

@@ -414,14 +414,14 @@ def _write_part(
                 dname, shape, nbytes, _ = meta[key]
                 write(tensor_memoryview(t, nbytes))
                 placed.append((fname, TensorEntry(key, dname, shape, at, off, nbytes, digests_of.get(key))))
-            seal = getattr(tsink, "seal", None) if defer_fsync else None
-            if seal is not None:
-                tsize, tdigests = seal()
+            sealed = tsink.seal() if defer_fsync else None
+            if sealed is not None:
+                tsize, tdigests = sealed
                 unsynced.append(tsink)
         except BaseException:
             tsink.discard()
             raise
-        if seal is None:
+        if sealed is None:
             # Its last digests and its fsync run on a helper thread while this one writes
             # the next files; all are durable before this function returns (§10.7).
             closing = _helpers.run(tsink.close)
@@ -447,9 +447,9 @@ def _write_part(
         sink = storage.create(os.path.join(pending.tmp_dir, sname), k.chunk_size)
         try:
             sink.write(comp)
-            seal = getattr(sink, "seal", None) if defer_fsync else None
-            if seal is not None:
-                size, digests = seal()
+            sealed = sink.seal() if defer_fsync else None
+            if sealed is not None:
+                size, digests = sealed
                 unsynced.append(sink)
             else:
                 size, digests = sink.close()

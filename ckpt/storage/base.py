@@ -18,6 +18,8 @@ from ..errors import CheckpointVanishedError, LimitExceededError, UnsafePathErro
 from ..format.manifest import MANIFEST_NAME, Manifest, decode_manifest, manifest_file_limit
 
 if TYPE_CHECKING:  # pragma: no cover
+    import mmap
+
     from .commit import Commit
 
 __all__ = ["Storage", "FileSink", "ReadHandle", "read_manifest"]
@@ -28,19 +30,26 @@ class FileSink(Protocol):
     keeps that memory alive and unchanged until ``close`` (zero-copy uploads and
     hashing on a second thread rely on it).
 
-    A sink MAY also have ``write_copy(data)``: the same bytes in the same order as
-    ``write``, but consumed (copied out and hashed) before it returns, so the caller may
-    reuse the memory at once. Writers look it up with ``getattr`` and use fresh memory
-    where a sink has none (the local sink has it; the object-store sink queues buffers
-    for upload and has not)."""
+    Every member is required: a wrapper forwards each one, so that forgetting one fails
+    loudly instead of silently turning a fast path off."""
 
     def write(self, data: memoryview | bytes) -> None: ...
+    # The same bytes in the same order as ``write``, but consumed (copied out and hashed)
+    # before it returns, so the caller may reuse the memory at once (the compressor
+    # recycles its block buffers through it). A sink that keeps buffers (an upload
+    # queue) copies them here.
+    def write_copy(self, data: memoryview | bytes) -> None: ...
     # Hand every byte written so far to the store's own buffers (a local sink: to the
     # kernel), so that a process killed from here on leaves them in the file; not a
     # durability point (``close`` is). Every sink has it, wrappers forward it: a wrapper
     # that dropped it would leave a commit's MANIFEST empty on a kill (spec §10.3). A
     # sink that writes nothing until close (an object upload) does nothing.
     def flush(self) -> None: ...
+    # Finish the digests and hand every byte to the store without making the file durable:
+    # ``(size, chunk digests)``, what ``close`` will return; nothing may be written after
+    # it. A small save seals its files and makes them durable in one batch at commit
+    # (spec §10.7). ``None``: this sink has no separate durability step, ``close`` does all.
+    def seal(self) -> tuple[int, bytes] | None: ...
     def close(self) -> tuple[int, bytes]: ...  # (size, concatenated chunk digests)
     def discard(self) -> None: ...
 
@@ -51,9 +60,18 @@ class ReadHandle(Protocol):
     or deleted object fails the next read instead of returning other bytes)."""
 
     path: str
+    #: a local file that :meth:`map_private` can map (under a lease); False for an object,
+    #: memory or a mapping: loads read it through ``pread_into``, and ``mmap=True`` has
+    #: nothing to insist on there (nothing can change under the tensors)
+    mappable: bool
 
     def pread_into(self, offset: int, buf: memoryview) -> int: ...  # fills buf; short only at end of file
     def size(self) -> int: ...
+    # A private (copy-on-write) mapping of the first ``size`` bytes, for the in-place and
+    # mapped loads; with ``require_lease``, only under a read lease that keeps a
+    # truncation from reaching it (spec §11.1). ``None`` where no lease can be taken, and
+    # always where the handle is not ``mappable``: the caller reads with ``pread_into``.
+    def map_private(self, size: int, *, require_lease: bool = True) -> "mmap.mmap | None": ...
     def close(self) -> None: ...
 
 

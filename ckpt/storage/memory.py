@@ -85,6 +85,9 @@ class _Sink:
     def flush(self) -> None:
         pass  # every write is in the file already
 
+    def seal(self) -> None:
+        return None  # nothing to make durable: close finishes the file
+
     def close(self) -> tuple[int, bytes]:
         self._open = False
         return self._hasher.size, self._hasher.finish()
@@ -95,6 +98,8 @@ class _Sink:
 
 class _Handle:
     """An open file: the file itself, not its name (``ReadHandle``)."""
+
+    mappable = False
 
     def __init__(self, owner: MemoryStorage, path: str, node: _File) -> None:
         self.path = path
@@ -111,6 +116,9 @@ class _Handle:
     def size(self) -> int:
         with self._owner._lock:
             return len(self._node.data)
+
+    def map_private(self, size: int, *, require_lease: bool = True) -> None:
+        return None  # no file to map: loads read through pread_into
 
     def close(self) -> None:
         pass

@@ -227,6 +227,7 @@ class LocalFile:
     """
 
     __slots__ = ("path", "fd")
+    mappable = True
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -550,6 +550,8 @@ class S3File:
     parallel read-ahead for sequential scans: ranged GETs of ``block_size`` bytes, up to
     ``concurrency`` in flight, memory bounded by that window."""
 
+    mappable = False
+
     def __init__(self, storage: S3Storage, path: str, size: int | None, etag: str | None, *, readahead: bool = True,
                  spool: bool = False) -> None:
         self.path = path
@@ -674,6 +676,9 @@ class S3File:
             fut = self._blocks.pop(b)
             fut.cancel()
 
+    def map_private(self, size: int, *, require_lease: bool = True) -> None:
+        return None  # an object is not a file to map: loads read through pread_into
+
     def close(self) -> None:
         self._drop(0, 1 << 62)
         if self._spool_fd >= 0:
@@ -732,6 +737,13 @@ class S3Sink:
         if self._err:
             raise self._s._fail(self._err[0], self.path, "multipart upload")
         self._q.put(mv)
+
+    def write_copy(self, data: memoryview | bytes) -> None:
+        # the upload queue keeps what it is given until its part is sent: a copy of its own
+        self.write(bytes(memoryview(data).cast("B")))
+
+    def seal(self) -> None:
+        return None  # an object exists only once its upload completes: close does all
 
     def _start(self) -> None:
         import queue

@@ -22,7 +22,8 @@ class Kill:
 @dataclass(frozen=True)
 class Join:
     """Start a new replica group ``group`` of ``ranks`` ranks once the run has committed
-    ``after_step``; it joins a quorum and recovers from a live peer."""
+    ``after_step``; it is in the quorum of step ``after_step + 1`` (every rank waits for it
+    before asking) and recovers there from a live peer."""
 
     group: str
     ranks: int

@@ -251,9 +251,12 @@ class FtCoordinator(_Base):
     """torchft drives: Manager, lighthouse quorum, ProcessGroupGloo, TorchftTransport."""
 
     def __init__(self, actor: str, group_size: int, st: RankState, sink: Any, *, lighthouse: str, store: Any,
-                 store_port: int) -> None:
+                 store_port: int, before_quorum: Callable[[int], None] | None = None) -> None:
         super().__init__(actor, group_size, st, sink)
         from torchft.manager import Manager
+
+        # the orchestration's wait before each step's quorum request (a joiner due by then)
+        self._before_quorum = before_quorum
         from torchft.process_group import ProcessGroupGloo
 
         self.qsink = _Deferred(sink)
@@ -272,6 +275,19 @@ class FtCoordinator(_Base):
                                replica_id=self.group, hostname="127.0.0.1", checkpoint_transport=self.transport,
                                init_sync=False, heartbeat_interval=timedelta(milliseconds=100))
         self.manager._client = _QuorumTap(self.manager._client, self)
+        self._lighthouse, self._store = lighthouse, store
+
+    def announce(self) -> None:
+        """Tell the lighthouse this replica is alive, and wait for its answer. The manager's
+        own heartbeats run on a thread of torchft's and say nothing of when the first one
+        arrives; the lighthouse forms a quorum at once when every replica it has heard from
+        has asked, so one that no heartbeat announced yet would be left out."""
+        from torchft._torchft import LighthouseClient
+        from torchft.manager import REPLICA_ID_KEY
+
+        replica_id = self._store.get(REPLICA_ID_KEY).decode()  # the group's id, as its manager registered it
+        LighthouseClient(self._lighthouse, connect_timeout=timedelta(seconds=60)).heartbeat(
+            replica_id, timeout=timedelta(seconds=self.cfg.timeout_s))
 
     def _on_quorum(self, q: Any) -> None:
         members = [rid.split(":", 1)[0] for rid in q.replica_ids]
@@ -289,6 +305,8 @@ class FtCoordinator(_Base):
     def start_quorum(self, step: int, attempt: int) -> QuorumView | None:
         self._key = f"{step}.{attempt}"
         self.view = None
+        if self._before_quorum is not None:
+            self._before_quorum(step)
         self.manager.start_quorum()
         if self.cfg.async_quorum:
             return None  # on torchft's quorum thread while this rank computes

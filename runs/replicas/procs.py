@@ -5,6 +5,11 @@ A group is SIGKILLed at a logical point (its kill step, right after its quorum):
 of it flushes its log and says so, then the orchestrator SIGKILLs all of them at once, for
 real (exit -9) while the other groups train on. A joiner group is started once the run has
 committed its ``after_step``; it asks torchft for a quorum and recovers from a live peer.
+
+Who is in a quorum is decided by events, not by who started faster: no rank asks for its
+first quorum before the lighthouse has heard from every initial group, and none asks for
+the quorum of step ``after_step + 1`` before it has heard from the joiner (the lighthouse
+then waits for the joiner's request, as for any replica it knows to be alive).
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ __all__ = ["run_processes"]
 
 
 def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: str, store_port: int, conn: Any,
-               start: Any, ckpt_dir: str | None, log_dir: str | None) -> None:  # pragma: no cover - child process
+               start: Any, first_quorum: Any, joined: list[tuple[int, Any]], ckpt_dir: str | None,
+               log_dir: str | None) -> None:  # pragma: no cover - child process
     if log_dir:  # torchft's logging (its Rust logger writes to fd 2) goes to the rank's log file
         fd = os.open(os.path.join(log_dir, f"{actor}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -45,7 +51,23 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
     sink.flush()  # ready: imported and built; a joiner is a hot spare from here on
     start.wait()
     # the Manager (and its heartbeat to the lighthouse) starts only once the group is let in
-    coord = FtCoordinator(actor, group_size, st, sink, lighthouse=lighthouse, store=store, store_port=store_port)
+
+    def before_quorum(step: int) -> None:
+        # A joiner let in once step k is committed is in the quorum of step k + 1: no rank asks
+        # for it before the lighthouse has heard from the joiner, which then waits for its request.
+        for after_step, up in joined:
+            if after_step < step:
+                up.wait()
+
+    coord = FtCoordinator(actor, group_size, st, sink, lighthouse=lighthouse, store=store, store_port=store_port,
+                          before_quorum=before_quorum)
+    # The lighthouse forms a quorum at once when every replica it hears from has asked: a
+    # group whose manager is up first would train alone while the others still start theirs
+    # (a second quorum from step 0 later: two runs). So no rank asks before the lighthouse
+    # has heard from every initial group; then the first quorum waits for all of them.
+    coord.announce()
+    sink.flush(up=True)
+    first_quorum.wait()
     stamps: list[float] = []  # when each step committed, on this rank's clock (bench/replicas.py)
     res = run_rank(actor, group_size, st, coord, sink, on_commit=lambda s, loss: stamps.append(time.perf_counter()),
                    ckpt_dir=ckpt_dir)
@@ -82,6 +104,10 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
     killed: dict[str, list[int]] = {}
     initial = [f"{g}.{r}" for g, n in cfg.groups for r in range(n)]
     start_initial = ctx.Event()
+    first_quorum = ctx.Event()  # set once every initial rank's torchft manager is up
+    joiner_up = {j.group: ctx.Event() for j in cfg.joins}  # set once each of its ranks' is
+    joined = [(j.after_step, joiner_up[j.group]) for j in cfg.joins]
+    up: set[str] = set()
     sizes = dict(cfg.all_groups())
 
     def on_message(name: str, msg: dict) -> None:
@@ -89,6 +115,11 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
             ready.add(name)
             if msg.get("dying"):
                 dying.add(name)
+            if msg.get("up"):
+                up.add(name)
+                g = name.split(".")[0]
+                if g in joiner_up and all(f"{g}.{r}" in up for r in range(sizes[g])):
+                    joiner_up[g].set()
             if msg.get("final"):
                 finished.add(name)
                 results[name] = msg.get("result") or {"error": msg.get("error")}
@@ -119,7 +150,7 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
             actor = f"{group}.{r}"
             parent, child = ctx.Pipe(duplex=False)
             workers.start(actor, _rank_main, actor, n, cfg.to_dict(), lighthouse.address(), port, child, start,
-                          ckpt_dir, log_dir)
+                          first_quorum, joined, ckpt_dir, log_dir)
             child.close()
             applier.attach(actor, parent)
 
@@ -131,13 +162,16 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
             spawn(j.group, j.ranks, gates[j.group])
         everyone = initial + [f"{j.group}.{r}" for j in cfg.joins for r in range(j.ranks)]
 
-        def up_or_crashed() -> bool:
-            return set(everyone) <= ready or bool(workers.failed())
+        def wait(done: Callable[[], bool]) -> None:
+            with lock:
+                workers.watchdog.wait(done, lock) if workers.watchdog else lock.wait_for(done)
 
-        with lock:
-            # every rank is up before any asks for a quorum: the first quorum holds all initial groups
-            workers.watchdog.wait(up_or_crashed, lock) if workers.watchdog else lock.wait_for(up_or_crashed)
+        # every rank is built, then every initial rank's manager is up, before any asks for a
+        # quorum: the first quorum holds all initial groups (a crash ends either wait)
+        wait(lambda: set(everyone) <= ready or bool(workers.failed()))
         start_initial.set()
+        wait(lambda: set(initial) <= up or bool(workers.failed()))
+        first_quorum.set()  # a joiner, let in later, finds it set
         while True:
             workers.check()
             with lock:

@@ -124,6 +124,14 @@ def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None, ckpt_dir
     results: dict[str, RankResult] = {}
     errors: list[BaseException] = []
     after = {j.group: j.after_step for j in cfg.joins}
+    initial = {a for a in cfg.actors() if a.split(".")[0] not in after}
+    up: set[str] = set()  # ranks the lighthouse has heard from (see procs.run_processes)
+
+    def before_quorum(step: int) -> None:
+        # a joiner let in after step k is in the quorum of step k + 1 (see procs.run_processes)
+        due = {f"{j.group}.{r}" for j in cfg.joins if j.after_step < step for r in range(j.ranks)}
+        with cond:
+            cond.wait_for(lambda: due <= up or bool(errors))
 
     def rank_thread(actor: str) -> None:
         try:
@@ -131,13 +139,22 @@ def _ft_threads(hub: Hub, cfg: ReplicaConfig, *, on_commit: Any = None, ckpt_dir
             st = build_state(cfg)
             if g in after:
                 with cond:
-                    cond.wait_for(lambda: committed[0] >= after[g])
+                    cond.wait_for(lambda: committed[0] >= after[g] or bool(errors))
+                if errors:
+                    return
             sink = LocalSink(hub, actor)
             # a client of its own: one TCPStore object is not for two threads' rendezvous at once
             store = dist.TCPStore("127.0.0.1", masters[g].port, is_master=False, wait_for_workers=False,
                                   timeout=timedelta(seconds=120))
             coord = FtCoordinator(actor, sizes[g], st, sink, lighthouse=lh.address(), store=store,
-                                  store_port=masters[g].port)
+                                  store_port=masters[g].port, before_quorum=before_quorum)
+            coord.announce()
+            with cond:  # no quorum asked before the lighthouse knows every initial group
+                up.add(actor)
+                cond.notify_all()
+                cond.wait_for(lambda: initial <= up or bool(errors))
+            if errors:
+                return
             results[actor] = run_rank(actor, sizes[g], st, coord, sink,
                                       on_commit=(lambda s, loss: on_commit(actor, s)) if on_commit else None,
                                       ckpt_dir=ckpt_dir)

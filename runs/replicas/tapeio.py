@@ -161,7 +161,7 @@ class _Sink:
     def inject(self, fault: str, target: str, compute: Callable[[], Any]) -> Any:
         raise NotImplementedError
 
-    def flush(self, *, final: bool = False, dying: bool = False, result: Any = None) -> None:
+    def flush(self, *, final: bool = False, dying: bool = False, up: bool = False, result: Any = None) -> None:
         pass
 
 
@@ -240,11 +240,12 @@ class RemoteSink(_Sink):
         self._call("decide_event", int(kind), payload)
         return payload
 
-    def flush(self, *, final: bool = False, dying: bool = False, result: Any = None) -> None:
+    def flush(self, *, final: bool = False, dying: bool = False, up: bool = False, result: Any = None) -> None:
+        """Send the log so far; ``up``: this rank's torchft manager is running (heartbeating)."""
         with self._lock:
             log, self._log = self._log, []
             self.conn.send_bytes(msgpack.packb({"actor": self.name, "log": log, "final": final, "dying": dying,
-                                                "result": result}, use_bin_type=True))
+                                                "up": up, "result": result}, use_bin_type=True))
 
 
 class Applier:

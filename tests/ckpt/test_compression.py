@@ -278,13 +278,19 @@ def test_recycled_block_buffers_give_the_same_bytes_as_fresh_ones(threads: int) 
 
 
 class _KeepingSink:
-    """A sink without write_copy that keeps every buffer until close (as an upload does)."""
+    """A sink that keeps every buffer until close (as an upload does): write_copy copies."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.held = inner, []
 
     def write(self, data: Any) -> None:
         self.held.append(data)
+
+    def write_copy(self, data: Any) -> None:
+        self.held.append(bytes(memoryview(data).cast("B")))
+
+    def seal(self) -> None:
+        return None
 
     def flush(self) -> None:
         pass  # an upload holds its buffers until close
@@ -306,8 +312,8 @@ class _KeepingStorage(LocalStorage):
 @pytest.mark.parametrize("dtype", _FLOAT_DTYPES)
 def test_a_packed_file_is_the_same_through_a_recycling_and_a_keeping_sink(tmp_path: Path, dtype: torch.dtype) -> None:
     """Odd sizes across chunk and block boundaries (small knobs), through the local sink's
-    write_copy (recycled buffers) and through a sink that keeps every buffer until close
-    (fresh ones): identical packed files, and each loads exactly."""
+    write_copy (consumed at once) and through a sink that keeps a copy of every recycled
+    buffer until close: identical packed files, and each loads exactly."""
     g = torch.Generator().manual_seed(5)
     state = {"m": {f"t{i}": (torch.randn(n, generator=g) * 0.02).to(dtype) for i, n in enumerate((70001, 123457, 9999, 50000))}}
     with override(bpz_block=16384, chunk_size=8192, compress_min_bytes=1):

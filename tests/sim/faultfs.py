@@ -141,8 +141,15 @@ class _Sink:
         self._inner.write(data)
         self.written += len(memoryview(data).cast("B"))
 
+    def write_copy(self, data: memoryview | bytes) -> None:
+        # a copy first, so that a torn write cuts the bytes the caller handed over
+        self.write(bytes(memoryview(data).cast("B")))
+
     def flush(self) -> None:
         self._inner.flush()
+
+    def seal(self) -> tuple[int, bytes] | None:
+        return None  # the plain sink: every file durable at its own close
 
     def close(self) -> tuple[int, bytes]:
         self._owner._op("close", self._path)
