@@ -67,7 +67,7 @@ def test_threads_reraise_the_first_error_and_name_the_stuck_ones() -> None:
     t.start("ok", lambda: None)
     t.start("bad", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
-        t.join(60)
+        t.join(hang_bound(6))
     assert seen == ["bad"]
     gate = threading.Event()
     t = Threads()
@@ -75,4 +75,4 @@ def test_threads_reraise_the_first_error_and_name_the_stuck_ones() -> None:
     with pytest.raises(TimeoutError, match=r"learners did not finish: \['slow'\]"):
         t.join(0.01, what="learners")
     gate.set()
-    t.join(60)
+    t.join(hang_bound(6))
