@@ -69,21 +69,41 @@ def _assert_identical(a: Path, b: Path, kill_at: int) -> None:
     assert ca["extra"]["positioned_steps"] == 0
 
 
+@pytest.fixture(scope="module")
+def straight() -> dict[int, Path]:
+    """The straight runs' outputs, by world size: one per worker process, so the cases of one
+    world size are in one pytest-xdist group (``hf-world-N``)."""
+    return {}
+
+
+def _straight(cache: dict[int, Path], tmp: pytest.TempPathFactory, world: int) -> Path:
+    if world not in cache:
+        d = tmp.mktemp(f"hf-straight-{world}")
+        _run(d / "run", d / "out", world=world)
+        cache[world] = d / "out"
+    return cache[world]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,kill_at", [(1, 8), (2, 8), (1, 10)])
-def test_hf_trainer_kill_and_resume_in_fresh_processes_is_bit_identical(tmp_path: Path, world: int, kill_at: int) -> None:
+@pytest.mark.parametrize("world,kill_at", [pytest.param(w, k, marks=pytest.mark.xdist_group(f"hf-world-{w}"))
+                                           for w, k in ((1, 8), (2, 8), (1, 10))])
+def test_hf_trainer_kill_and_resume_in_fresh_processes_is_bit_identical(straight: dict[int, Path],
+                                                                         tmp_path_factory: pytest.TempPathFactory,
+                                                                         tmp_path: Path, world: int,
+                                                                         kill_at: int) -> None:
     """Kill at 8: the resume starts an epoch (step 6: 11 micro-batches, one epoch, on one rank).
     Kill at 10 on one rank, once the save of 9 committed: step 9 is 6 micro-batches into
-    epoch 1, the mid-epoch resume that Trainer would skip batches for."""
+    epoch 1, the mid-epoch resume that Trainer would skip batches for. The straight run of a
+    world size is shared by its cases (it is the same run)."""
     if world > 1 and not torch.distributed.is_gloo_available():
         pytest.skip("gloo is not available")
-    _run(tmp_path / "straight", tmp_path / "out-a", world=world)
+    out_a = _straight(straight, tmp_path_factory, world)
     codes = _run(tmp_path / "crashed", tmp_path / "out-b", world=world, kill_at=kill_at, settled=kill_at == 10)
     assert codes == [-9] * world  # SIGKILL: no cleanup ran
     assert not (tmp_path / "out-b").exists()
     _run(tmp_path / "crashed", tmp_path / "out-b", world=world)
     for rank in range(world):
-        _assert_identical(tmp_path / "out-a" / f"rank-{rank}", tmp_path / "out-b" / f"rank-{rank}", kill_at)
+        _assert_identical(out_a / f"rank-{rank}", tmp_path / "out-b" / f"rank-{rank}", kill_at)
     if kill_at == 10:  # the resumed epoch's 3 optimizer steps (10-12) came from the positioned loader
         extra = ckpt.open(tmp_path / "out-b" / "rank-0").context()["extra"]
         assert (extra["resumed_from"], extra["positioned_steps"]) == (9, 3)
