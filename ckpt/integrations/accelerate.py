@@ -51,7 +51,12 @@ More than one process (data parallel: ``MULTI_CPU``, ``MULTI_GPU``...; every ran
 ``save_state``/``load_state``): each rank writes its own part (its RNG streams, data-loader
 position, registered objects, ``accelerator.step``); models, optimizers and schedulers,
 identical on every rank, are written once by rank 0. Exact in 2-process random-kill trials
-under ``torchrun`` (``tests/integrations/test_trainer_multiproc.py``, the whole job SIGKILLed).
+under ``torchrun`` (``tests/integrations/test_trainer_multiproc.py``, the whole job SIGKILLed),
+a prepared ``StatefulDataLoader`` included, mid-epoch and after an epoch's last batch:
+Accelerate shards its batch sampler (``BatchSamplerShard``), so the loader's state lacks
+torchdata's ``RandomSampler`` generator; each rank's ``dataloader_N`` entry keeps the
+generator's state from before the current iterator drew its permutation
+(``_sampler_order``), and the first iterator built after the load starts from it.
 Each rank keeps its ledger in ``<run directory>/ledger/rank-NNNNN``. A checkpoint saved by
 another number of processes is refused with ``ResumeMismatchError`` (never called exact).
 
@@ -64,10 +69,12 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterator
 
+import torch
 from accelerate import Accelerator
 
 from ..errors import ResumeMismatchError, StateMismatchError, UnsupportedValueError
 from ..reader import CheckpointReader
+from . import _sampler_order
 
 __all__ = ["CkptAccelerator", "save_state", "load_state", "restore_rng", "resumed_iter"]
 
@@ -80,6 +87,34 @@ def _inner(obj: Any, attr: str) -> Any:
 # distributed types whose prepared model and optimizer are the same on every rank (DDP)
 _DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
                   "MULTI_HPU")
+
+
+# the key of the order generator's state in a prepared loader's saved state
+_ORDER = "ckpt_order_generator"
+
+
+class _LoaderWithOrder:
+    """A prepared loader's state plus the state its sampler's generator had before the
+    current iterator drew its order (``_sampler_order``: under more than one process
+    Accelerate's ``BatchSamplerShard`` hides that generator from the loader's own state).
+    Loaded, the next iterator built starts from it."""
+
+    def __init__(self, loader: Any, draws: _sampler_order.IteratorDraws) -> None:
+        self._loader = loader
+        self._draws = draws
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._loader.state_dict()
+        if self._draws.before is None or not isinstance(state, dict):
+            return state
+        return {**state, _ORDER: self._draws.before}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        saved = state.pop(_ORDER, None)  # absent from checkpoints of earlier versions
+        self._loader.load_state_dict(state)
+        if isinstance(saved, torch.Tensor):
+            self._draws.pinned = saved
 
 
 def _state(acc: Accelerator) -> dict[str, Any]:
@@ -103,7 +138,8 @@ def _state(acc: Accelerator) -> dict[str, Any]:
                 "Use Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))",
                 key=f"dataloader_{i}",
             )
-        state[f"dataloader_{i}"] = d
+        draws = _sampler_order.record_iterators(d)
+        state[f"dataloader_{i}"] = d if draws is None else _LoaderWithOrder(d, draws)
     for i, c in enumerate(acc._custom_objects):
         state[f"custom_{i}"] = c
     if acc.scaler is not None:
@@ -280,6 +316,12 @@ class CkptAccelerator(Accelerator):
         self._ckpt_pending: tuple[int, str] | None = None  # (step, source) of a deferred resume
         #: the step ledger (``ckpt.ledger.Ledger``) once a checkpoint was saved or loaded
         self.ledger: Any = None
+
+    def prepare_data_loader(self, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
+        prepared = super().prepare_data_loader(data_loader, *args, **kwargs)
+        # before its first iterator: the state its order is drawn from is kept from the start
+        _sampler_order.record_iterators(prepared)
+        return prepared
 
     def _ledger_at(self, checkpoint: str | os.PathLike[str]) -> Any:
         if self.ledger is None and self._ckpt_ledger_on:

@@ -74,10 +74,15 @@ loader. Lightning's default sizes (``"auto"``: one data-parallel group per node,
 parallelism within it) with a module sharded over the data-parallel mesh only make each
 rank of a node train its own replica from its own batches; the full state dict would hold
 rank 0's, so the first save refuses it (``StateMismatchError`` naming the parameter).
-Not exact yet with more than one process (``ddp`` and FSDP2): a ``StatefulDataLoader``
-checkpoint taken after an epoch's last batch (the next epoch's batches differ; the ledger
-reports it). Not supported yet: ``ckpt_path="hpc"``, ``storage_options``, async
-checkpointing, DeepSpeed and Lightning's own ``FSDPStrategy``.
+A ``StatefulDataLoader`` under more than one process: Lightning shards its sampler through
+a ``DistributedSamplerWrapper`` that draws a new order at every ``iter()``; the callback
+saves per rank the RNG streams the current order was drawn from and draws it again from
+them while the restored iterator is built (``_sampler_order``), and after an epoch-end
+checkpoint sets the next epoch on the sampler before Lightning builds that epoch's
+iterator: exact mid-epoch and after an epoch's last batch. A resumed ``ModelCheckpoint``
+does not save the step it resumed from again (it did, mid-accumulation, over the
+checkpoint resumed from). Not supported yet: ``ckpt_path="hpc"``, ``storage_options``,
+async checkpointing, DeepSpeed and Lightning's own ``FSDPStrategy``.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ from ..format.tree import TensorRef
 from ..manager import ResumeFallbackWarning, warn_config_changed
 from ..reader import CheckpointReader
 from ..storage import resolve
+from . import _sampler_order
 from ._ranks import gather_to_all, refuse_world_change, world
 
 __all__ = ["CkptCheckpointIO", "CkptModelCheckpoint", "CkptModelParallelStrategy"]
@@ -142,18 +148,33 @@ class _RestoreRNG(Callback):
 
         def load_then_restore() -> None:
             loaders = [] if fit_loop._combined_loader is None else list(fit_loop._combined_loader.flattened)
+            # before any iter(): the orders a DistributedSamplerWrapper draws are recorded
+            _sampler_order.install(loaders)
             loading = bool(fit_loop.restarting and fit_loop._combined_loader_states_to_load)
             load()
+            orders, self._io._pending_orders = self._io._pending_orders, None
             if not loading or self._io._pending_rng is None:
                 return
             from lightning.fabric.utilities.data import _set_sampler_epoch
 
-            for dl in loaders:
-                if isinstance(getattr(dl, "next_iter_state", None), dict) and callable(getattr(dl, "state_dict", None)):
-                    # the iterator is built before Lightning sets the samplers' epoch (a
-                    # DistributedSampler's order depends on it): set it first, as Lightning will
-                    _set_sampler_epoch(dl, fit_loop.epoch_progress.current.processed)
-                    dl.state_dict()
+            epoch = fit_loop.epoch_progress.current
+            _sampler_order.pin(loaders, orders)
+            try:
+                for dl in loaders:
+                    state = getattr(dl, "next_iter_state", None)
+                    if isinstance(state, dict) and callable(getattr(dl, "state_dict", None)):
+                        # the iterator is built before Lightning sets the samplers' epoch (a
+                        # DistributedSampler's order depends on it): set it first, as Lightning will
+                        _set_sampler_epoch(dl, epoch.processed)
+                        dl.state_dict()
+                        if state.get("_iterator_finished") is True and epoch.processed < epoch.started:
+                            # saved after the epoch's last batch, before Lightning counted the
+                            # epoch: it builds the next epoch's iterator right after this and
+                            # only then counts the epoch and sets the samplers' epoch
+                            _set_sampler_epoch(dl, epoch.processed + 1)
+            finally:
+                # the next epoch's draws continue from where the saved order left them
+                _sampler_order.unpin(loaders)
             self._restore()
 
         load_then_restore._ckpt_wrapped = True  # type: ignore[attr-defined]
@@ -199,12 +220,24 @@ class _RestoreRNG(Callback):
 
         fit = (checkpoint.get("loops") or {}).get("fit_loop")
         loaders = (fit.get("state_dict") or {}).get("combined_loader") if isinstance(fit, dict) else None
-        checkpoint[_RANKS] = {"world_size": size, "ranks": gather_to_all({"rng": capture_rng(), "loaders": loaders})}
+        combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+        # the streams each rank's DistributedSamplerWrapper drew its current order from
+        orders = _sampler_order.saved_orders([] if combined is None else combined.flattened)
+        checkpoint[_RANKS] = {"world_size": size,
+                              "ranks": gather_to_all({"rng": capture_rng(), "loaders": loaders, "orders": orders})}
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # the loops are restored by now: the last step a record exists for (or 0)
         self._recorded = int(trainer.global_step)
         self._batches, self._losses = [], []
+        # A ModelCheckpoint forgets, in a fresh process, the step it saved last: with gradient
+        # accumulation, the first resumed micro-batch ends with global_step still at the step
+        # resumed from, and every_n_train_steps saved that step again, over the checkpoint
+        # resumed from, mid-accumulation (that micro-batch's gradient not in it): a second
+        # kill before the next save then resumed inexactly (measured, 1 and 2 processes).
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            if isinstance(callback, ModelCheckpoint) and hasattr(callback, "_last_global_step_saved"):
+                callback._last_global_step_saved = max(int(callback._last_global_step_saved), self._recorded)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._restore()
@@ -284,6 +317,8 @@ class CkptCheckpointIO(CheckpointIO):
         #: the step ledger of this fit (``ckpt.ledger.Ledger``), once training started
         self.ledger: Any = None
         self._pending_rng: tuple[Any, str, int] | None = None
+        # this rank's sampler-order streams (``_sampler_order``), until the loaders are restored
+        self._pending_orders: Any = None
         self._module: Callable[[], Any] = lambda: None  # the LightningModule, once set up
         #: add to ``Trainer(callbacks=[...])``: restores the saved RNG at the right moment
         self.rng_callback = _RestoreRNG(self)
@@ -351,7 +386,7 @@ class CkptCheckpointIO(CheckpointIO):
         rng = result.context.get("rng")
         step = result.step if isinstance(result.step, int) else int(checkpoint_step(target) or 0)
         checkpoint = target["checkpoint"]
-        rng = _this_rank(checkpoint, rng, result.path)
+        rng, self._pending_orders = _this_rank(checkpoint, rng, result.path)
         self._pending_rng = (rng, result.path, step) if rng is not None else None
         _mark_exhausted_loader_state(checkpoint)
         return checkpoint
@@ -362,9 +397,10 @@ class CkptCheckpointIO(CheckpointIO):
             storage.commit.remove_checkpoints(os.path.dirname(p), [p], durable=False)
 
 
-def _this_rank(checkpoint: dict[str, Any], rng: Any, path: str) -> Any:
+def _this_rank(checkpoint: dict[str, Any], rng: Any, path: str) -> tuple[Any, Any]:
     """Put this rank's data-loader states in the loop state and return its RNG streams
-    (every rank reads the one checkpoint rank 0 wrote). Another world size is refused."""
+    and sampler-order streams (every rank reads the one checkpoint rank 0 wrote; None
+    under one process). Another world size is refused."""
     ranks = checkpoint.pop(_RANKS, None)
     rank, size = world()
     saved = int(ranks["world_size"]) if isinstance(ranks, dict) else 1
@@ -372,12 +408,12 @@ def _this_rank(checkpoint: dict[str, Any], rng: Any, path: str) -> Any:
         "Resume with the number of processes (devices x num_nodes) it was saved with, or train this world in "
         "another directory."))
     if not isinstance(ranks, dict):
-        return rng
+        return rng, None
     mine = ranks["ranks"][rank]
     fit = (checkpoint.get("loops") or {}).get("fit_loop")
     if mine.get("loaders") is not None and isinstance(fit, dict) and isinstance(fit.get("state_dict"), dict):
         fit["state_dict"]["combined_loader"] = mine["loaders"]
-    return mine["rng"]
+    return mine["rng"], mine.get("orders")
 
 
 def _check_fits(reader: CheckpointReader, module: Any) -> None:
