@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -31,6 +30,7 @@ from ckpt.knobs import override
 from ckpt.manager import CheckpointManager, ResumeFallbackWarning
 from ckpt.reader import CheckpointReader
 from tests.ckpt.test_format_bad_input import CS, SF, ST, flip, manifest_of, reseal
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -458,10 +458,10 @@ def test_verify_refuses_what_load_cannot_load(tmp_path: Path, what: str, edit: A
 
 def test_cli_verify_exits_nonzero_on_a_resigned_unloadable_checkpoint(tmp_path: Path) -> None:
     p = _save(tmp_path / "c", _state_with_device(0))
-    ok = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
+    ok = hangs.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, bound_s=hangs.hang_s(6))
     assert ok.returncode == 0, ok.stderr
     _craft_state(p, _unknown_tensor_key)
-    res = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
+    res = hangs.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, bound_s=hangs.hang_s(6))
     assert res.returncode == 3, (res.stdout, res.stderr)
     assert "not-in-the-table" in res.stderr and "Traceback" not in res.stderr
 
