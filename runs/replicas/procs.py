@@ -73,7 +73,7 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
                    ckpt_dir=ckpt_dir)
     sink.flush(final=True, result={"outcome": res.outcome, "steps": res.steps, "params": res.params,
                                    "recovered_from": res.recovered_from, "commit_times": stamps,
-                                   "sdc_s": res.sdc_s})
+                                   "sdc_s": res.sdc_s, "parts": res.parts})
     os._exit(0)  # torchft's server threads need no orderly goodbye
 
 

@@ -31,6 +31,7 @@ from replay.watchdog import beat
 from runs.common.tiny_lm import TinyConfig, TinyLM, make_corpus, unlikely_corpus
 from runs.replicas.config import ReplicaConfig
 from runs.replicas.data import GlobalCursor, share
+from runs.replicas.timing import StepClock
 
 __all__ = ["RankState", "RankResult", "Coordinator", "QuorumView", "run_rank", "build_state", "state_digests",
            "step_loss", "ZERO"]
@@ -135,6 +136,7 @@ class RankResult:
     recovered_from: list[str] = field(default_factory=list)
     params: bytes = ZERO
     sdc_s: float = 0.0  # seconds this rank spent digesting and judging (bench/replicas.py)
+    parts: dict[str, list[float]] = field(default_factory=dict)  # per attempt, seconds per part (timing.PARTS)
 
 
 def build_state(cfg: ReplicaConfig) -> RankState:
@@ -232,6 +234,8 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
     late_set = set(cfg.late_failures)
     flat = _Flat(list(st.model.parameters()), cfg.bucket_elems)
     res = RankResult(actor, 0)
+    clock = StepClock()
+    res.parts = clock.parts
     attempt = 0
     prev_members: list[str] | None = None
     prev_view: QuorumView | None = None
@@ -239,9 +243,12 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
     faults = {(f.step, f.where): f for f in cfg.sdc_faults if f.actor == actor}
     killed = cfg.kill_step(group)
     while coord.current_step() < cfg.steps:
+        clock.start()
         beat(f"quorum for step {coord.current_step()}")  # the watchdog's heartbeat (a no-op unless watched)
         sink.set_step(coord.current_step())
+        clock.lap("rest")
         q = coord.start_quorum(coord.current_step(), attempt)
+        clock.lap("quorum")
         computed: tuple[list[int], tuple[int, int], int] | None = None
         loss = torch.zeros(())
         if q is None:  # async quorum: compute as if the quorum were the last one, then check
@@ -250,7 +257,9 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
                 rows = _rows(ids, prev_view, group_size, grank)
                 loss = _compute(st, ids, rows, prev_view.pworld, st.cursor.position() in spiked)
                 computed = (ids, rows, prev_view.pworld)  # the loss is scaled by the participants
+                clock.lap("compute")
             q = coord.wait_quorum()
+            clock.lap("quorum")
         prev_view = q
         s = coord.current_step()
         key = f"{s}.{attempt}"
@@ -267,6 +276,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         if computed is not None and (q.healed_from or computed != (ids, rows, q.pworld)):
             computed = None  # the quorum changed what this rank computes: again, from the step's start
         gen_before = st.gen_ckpt.get_state()  # the step starts from the committed state (a healed one: its peer's)
+        clock.lap("rest")
         if q.members != prev_members:
             old = prev_members or []
             sink.event("membership", q.key, [m for m in q.members if m not in old], [m for m in old if m not in q.members],
@@ -287,11 +297,14 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         if where in spiked and attempt == 0:
             sink.inject("loss-spike", f"e{where[0]}.s{where[1]}", lambda: {"step": s, "epoch": where[0],
                                                                            "loader_step": where[1]})
+        clock.lap("tape")
         if computed is None:
             loss = _compute(st, ids, rows, q.pworld, where in spiked)
+            clock.lap("compute")
         flat.gather(loss)
         if group_size > 1:
             coord.intra_sum(flat.buf)
+        clock.lap("gather")
         # a fault strikes once, in the first attempt of its step that gets as far as being judged
         # (a rolled-back step that runs again is not hit again; an attempt that failed for another
         # reason, a quorum change say, hands it to the retry: how far an attempt gets is timing)
@@ -305,6 +318,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         res.sdc_s += time.perf_counter() - t_sdc
         if cfg.sdc:
             sink.event("sdc_digests", "local", [(f"b{i}", d) for i, d in enumerate(local)])
+        clock.lap("sdc")
         late = (actor, s) in late_set and attempt == 0 and bool(sink.inject("late-failure", actor, lambda: {"step": s}))
         ok = coord.allreduce([flat.buf], key, late)  # one all-reduce of the whole gradient: one round trip
         joins = ok or coord.reduced  # failed after its all-reduce completed: joins the exchange to veto
@@ -314,6 +328,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
             failed = torch.tensor([int(not ok)], dtype=torch.int64)
             coord.intra_max(failed)
             ok = not failed[0]
+        clock.lap("allreduce")
         if f_local is not None and not ok:
             faults[(s, "local")] = f_local  # not judged: the retry is hit (its injection is taped again)
         discard = odd_me = False
@@ -332,6 +347,7 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
                 again = _reexecute(st, ids, rows, q.pworld, gen_before, flat, group_size, coord, where in spiked)
                 bad = [f"b{i}" for i, (a, b) in enumerate(zip(local, again)) if a != b]
                 sink.event("sdc_verdict", "reexec", int(not bad), [actor] if bad else [], bad, {"step": s})
+        clock.lap("sdc")
         spike_vote = 0
         if guard is not None and ok:
             # every replica judges the same loss with the same (replicated) window; the votes are
@@ -346,10 +362,12 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         # vetoes; one whose all-reduce failed does not join, so the others' exchange fails too.
         # Never skipping a collective the ring ran keeps the ring's collectives in step (a
         # skipped one would pair the others' pending exchange with this rank's next collective).
+        clock.lap("rest")
         slots = digest_slots(reduced, q.replica_rank, q.participants)
         x = torch.cat([slots.reshape(-1), torch.tensor([spike_vote, int(bool(bad)), int(not ok)], dtype=torch.int64)])
         xok = coord.sum_collective(x, join=joins)  # always called: the replay's collectives line up by count
         ok = ok and xok and int(x[-1]) == 0
+        clock.lap("exchange")
         spike = False
         if ok:
             votes = x[-3:-1]
@@ -381,16 +399,21 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
         # under policy rollback every replica saw the same verdict (the odd one too): all roll back
         sdc_back = guard is not None and ok and discard and not spike and cfg.sdc_policy == "rollback"
         discard = discard or spike
+        clock.lap("sdc")
         committed = coord.should_commit(key, ok and not discard)
+        clock.lap("commit")
         if committed:
             gl = flat.scatter()
             st.optim.step()
             st.cursor.advance()
             st.gen_ckpt.set_state(st.gen.get_state())
+            clock.lap("optim")
             pd, sd = state_digests(st) if cfg.param_every and (s + 1) % cfg.param_every == 0 else (ZERO, ZERO)
+            clock.lap("rest")
             sink.event("step_commit", q.key, 1, q.participants, pd, sd)
             sink.loss(gl)
             sink.end_step()
+            clock.lap("tape")
             res.losses[s] = gl
             if on_commit is not None:
                 on_commit(s, gl)
@@ -418,7 +441,10 @@ def run_rank(actor: str, group_size: int, st: RankState, coord: Coordinator, sin
                 st.cursor.skip()
             pending = (list(q.members), ids)
             attempt += 1
+        clock.lap("rest")
         sink.flush()
+        clock.lap("tape")
+        clock.end()
         if odd_me and cfg.sdc_policy == "exclude":
             sink.note(f"{actor} excluded after an SDC verdict at step {s}; torchft continues without {group}")
             sink.flush()
