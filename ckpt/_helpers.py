@@ -19,7 +19,7 @@ import os
 import threading
 from typing import Any, Callable, Sequence
 
-__all__ = ["NAME", "Pending", "run", "together", "wait_idle"]
+__all__ = ["NAME", "Pending", "run", "share", "together", "wait_idle"]
 
 #: idle helpers kept for reuse; more than this many idle at once exit
 _KEEP_IDLE = 4
@@ -141,6 +141,83 @@ def together(calls: Sequence[Callable[[], Any]]) -> None:
             error = error or e
     if error is not None:
         raise error
+
+
+class _Shared:
+    """The calls of one :func:`share`, handed out in order to whichever thread asks."""
+
+    __slots__ = ("calls", "next", "lock", "running", "closed", "failed")
+
+    def __init__(self, calls: Sequence[Callable[[], Any]]) -> None:
+        self.calls = calls
+        self.next = 0
+        self.lock = threading.Lock()
+        #: held by the helper while it runs a call: the caller waits on it, and only on it
+        self.running = threading.Lock()
+        self.closed = False  # the caller has returned or is returning: start nothing more
+        self.failed: list[tuple[int, BaseException]] = []
+
+    def take(self, helper: bool) -> int | None:
+        with self.lock:
+            if self.closed or self.failed or self.next >= len(self.calls):
+                return None
+            i = self.next
+            self.next += 1
+            if helper:
+                # Taken under the lock: once the caller has closed, the helper either holds
+                # this already (a call the caller must wait for) or starts nothing.
+                self.running.acquire()
+            return i
+
+    def call(self, i: int) -> None:
+        try:
+            self.calls[i]()
+        except BaseException as e:  # raised by the caller once every started call is done
+            with self.lock:
+                self.failed.append((i, e))
+
+    def helper(self) -> None:
+        while (i := self.take(True)) is not None:
+            try:
+                self.call(i)
+            finally:
+                self.running.release()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        # Unbounded on purpose: only a call the helper already runs (a hash or a copy of
+        # one piece in memory) is waited for; it takes no lock and waits on nothing.
+        self.running.acquire()
+        self.running.release()
+        self.calls = ()  # a helper scheduled late finds nothing to run and holds no buffer
+
+
+def share(calls: Sequence[Callable[[], Any]]) -> None:
+    """Run ``calls`` on this thread and one helper at once, each thread taking the next
+    call in order as soon as it is done with one. Returns when every call has run.
+
+    Why not a fixed half for each thread: on a busy machine the scheduler often gives this
+    process one core, not two, and a helper kept waiting would hold the caller up with a
+    half still to do. Here the caller runs whatever the helper has not taken, and at the
+    end waits only for the call the helper is running, never for a helper that has not
+    started (it starts nothing once the caller is done). Calls start in order and none
+    starts after one has failed, so every call before a failed one has run, and the error
+    raised, that of the first failed call, is the one running them in order would raise.
+    """
+    if len(calls) < 2:
+        for c in calls:
+            c()
+        return
+    shared = _Shared(calls)
+    run(shared.helper)  # not joined: close() waits for what it runs, and it stops there
+    try:
+        while (i := shared.take(False)) is not None:
+            shared.call(i)
+    finally:
+        shared.close()
+    if shared.failed:
+        raise min(shared.failed, key=lambda f: f[0])[1]
 
 
 def wait_idle(timeout: float) -> bool:

@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import torch
 
 from ._materialize import TensorSource, empty_for, place, resolve
-from ._ranges import MappedFile, check_digests, verify_view
+from ._ranges import MappedFile, verify_view
 from ._statecheck import check_part, replica_target
 from .context.env import capture_env, env_differences
 from .context.rng import capture_rng, restore_rng
@@ -534,8 +534,7 @@ def prepare_load(
                     # from the same mapping, so each byte is read from the page cache once
                     # for hashing and once for the copy, not twice through a read each.
                     assert r.mapped is not None
-                    verify_view(r.mapped.path, f, r.mapped.view)
-                    check_digests(r.mapped.path, entries, r.mapped.view)
+                    verify_view(r.mapped.path, f, r.mapped.view, entries)
                 elif checked:
                     # Pass 1, nothing written: read what pass 2 will read, as it will read
                     # it (ckpt._ranges): every chunk hashed, every packed span decoded under

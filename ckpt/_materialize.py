@@ -8,12 +8,12 @@ it lazily without an import cycle; the in-place load (``_load``) builds on it.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
 from ._gc import paused as gc_paused
-from ._ranges import check_digests, verify_view
+from ._ranges import verify_view
 from ._statecheck import PartSource, replica_target
 from .errors import FormatError, SizeMismatchError, UnprotectedMappingError
 from .format import dtypes
@@ -175,8 +175,7 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
             continue
         mv = memoryview(mm)
         if verify:
-            _verify_parallel(reader, f, mv)
-            check_digests(path, entries, mv)
+            _verify_parallel(reader, f, mv, entries)
         for t in entries:
             dt = dtypes.torch_dtype(t.dtype)
             item = dtypes.itemsize(t.dtype)
@@ -195,9 +194,10 @@ def _mapped_fresh(reader: TensorSource, pe: PartEntry, verify: bool, mode: bool 
 _PARALLEL_VERIFY_MIN = 32 << 20
 
 
-def _verify_parallel(reader: TensorSource, f: FileEntry, mv: memoryview) -> None:
-    """Check every chunk of the mapped file ``mv`` (``ckpt._ranges.verify_view``)."""
-    verify_view(os.path.join(reader.path, f.name), f, mv, parallel_min=_PARALLEL_VERIFY_MIN)
+def _verify_parallel(reader: TensorSource, f: FileEntry, mv: memoryview, entries: Sequence[TensorEntry]) -> None:
+    """Check every chunk of the mapped file ``mv`` and the recorded digests of ``entries``
+    (``ckpt._ranges.verify_view``)."""
+    verify_view(os.path.join(reader.path, f.name), f, mv, entries, parallel_min=_PARALLEL_VERIFY_MIN)
 
 
 def check_mmap_options(mmap: bool | None, unsafe_mmap: bool) -> None:

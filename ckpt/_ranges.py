@@ -24,9 +24,10 @@ import ctypes
 import queue
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ._helpers import run as on_helper
+from ._helpers import share
 from ._pipeline import OrderedFeeder
 from .errors import ChecksumMismatchError, FormatError, SizeMismatchError
 from .format.digest import DIGEST_SIZE, ChunkHasher
@@ -38,14 +39,17 @@ if TYPE_CHECKING:
     from .storage import ReadHandle
 
 __all__ = [
-    "Target", "RangeWalker", "ChunkVerifier", "read_tiled", "check_digests", "verify_view", "MappedFile", "PIECE",
-    "PIPELINE_MIN_BYTES",
+    "Target", "RangeWalker", "ChunkVerifier", "read_tiled", "verify_view", "MappedFile", "PIECE",
+    "PIPELINE_MIN_BYTES", "SHARED_PIECE",
 ]
 
 #: ranges at least this long are hashed on a second thread while the next piece is read
 PIPELINE_MIN_BYTES = 32 << 20
 #: the most a walk holds beside its destinations (verify, lazy reads, pass 1)
 PIECE = 8 << 20
+#: bytes per piece two threads take in turn hashing a mapping, or copying out of one: a
+#: thread left waiting at the end holds the other up for at most one piece
+SHARED_PIECE = 4 << 20
 
 #: ``read(offset, buffer) -> bytes read``: a held handle's ``pread_into`` or the storage's
 ReadAt = Callable[[int, memoryview], int]
@@ -122,37 +126,51 @@ def _values_digest_error(path: str, t: TensorEntry) -> ChecksumMismatchError:
     )
 
 
-def check_digests(path: str, entries: Sequence[TensorEntry], mapped: memoryview) -> None:
-    """Compare the recorded digests (format 2.0) of plain tensors with their bytes in a
-    whole-file buffer (a verified mapping): the check every walk makes as it reads."""
+def _check_values(path: str, t: TensorEntry, mv: memoryview) -> None:
     import xxhash
 
-    for t in entries:
-        if t.digest is not None and t.encoding is None:
-            if xxhash.xxh3_128_digest(mapped[t.offset : t.offset + t.nbytes]) != t.digest:
-                raise _values_digest_error(path, t)
+    if xxhash.xxh3_128_digest(mv[t.offset : t.offset + t.nbytes]) != t.digest:
+        raise _values_digest_error(path, t)
 
 
-def verify_view(path: str, f: FileEntry, mv: memoryview, *, parallel_min: int = PIPELINE_MIN_BYTES) -> None:
-    """Check every chunk of ``mv`` (the whole file ``f``, in memory or mapped, nothing
-    copied), the two halves on two threads from ``parallel_min`` bytes on: xxh3 releases
-    the GIL, and a mapping's first touch of each page is paid on both cores."""
+def _check_chunks(path: str, f: FileEntry, mv: memoryview, first: int, stop: int) -> None:
+    cs = f.chunk_size
+    piece = mv[first * cs : stop * cs]
+    try:
+        v = ChunkVerifier(path, f, first=first)
+        v.update(piece)
+        v.finish()
+    finally:
+        # A mismatch's traceback keeps the hashing frames, and so this slice: released,
+        # it no longer holds the mapping open (the load unmaps it when it raises).
+        piece.release()
+
+
+def verify_view(
+    path: str, f: FileEntry, mv: memoryview, entries: Sequence[TensorEntry] = (), *, parallel_min: int | None = None
+) -> None:
+    """Check every chunk of ``mv`` (the whole file ``f``, mapped or in memory, nothing
+    copied), then the recorded digests (format 2.0) of the plain tensors among ``entries``:
+    the checks every walk makes as it reads.
+
+    From ``parallel_min`` bytes on (default :data:`PIPELINE_MIN_BYTES`), on this thread and
+    a helper at once (xxh3 releases the GIL, and a mapping's first touch of each page is
+    paid on both cores), each taking the next piece of about :data:`SHARED_PIECE` bytes as
+    it finishes one (``_helpers.share``): a helper the scheduler keeps waiting holds the
+    check up for the piece it runs at most. The error raised is the one the checks made in
+    order raise first."""
     cs = f.chunk_size
     nchunks = (f.size + cs - 1) // cs
-    if f.size < parallel_min or nchunks < 2:
-        v = ChunkVerifier(path, f)
-        v.update(mv)
-        v.finish()
+    per = max(1, SHARED_PIECE // cs)  # whole chunks: a chunk's digest is one sequential hash
+    jobs: list[Callable[[], None]] = [
+        partial(_check_chunks, path, f, mv, a, min(a + per, nchunks)) for a in range(0, nchunks, per)
+    ]
+    jobs += [partial(_check_values, path, t, mv) for t in entries if t.digest is not None and t.encoding is None]
+    if f.size < (PIPELINE_MIN_BYTES if parallel_min is None else parallel_min):
+        for job in jobs:
+            job()
         return
-    mid = nchunks // 2
-    second = ChunkVerifier(path, f, first=mid)
-    other = on_helper(lambda: (second.update(mv[mid * cs :]), second.finish()))
-    try:
-        first = ChunkVerifier(path, f)
-        first.update(mv[: mid * cs])
-        first.finish()
-    finally:
-        other.join()  # its error is raised here when the first half matched
+    share(jobs)
 
 
 class MappedFile:
@@ -442,36 +460,21 @@ class RangeWalker:
         return pos - run.lo
 
 
+def _read_piece(handle: "ReadHandle", fp: str, t: TensorEntry, piece: memoryview, lo: int) -> None:
+    got = handle.pread_into(t.offset + lo, piece)
+    if got != len(piece):
+        raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + lo + got, key=t.key)
+
+
 def _parallel_reads(handle: "ReadHandle", fp: str, jobs: list[tuple[TensorEntry, memoryview]], request: int) -> None:
-    """Read (tensor, destination) pairs in ``request``-sized pieces on two threads."""
-    pieces: list[tuple[TensorEntry, memoryview, int]] = []
+    """Read (tensor, destination) pairs in ``request``-sized pieces, in file order, on this
+    thread and a helper taking the next piece in turn (``_helpers.share``)."""
+    calls: list[Callable[[], None]] = []
     for t, dst in jobs:
         mv = _bytes_view(dst)
         for lo in range(0, t.nbytes, request):
-            pieces.append((t, mv[lo : lo + request], lo))
-
-    def run(share: list[tuple[TensorEntry, memoryview, int]]) -> None:
-        for t, piece, lo in share:
-            got = handle.pread_into(t.offset + lo, piece)
-            if got != len(piece):
-                raise SizeMismatchError("file ended inside a tensor", path=fp, offset=t.offset + lo + got, key=t.key)
-
-    errors: list[BaseException] = []
-
-    def guarded(share: list[tuple[TensorEntry, memoryview, int]]) -> None:
-        try:
-            run(share)
-        except BaseException as e:  # re-raised by the caller
-            errors.append(e)
-
-    # a reused thread: starting one per load costs a scheduling round trip on a busy machine
-    helper = on_helper(guarded, pieces[1::2])
-    try:
-        guarded(pieces[0::2])
-    finally:
-        helper.join()
-    if errors:
-        raise errors[0]
+            calls.append(partial(_read_piece, handle, fp, t, mv[lo : lo + request], lo))
+    share(calls)
 
 
 def read_tiled(
@@ -504,7 +507,10 @@ def read_tiled(
         ordered = sorted(entries, key=lambda e: e.offset)
         if verifier is None and f.size >= PIPELINE_MIN_BYTES:
             # Without hashing, the second core has nothing to do: split the reads
-            # between two threads (the kernel copy from the page cache is the cost).
+            # between two threads (the copy from the page cache is the cost). A copy out
+            # of a mapping costs no system call: smaller pieces, a shorter wait at the end.
+            if isinstance(handle, MappedFile):
+                request = min(request, SHARED_PIECE)
             _parallel_reads(handle, fp, [(t, destinations(t)) for t in ordered], request)
             return
         digests: list[tuple[TensorEntry, memoryview]] = []

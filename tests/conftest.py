@@ -178,6 +178,7 @@ def s3(s3_server, monkeypatch):
 #: the tests that check more of the run's claims ask ``shared_runs.get(NAME)`` for the same run,
 #: so that a demo of minutes is paid once however many tests read it.
 SHARED_RUNS: dict[str, tuple[str, float]] = {
+    "demo": ("ckpt demo --out /tmp/demo-real", 1800),
     "stages-quick": ("ckpt demo stages --quick --out /tmp/stages-demo", 1200),
     "rollback-quick": ("ckpt demo rollback --quick --out /tmp/rollback-demo", 600),
     "replicas-quick": ("ckpt demo replicas --quick --out /tmp/replicas-demo", 1200),

@@ -8,10 +8,11 @@ the caller that uses it."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+import hangs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = ["-m", "vulture", "ckpt", "replay", "cli", "runs", os.path.join("tests", "vulture_whitelist.py"),
@@ -20,5 +21,5 @@ COMMAND = ["-m", "vulture", "ckpt", "replay", "cli", "runs", os.path.join("tests
 
 def test_vulture_finds_no_dead_code() -> None:
     pytest.importorskip("vulture")
-    out = subprocess.run([sys.executable, *COMMAND], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = hangs.run([sys.executable, *COMMAND], cwd=ROOT, bound_s=hangs.hang_s(30))
     assert out.returncode == 0, "dead code (remove it, or whitelist a false positive):\n" + out.stdout + out.stderr

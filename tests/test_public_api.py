@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -291,6 +290,6 @@ def test_renamed_modules_still_import_for_one_release():
             "assert oh.export_hf is h.export_hf and od.import_dcp is d.import_dcp and od.export_dcp is d.export_dcp\n"
             "msgs = sorted(str(x.message) for x in w if issubclass(x.category, DeprecationWarning))\n"
             "assert any('ckpt.convert.dcp' in m for m in msgs) and any('ckpt.convert' in m for m in msgs), msgs\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    out = hangs.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                    bound_s=hangs.hang_s(12))
     assert out.returncode == 0, out.stdout + out.stderr

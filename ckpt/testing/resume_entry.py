@@ -47,7 +47,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -310,13 +309,10 @@ def _child_main(spec_json: str) -> int:
 
         import torch.distributed as dist
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{spec['port']}",
-            rank=int(spec["rank"]),
-            world_size=ws,
-            timeout=datetime.timedelta(seconds=float(spec.get("timeout", 120))),
-        )
+        timeout = datetime.timedelta(seconds=float(spec.get("timeout", 120)))
+        # the attempt's store, served by the parent (_launch): every rank is a client
+        store = dist.TCPStore("127.0.0.1", int(spec["port"]), is_master=False, wait_for_workers=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=int(spec["rank"]), world_size=ws, timeout=timeout)
     try:
         fn(RunContext(spec))
     finally:
@@ -331,10 +327,16 @@ def _child_main(spec_json: str) -> int:
 # --- the parent side -------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _serve_store(timeout: float) -> Any:
+    """The rendezvous store of one attempt's ranks, served by this process on a port the OS
+    assigned as it listens (``.port``). A port found free, closed and handed to rank 0 to
+    bind later could be taken in between (by gloo's own connections, or another job)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
 
 
 @dataclass(slots=True)
@@ -345,6 +347,7 @@ class _Attempt:
     available: str | None = None  # newest committed checkpoint when the attempt started
     procs: list[Any] = field(default_factory=list)  # Popen or multiprocessing.Process
     logs: list[Any] = field(default_factory=list)
+    store: Any = None  # the ranks' rendezvous (world size > 1), held until they have exited
 
 
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.utils.data", "numpy", "ckpt.testing.resume_entry", "ckpt.manager", "ckpt._load"]
@@ -409,7 +412,9 @@ def _launch(
 ) -> _Attempt:
     os.makedirs(out_dir, exist_ok=True)
     att = _Attempt(os.path.basename(out_dir), out_dir, kill_at)
-    port = _free_port() if world_size > 1 else 0
+    if world_size > 1:
+        att.store = _serve_store(float(base.get("timeout", 120)))
+    port = att.store.port if att.store is not None else 0
     for rank in range(world_size):
         spec = dict(base, run_dir=run_dir, out_dir=out_dir, kill_at=kill_at, attempt=attempt, rank=rank, world_size=world_size, port=port, env=dict(env))
         log_path = os.path.join(out_dir, f"log-rank-{rank:05d}.txt")
@@ -461,6 +466,7 @@ def _wait(att: _Attempt, timeout: float) -> None:
                 p.wait() if isinstance(p, subprocess.Popen) else p.join()
         for log in att.logs:
             log.close()
+        att.store = None  # every rank has exited: the rendezvous closes
     for rank, p in enumerate(att.procs):
         code = _returncode(p)
         want_kill = att.kill_at is not None

@@ -6,9 +6,12 @@ Every reference run starts its workers the same way, so they share one launcher:
   has touched torch's thread pools or gloo is unsafe), each running with one intra-op
   thread (:func:`worker_threads`), every one reaped at the end: the exit codes of those
   that ended (``-9``: SIGKILLed), the ones still alive killed;
-- :func:`join_gloo`: this process's rank of the job's torch.distributed gloo group, over a
-  c10d ``TCPStore`` that is returned with it (the snapshots' control plane rides on it:
-  ``replay.snapshot.TorchStoreControl``);
+- :func:`serve_store` and :func:`join_gloo`: the job's rendezvous, a c10d ``TCPStore`` the
+  launching process serves on a port the OS assigns as it listens (a port found free,
+  closed and handed to a worker to bind later can be taken in between: by gloo's own
+  connections, by another job), and this process's rank of the job's torch.distributed
+  gloo group over it; the store is returned with it (the snapshots' control plane rides
+  on it: ``replay.snapshot.TorchStoreControl``);
 - :class:`Threads`: workers as threads of this process (every replay, and the in-process
   transport): the first error re-raised, a thread that does not finish named.
 
@@ -28,9 +31,10 @@ the same bits.
 from __future__ import annotations
 
 import os
-import socket
+import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable
@@ -38,16 +42,19 @@ from typing import Any, Callable, Hashable, Iterable
 from replay.errors import HangError
 from replay.watchdog import Watchdog, arm, hang_bound
 
-__all__ = ["HOST", "free_port", "worker_threads", "Workers", "join_gloo", "leave_gloo", "Threads"]
+__all__ = ["HOST", "serve_store", "worker_threads", "Workers", "join_gloo", "leave_gloo", "Threads"]
 
 HOST = "127.0.0.1"
 
 
-def free_port(host: str = HOST) -> int:
-    """A TCP port free on ``host`` now (the rendezvous port of a new world)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def serve_store(*, timeout_s: float) -> Any:
+    """The job's rendezvous: a c10d ``TCPStore`` served by this (the launching) process on
+    ``HOST``, on the port the OS gave it as it started listening (``store.port``: hand it
+    to the workers). Keep it for the job's life; pass it to :func:`join_gloo` as this
+    process's own."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def worker_threads() -> None:
@@ -62,7 +69,29 @@ def _entry(target: Callable[..., Any], args: tuple[Any, ...], watch: str | None 
     if watch is not None:  # before anything that can block: a hang from here on names itself
         arm(watch, name)
     worker_threads()
-    target(*args)
+    try:
+        target(*args)
+    except BaseException as e:  # noqa: BLE001 - reported here, the process ends with its code
+        # A failed worker leaves at once with its error and code (1, or SystemExit's), as
+        # multiprocessing would report it: the interpreter's teardown would destroy a gloo
+        # group whose peer died, and gloo's threads then abort the process ("terminate
+        # called ...", exit -6) instead (measured: 3 of 20 runs of a rank killed mid-collective).
+        code = _exit_code(e)
+        if not isinstance(e, SystemExit):
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _exit_code(e: BaseException) -> int:
+    """The exit code multiprocessing gives a process that raised ``e``."""
+    if not isinstance(e, SystemExit) or e.code is None:
+        return 0 if isinstance(e, SystemExit) else 1
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
 
 
 class Workers:
@@ -171,16 +200,18 @@ class Workers:
         self.close()
 
 
-def join_gloo(rank: int, world: int, port: int, *, timeout_s: float, store_timeout_s: float | None = None) -> Any:
-    """Join the job's gloo group as ``rank`` of ``world`` (rank 0 hosts the ``TCPStore``
-    on ``port``); the store, for the control plane. ``timeout_s`` is the group's: a
-    receiver thread waits on gloo that long, so it must exceed the run where a channel
-    may idle for all of it."""
+def join_gloo(rank: int, world: int, port: int, *, timeout_s: float, store_timeout_s: float | None = None,
+              store: Any = None) -> Any:
+    """Join the job's gloo group as ``rank`` of ``world`` over the store :func:`serve_store`
+    serves on ``port`` (``store``: that store itself, in the process serving it; every
+    other process connects as a client); the store, for the control plane. ``timeout_s``
+    is the group's: a receiver thread waits on gloo that long, so it must exceed the run
+    where a channel may idle for all of it."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(HOST, port, world, is_master=rank == 0,
-                          timeout=timedelta(seconds=store_timeout_s if store_timeout_s is not None else timeout_s),
-                          wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(HOST, port, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=store_timeout_s if store_timeout_s is not None else timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     return store
 

@@ -28,15 +28,19 @@ from replay.channel import Inbox
 from runs.diloco.model import initial_state, val_corpus
 from runs.diloco.syncer import SyncerCtx, run_syncer
 from replay.channel import LogApplier, RemoteTape, TapeHub, endpoint_name
-from runs.common.procs import Workers, free_port, join_gloo, leave_gloo, worker_threads
+from runs.common.procs import Workers, join_gloo, leave_gloo, serve_store, worker_threads
 
 __all__ = ["run_processes"]
 
 
-def _join(cfg: DiLoCoConfig, rank: int, world: int, port: int) -> Any:
+def _timeout_s(cfg: DiLoCoConfig) -> float:
     # A receiver thread waits on gloo with the group's timeout; spares and learner<->learner
     # channels idle for the whole run, so the timeout must exceed the run.
-    return join_gloo(rank, world, port, timeout_s=max(600.0, 20 * cfg.io_timeout_s))
+    return max(600.0, 20 * cfg.io_timeout_s)
+
+
+def _join(cfg: DiLoCoConfig, rank: int, world: int, port: int, store: Any = None) -> Any:
+    return join_gloo(rank, world, port, timeout_s=_timeout_s(cfg), store=store)
 
 
 def watch_dir(hub: TapeHub) -> str | None:
@@ -103,7 +107,8 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
     incs = [(a, k) for a in names for k in range(first_inc[a], len(spares[a]) + 1)]
     actors = ["syncer"] + [endpoint_name(a, k) for a, k in incs]
     world = len(actors)
-    port = free_port()
+    served = serve_store(timeout_s=_timeout_s(cfg))  # the rendezvous, held until the run ends
+    port = served.port
     # the progress watchdog: learners beat at each inner step, this process at each taped
     # receive; a stall dumps every process's stacks beside the tape (<tape>.watchdog/)
     workers = Workers(watch=watch_dir(hub), quiet_s=cfg.io_timeout_s / 10, name="syncer",
@@ -115,7 +120,7 @@ def run_processes(hub: TapeHub, cfg: DiLoCoConfig, *, on_step: Callable[[int, di
                       snapshots.root if snapshots is not None else None,
                       restore.path if from_part else None, e in rejoin, tuple(sorted(rejoin)))
     try:
-        store = _join(cfg, 0, world, port)
+        store = _join(cfg, 0, world, port, served)
         transport = TorchDistTransport(actors)
         if snapshots is not None:
             snapshots.control = _control(store)

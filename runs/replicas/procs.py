@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from replay.watchdog import hang_bound
-from runs.common.procs import HOST, Workers, free_port
+from runs.common.procs import HOST, Workers, serve_store
 from runs.replicas.config import ReplicaConfig
 from runs.replicas.tapeio import Applier, Hub, RemoteSink
 
@@ -42,9 +42,10 @@ def _rank_main(actor: str, group_size: int, cfg_d: dict[str, Any], lighthouse: s
     from runs.replicas.worker import build_state, run_rank
 
     cfg = ReplicaConfig.from_dict(cfg_d)
-    grank = int(actor.split(".")[1])
-    store = dist.TCPStore(HOST, store_port, is_master=grank == 0, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
+    # the group's store, served by the run's process (run_processes); every rank is a client.
+    # Its timeout is a hang bound, widened by CKPT_TIMEOUT_SCALE on a loaded machine.
+    store = dist.TCPStore(HOST, store_port, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=hang_bound(12)))
     sink = RemoteSink(conn, actor)
     st = build_state(cfg)
     sink.flush()  # ready: imported and built; a joiner is a hot spare from here on
@@ -140,8 +141,11 @@ def run_processes(hub: Hub, cfg: ReplicaConfig, *, on_commit: Callable[[str, int
     def pending_groups() -> set[str]:
         return {j.group for j in cfg.joins if j.group not in started_joins}
 
+    stores: list[Any] = []  # each group's rendezvous, served here until the run ends
+
     def spawn(group: str, n: int, start: Any) -> None:
-        port = free_port()
+        stores.append(serve_store(timeout_s=hang_bound(12)))
+        port = stores[-1].port
         for r in range(n):
             actor = f"{group}.{r}"
             parent, child = ctx.Pipe(duplex=False)

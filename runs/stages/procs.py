@@ -22,7 +22,7 @@ from typing import Any, Callable
 from replay import merge_tapes
 from replay.channel import Endpoint, RecorderSink, TorchDistTransport
 from replay.snapshot import TorchStoreControl
-from runs.common.procs import Workers, free_port, join_gloo, leave_gloo, worker_threads
+from runs.common.procs import Workers, join_gloo, leave_gloo, serve_store, worker_threads
 from runs.stages.config import StagesConfig
 from runs.stages.ctl import Controller
 from runs.stages.wiring import RunOutcome, make_agent, open_recorder
@@ -30,12 +30,12 @@ from runs.stages.worker import Worker
 
 __all__ = ["run_processes"]
 
-def _join(cfg: StagesConfig, rank: int, port: int) -> Any:
+def _join(cfg: StagesConfig, rank: int, port: int, store: Any = None) -> Any:
     # A receiver thread waits on gloo with the group's timeout, and a bypass channel idles
     # for most of the run: the timeout must exceed the whole run (the endpoints' own
     # receive timeouts catch a silent peer).
     store = join_gloo(rank, len(cfg.actors), port, timeout_s=max(3600.0, 10 * cfg.io_timeout_s),
-                      store_timeout_s=cfg.io_timeout_s)
+                      store_timeout_s=cfg.io_timeout_s, store=store)
     inbound, outbound = cfg.neighbours(cfg.actors[rank])
     return store, TorchDistTransport(cfg.actors, inbound=inbound, outbound=outbound)
 
@@ -64,7 +64,8 @@ def run_processes(cfg: StagesConfig, run_dir: str | os.PathLike[str], *,
     tapes = run_dir / "tapes"
     tapes.mkdir(parents=True, exist_ok=False)
     run_id = secrets.token_bytes(16)
-    port = free_port()
+    served = serve_store(timeout_s=cfg.io_timeout_s)  # the rendezvous, held until the run ends
+    port = served.port
     # the progress watchdog: each worker beats at every plan; a stall dumps every
     # process's stacks to run_dir/watchdog/ and the run fails naming it
     workers = Workers(watch=run_dir / "watchdog", quiet_s=cfg.io_timeout_s / 10, name="ctl")
@@ -72,7 +73,7 @@ def run_processes(cfg: StagesConfig, run_dir: str | os.PathLike[str], *,
         if rank > 0:
             workers.start(name, _worker_proc, rank, port, cfg.to_dict(), str(run_dir), run_id)
     try:
-        store, transport = _join(cfg, 0, port)
+        store, transport = _join(cfg, 0, port, served)
         with open_recorder(tapes / "ctl.tape", cfg, actor="ctl", run_id=run_id) as rec:
             sink = RecorderSink(rec)
             ep = Endpoint(transport, sink=sink)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import hangs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -26,12 +27,12 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _ckpt(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([os.path.join(BIN, "ckpt"), *args], cwd=HERE, env=_env(**env), capture_output=True, text=True)
+    return hangs.run([os.path.join(BIN, "ckpt"), *args], cwd=HERE, env=_env(**env), bound_s=hangs.hang_s(20))
 
 
 def _train(out: str, plant: str = "", step: int = 4, steps: int = 7) -> None:
-    subprocess.run([sys.executable, "plant_script.py", "--out", out, "--steps", str(steps)], cwd=HERE, check=True,
-                   env=_env(PLANT=plant, PLANT_STEP=str(step)))
+    hangs.run([sys.executable, "plant_script.py", "--out", out, "--steps", str(steps)], cwd=HERE, check=True,
+              env=_env(PLANT=plant, PLANT_STEP=str(step)), bound_s=hangs.hang_s(12))
 
 
 @pytest.fixture(scope="module")

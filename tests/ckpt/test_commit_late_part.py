@@ -13,6 +13,7 @@ import torch
 
 import ckpt
 from ckpt.errors import DistributedUsageError
+import hangs
 
 
 def _state(v: float) -> dict:
@@ -54,7 +55,7 @@ def test_the_commit_waits_for_a_part_writer_in_flight(tmp_path, monkeypatch):
 
     def slow(*args, **kw):  # a part writer that is mid-write when the commit starts
         inside.set()
-        assert release.wait(60)
+        assert release.wait(hangs.hang_s(3))
         return real(*args, **kw)
 
     monkeypatch.setattr(w, "check_name", slow)
@@ -69,7 +70,7 @@ def test_the_commit_waits_for_a_part_writer_in_flight(tmp_path, monkeypatch):
 
     t = threading.Thread(target=writer)
     t.start()
-    assert inside.wait(60)
+    assert inside.wait(hangs.hang_s(3))
     committed = threading.Event()
 
     def committer() -> None:
@@ -80,8 +81,8 @@ def test_the_commit_waits_for_a_part_writer_in_flight(tmp_path, monkeypatch):
     c.start()
     assert not committed.wait(0.2)  # held by the writer's shared lock (a condition, not a race)
     release.set()
-    t.join(60)
-    c.join(60)
+    t.join(hangs.hang_s(3))  # a hang bound: the assertion below names a thread still blocked
+    c.join(hangs.hang_s(3))
     assert committed.is_set() and late == [None]
     r = ckpt.open(str(tmp_path / "step-1"))  # b's files were removed before the rename
     assert r.manifest.parts.names == ("a",)

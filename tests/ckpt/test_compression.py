@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from ckpt.format import bpz
 from ckpt.knobs import override
 from ckpt.storage import LocalStorage
 from tests.ckpt.test_hostile_memory import SLACK, probe
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 V2 = REPO / "spec" / "vectors" / "checkpoint-v2"
@@ -163,12 +163,12 @@ def test_stock_safetensors_reads_the_unencoded_tensors_and_inspect_names_the_res
     stock = safetensors.torch.load_file(os.path.join(info.path, "rank-00000.safetensors"))
     assert set(stock) == {"model/small", "model/ids", "model/c64"}
     assert torch.equal(stock["model/ids"], state["model"]["ids"])
-    out = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "inspect", info.path], capture_output=True, text=True, cwd=REPO)
+    out = hangs.run([sys.executable, "-m", "ckpt_cli.main", "inspect", info.path], cwd=REPO, bound_s=hangs.hang_s(6))
     assert out.returncode == 0, out.stderr
     assert "format 2.0" in out.stdout and "5 tensors encoded" in out.stdout
     assert "stock safetensors cannot read them" in out.stdout
-    js = json.loads(subprocess.run([sys.executable, "-m", "ckpt_cli.main", "inspect", "--json", info.path],
-                                   capture_output=True, text=True, cwd=REPO).stdout)
+    js = json.loads(hangs.run([sys.executable, "-m", "ckpt_cli.main", "inspect", "--json", info.path], cwd=REPO,
+                              bound_s=hangs.hang_s(6)).stdout)
     assert js["parts"][0]["packed"]["tensors"] == 5
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import traceback
 from typing import Any
 
@@ -31,14 +30,9 @@ import pytest
 
 from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
 import hangs
+import worlds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- helpers used inside the ranks ----------------------------------------------------
@@ -141,16 +135,15 @@ def _killing_storage() -> Any:
 # --- the stages -----------------------------------------------------------------------
 
 
-def _stage(stage: str, rank: int, world: int, port: int, out: str) -> None:
-    import datetime
-
+def _stage(stage: str, rank: int, world: int, init: str, timeout: Any, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     result: dict[str, Any] = {"rank": rank}
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        worlds.arm(os.path.join(out, f"world-{stage}"), rank)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
         import ckpt
         from ckpt.errors import UnsupportedValueError
 
@@ -247,17 +240,14 @@ def _stage(stage: str, rank: int, world: int, port: int, out: str) -> None:
 
 def _run(stage: str, world: int, out: str) -> list[dict[str, Any]]:
     ctx = _forkserver()
-    port = _free_port()
-    procs = [ctx.Process(target=_stage, args=(stage, r, world, port, out)) for r in range(world)]
+    here = os.path.join(out, f"world-{stage}")  # one rendezvous per stage's world
+    os.makedirs(here)
+    init, timeout = worlds.file_init(here), worlds.pg_timeout(20)
+    procs = [ctx.Process(target=_stage, args=(stage, r, world, init, timeout, out)) for r in range(world)]
     with _main_not_reimported():
         for p in procs:
             p.start()
-    for p in procs:
-        p.join(300)
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+    worlds.join(procs, here, bound_s=hangs.hang_s(20))
     results = []
     for r in range(world):
         with open(os.path.join(out, f"result-{stage}-{r}.json")) as f:

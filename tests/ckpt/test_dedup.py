@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -148,8 +147,8 @@ def test_verify_names_a_shared_file_damaged_underneath_every_checkpoint_that_lin
         with pytest.raises(ckpt.errors.ChecksumMismatchError) as ei:
             ckpt.open(tmp_path / name).verify()
         assert shared.name in str(ei.value)
-    out = subprocess.run([sys.executable, "-m", "ckpt_cli.main", "verify", str(tmp_path / "s2")], capture_output=True,
-                         text=True, cwd=REPO)
+    out = hangs.run([sys.executable, "-m", "ckpt_cli.main", "verify", str(tmp_path / "s2")], cwd=REPO,
+                    bound_s=hangs.hang_s(6))
     assert out.returncode == 3 and shared.name in out.stderr
 
 

@@ -28,6 +28,7 @@ from ckpt.errors import ChecksumMismatchError
 from ckpt.knobs import override
 from ckpt.storage.commit import FUSED_COMMIT_MAX
 from ckpt.writer import is_complete, recover
+import hangs
 
 
 def _state(v: float = 1.0) -> dict[str, Any]:
@@ -138,7 +139,7 @@ def test_a_forked_child_saves_with_helpers_of_its_own(tmp_path: Path) -> None:
             code = 0
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 300  # a hang detector, far above a healthy save
+    deadline = time.monotonic() + hangs.hang_s(30)  # a hang detector, far above a healthy save
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:

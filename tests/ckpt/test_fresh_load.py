@@ -97,12 +97,12 @@ def test_a_truncation_during_the_load_waits_and_the_load_returns_the_verified_by
 truncator = []
 real_verify = _materialize._verify_parallel
 
-def verify_then_race(reader, f, mv):
+def verify_then_race(*args):
     # The file is mapped under the lease: start a truncation in another process and wait
     # until this process has been told (the lease break) and has moved the bytes away.
     truncator.append(subprocess.Popen(TRUNCATE, stdout=subprocess.PIPE, text=True))
     wait_for(lambda: _lease.migrations(), "the lease break")
-    real_verify(reader, f, mv)
+    real_verify(*args)
 
 _materialize._verify_parallel = verify_then_race
 got = ckpt.open(path).state()["s"]

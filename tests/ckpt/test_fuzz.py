@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("ckpt_fuzz", REPO / "bench" / "fuzz.py")
@@ -83,7 +84,7 @@ def _check(out: Any) -> None:
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(data=st.data(), name=st.sampled_from(sorted(fuzz.MUTATORS)))
 def test_mutated_checkpoints_load_exactly_or_are_refused(fuzzer: Any, data: Any, name: str) -> None:
-    _check(fuzzer.case(name, HypothesisDraw(data), timeout=30))
+    _check(fuzzer.case(name, HypothesisDraw(data), timeout=hangs.hang_s(3)))
 
 
 _N_HEADERS = len(fuzz.hostile_headers({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 8))
@@ -127,4 +128,4 @@ def test_mutated_tapes_read_exactly_or_are_refused(tmp_path_factory: pytest.Temp
     a TapeError."""
     tapes = fuzz.tapes_module()
     root = tmp_path_factory.mktemp("tapefuzz")
-    _check(tapes.tape_case(fuzz, root, 0, name, HypothesisDraw(data), timeout=30))
+    _check(tapes.tape_case(fuzz, root, 0, name, HypothesisDraw(data), timeout=hangs.hang_s(3)))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -31,6 +30,7 @@ from ckpt.knobs import override
 from ckpt.manager import CheckpointManager, ResumeFallbackWarning
 from ckpt.reader import CheckpointReader
 from tests.ckpt.test_format_bad_input import CS, SF, ST, flip, manifest_of, reseal
+import hangs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,11 +88,26 @@ def _save(path: Path, state: dict[str, Any], **kw: Any) -> Path:
 # --- 1. all or nothing ----------------------------------------------------------------------------
 
 
-def test_a_bit_flip_in_any_chunk_of_any_tensor_file_leaves_every_target_as_it_was(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["in-order", "two-threads"])
+def test_a_bit_flip_in_any_chunk_of_any_tensor_file_leaves_every_target_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
     """Three model+AdamW checkpoints, three flipped bits per 4 KiB chunk of each tensor file
     (one at a time, a different byte each time): every load raises and every target, RNG stream included, is
     bit-identical to before. (Before: the model held the corrupt bytes of every tensor read
-    before the bad chunk; one weight came back as -1.8e36.)"""
+    before the bad chunk; one weight came back as -1.8e36.) ``two-threads``: small files take
+    the path of large ones, hashed and copied by two threads taking one-chunk pieces in turn;
+    the chunk named is still the flipped one, and the error is that mismatch (a traceback
+    that kept a slice of the mapping once made unmapping it raise ``BufferError`` instead,
+    for files of 32 MiB and more corrupt in their first half)."""
+    shares: list[int] = []
+    if shared:
+        from ckpt import _ranges
+
+        monkeypatch.setattr(_ranges, "PIPELINE_MIN_BYTES", 0)
+        monkeypatch.setattr(_ranges, "SHARED_PIECE", CS)
+        real_share = _ranges.share
+        monkeypatch.setattr(_ranges, "share", lambda calls: (shares.append(len(calls)), real_share(calls))[1])
     cases = 0
     for seed, width in ((1, 24), (2, 64), (3, 128)):
         m, o = _model_opt(seed, width)
@@ -106,14 +121,17 @@ def test_a_bit_flip_in_any_chunk_of_any_tensor_file_leaves_every_target_as_it_wa
             bit = rnd.randrange(8)
             before = _snapshot(m2, o2)
             flip(f, pos, bit)
-            with pytest.raises((ChecksumMismatchError, FormatError)):
+            with pytest.raises((ChecksumMismatchError, FormatError)) as e:
                 ckpt.load(p, {"model": m2, "optim": o2}, exactness="off")
+            if isinstance(e.value, ChecksumMismatchError):
+                assert e.value.context["chunk"] == pos // CS, str(e.value)
             _assert_same(before, m2, o2)
             flip(f, pos, bit)
             cases += 1
         ckpt.load(p, {"model": m2, "optim": o2}, exactness="off")  # intact again: loads
         assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
     assert cases >= 50
+    assert not shared or max(shares) > 2  # the hash and the copy were split into pieces
 
 
 def test_every_mismatch_is_found_before_any_target_is_written(tmp_path: Path) -> None:
@@ -440,10 +458,10 @@ def test_verify_refuses_what_load_cannot_load(tmp_path: Path, what: str, edit: A
 
 def test_cli_verify_exits_nonzero_on_a_resigned_unloadable_checkpoint(tmp_path: Path) -> None:
     p = _save(tmp_path / "c", _state_with_device(0))
-    ok = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
+    ok = hangs.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, bound_s=hangs.hang_s(6))
     assert ok.returncode == 0, ok.stderr
     _craft_state(p, _unknown_tensor_key)
-    res = subprocess.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, capture_output=True, text=True)
+    res = hangs.run([sys.executable, "-m", "ckpt_cli", "verify", str(p)], cwd=REPO, bound_s=hangs.hang_s(6))
     assert res.returncode == 3, (res.stdout, res.stderr)
     assert "not-in-the-table" in res.stderr and "Traceback" not in res.stderr
 

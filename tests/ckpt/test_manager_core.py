@@ -22,6 +22,7 @@ from ckpt.manager import (
 )
 from ckpt.storage import LocalStorage
 from tests.sim.faultfs import FaultPlan, FaultRule, FaultyStorage
+import hangs
 
 
 def _model_opt(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -234,7 +235,7 @@ def test_async_save_writes_the_state_of_the_step_boundary(tmp_path):
     def gate(i: int, op: str, path: str) -> None:  # holds the background writer until the test lets it go
         if op == "create" and path.endswith(".safetensors"):
             entered.set()
-            assert release.wait(30)
+            assert release.wait(hangs.hang_s(3))
 
     storage = FaultyStorage(LocalStorage(), on_op=gate)
     m, o, s = _model_opt()
@@ -247,7 +248,7 @@ def test_async_save_writes_the_state_of_the_step_boundary(tmp_path):
     torch.manual_seed(123)
     rng_at_save = torch.get_rng_state()
     assert mgr.after_step(1)
-    assert entered.wait(30)
+    assert entered.wait(hangs.hang_s(3))
     # The loop moves on while the write is held: none of this may leak into step 1.
     for _ in range(2):
         _step(m, o, s)

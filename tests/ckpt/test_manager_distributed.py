@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
-import socket
 import traceback
 
 import pytest
 
 from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
+from hangs import hang_s
+import worlds
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, out: str) -> None:
-    import datetime
-
+def _worker(rank: int, init: str, timeout: datetime.timedelta, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -32,7 +26,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     result: dict = {"rank": rank}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+        worlds.arm(out, rank)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timeout)
         torch.set_num_threads(1)
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)  # identical on both ranks, as DDP keeps it
@@ -107,17 +102,12 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def test_two_ranks_save_load_commit_and_manager(tmp_path):
     ctx = _forkserver()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(2)]
+    init, timeout = worlds.file_init(tmp_path), worlds.pg_timeout(10)
+    procs = [ctx.Process(target=_worker, args=(r, init, timeout, str(tmp_path))) for r in range(2)]
     with _main_not_reimported():
         for p in procs:
             p.start()
-    for p in procs:
-        p.join(100)
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+    worlds.join(procs, tmp_path, bound_s=hang_s(10))
     results = []
     for r in range(2):
         with open(tmp_path / f"result-{r}.json") as f:

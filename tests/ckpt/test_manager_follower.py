@@ -10,6 +10,7 @@ import torch
 
 from ckpt import CheckpointManager
 from ckpt.errors import CkptError, RunDirLockedError
+import hangs
 
 
 def _state(seed: int) -> dict:
@@ -62,7 +63,7 @@ def test_set_writer_hands_the_lock_over(tmp_path):
     took = threading.Thread(target=b.set_writer, args=(True,))  # waits for a's lock
     took.start()
     a.set_writer(False)  # hands it over: the waiting thread gets it
-    took.join(60)
+    took.join(hangs.hang_s(3))  # a hang bound: a thread still waiting fails the assertion below
     assert not took.is_alive() and b.writer and not a.writer
     b.save(7)
     assert [r.step for r in b.checkpoints() if r.committed] == [7]

@@ -25,6 +25,7 @@ import ckpt
 from ckpt.errors import CheckpointExistsError, ResumeMismatchError, StateMismatchError
 from ckpt.manager import CheckpointManager, ConfigChangedWarning, ResumeFallbackWarning, latest
 import hangs
+import worlds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -320,8 +321,7 @@ def test_a_changed_config_is_one_warning_naming_the_keys(tmp_path: Path) -> None
     mgr.close()
 
 
-def _grow_worker(rank: int, port: int, run_dir: str, out: str) -> None:
-    import datetime
+def _grow_worker(rank: int, init: str, timeout: Any, run_dir: str, out: str) -> None:
     import json
     import traceback
 
@@ -329,8 +329,8 @@ def _grow_worker(rank: int, port: int, run_dir: str, out: str) -> None:
 
     result: dict[str, Any] = {"rank": rank}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
+        worlds.arm(out, rank)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timeout)
         torch.set_num_threads(1)
         mgr = CheckpointManager(run_dir, {"model": torch.nn.Linear(4, 3)}, replicated=["model"], signals=(),
                                 every_steps=1, ledger=False)
@@ -358,7 +358,6 @@ def test_two_ranks_resuming_a_one_rank_run_are_refused_together(tmp_path: Path) 
     """The HF DDP case of issue 25 (``no part 'rank-00001'`` was skipped as corrupt):
     on 2 real gloo ranks, both raise, neither saves, the run is untouched."""
     import json
-    import socket
 
     from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
 
@@ -367,19 +366,13 @@ def test_two_ranks_resuming_a_one_rank_run_are_refused_together(tmp_path: Path) 
     run = tmp_path / "run"
     _save_run(run, width=4)
     before = _tree(run)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = _forkserver()
-    procs = [ctx.Process(target=_grow_worker, args=(r, port, str(run), str(tmp_path))) for r in range(2)]
+    init, timeout = worlds.file_init(tmp_path), worlds.pg_timeout(10)
+    procs = [ctx.Process(target=_grow_worker, args=(r, init, timeout, str(run), str(tmp_path))) for r in range(2)]
     with _main_not_reimported():
         for p in procs:
             p.start()
-    for p in procs:
-        p.join(150)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+    worlds.join(procs, tmp_path, bound_s=hangs.hang_s(10))
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
     assert not any("crash" in r for r in results), results
     assert [r.get("saved") for r in results] == [False, False]

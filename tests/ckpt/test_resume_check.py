@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from ckpt.testing.resume_entry import ResumeCheckError, check_resume, compare_checkpoints, exactness_refusals
 from ckpt.testing import Verdict, assert_resume_exact
+import hangs
 
 ENTRY = "runs.basic.resume_tiny:train"
 
@@ -95,9 +96,11 @@ def test_argument_errors_and_crashing_entry(tmp_path):
     with pytest.raises(ValueError, match=r"kill step 30 is outside 1\.\.6"):
         check_resume(ENTRY, steps=6, kill_at=[30])
     with pytest.raises(ResumeCheckError, match=r"(?s)attempt reference rank 0 exited with status 1.*No module named 'no_such_module_xyz'"):
-        check_resume("no_such_module_xyz:train", steps=3, kill_at=[2], work_dir=str(tmp_path / "f"), timeout=60)
+        check_resume("no_such_module_xyz:train", steps=3, kill_at=[2], work_dir=str(tmp_path / "f"),
+                     timeout=hangs.hang_s(6))
     with pytest.raises(ResumeCheckError, match=r"(?s)exited with status 1.*No module named 'no_such_module_xyz'"):
-        check_resume("no_such_module_xyz:train", steps=3, kill_at=[2], work_dir=str(tmp_path / "e"), timeout=60, isolation="exec")
+        check_resume("no_such_module_xyz:train", steps=3, kill_at=[2], work_dir=str(tmp_path / "e"),
+                     timeout=hangs.hang_s(6), isolation="exec")
     with pytest.raises(ValueError, match="isolation must be"):
         check_resume(ENTRY, isolation="thread")
 

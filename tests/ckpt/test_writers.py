@@ -180,9 +180,9 @@ import torch, torch.distributed as dist
 import ckpt
 from ckpt.errors import DistributedUsageError, RunDirLockedError
 from ckpt.manager import CheckpointManager
-rank, out, held = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, out, held, bound_s = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
 dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "rdzv"), rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=120))
+                        timeout=datetime.timedelta(seconds=bound_s))
 res = {}
 try:
     ckpt.save(os.path.join(out, "ck"), {"r": torch.tensor([rank])}, step=1)
@@ -217,7 +217,8 @@ def test_save_under_a_process_group_refuses_and_one_rank_locks_for_the_job(tmp_p
     holder, hpid = _start_holder(held)
     try:
         procs = [
-            subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK), str(r), str(tmp_path), held], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            hangs.popen([sys.executable, "-c", textwrap.dedent(RANK), str(r), str(tmp_path), held, str(HANG)], cwd=ROOT,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for r in range(2)
         ]
         outs = [hangs.communicate(p, bound_s=HANG) for p in procs]

@@ -16,6 +16,7 @@ import ckpt
 from ckpt import CheckpointManager
 from ckpt.context.config import canonical_config, config_hash
 from ckpt.errors import UnsupportedValueError
+import hangs
 
 
 class FrozenMap(Mapping):
@@ -160,7 +161,6 @@ def test_torchdata_stateful_dataloader_resumes_mid_epoch_exactly(tmp_path: Path,
 
 @pytest.mark.slow
 def test_import_ckpt_never_imports_the_integrations_or_their_libraries() -> None:
-    import subprocess
     import sys
 
     code = (
@@ -169,8 +169,8 @@ def test_import_ckpt_never_imports_the_integrations_or_their_libraries() -> None
         "('transformers', 'lightning', 'pytorch_lightning', 'accelerate', 'torchdata') "
         "or m.startswith('ckpt.integrations.')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = hangs.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2],
+                    bound_s=hangs.hang_s(6))
     assert out.stdout.strip() == "[]"
 
 

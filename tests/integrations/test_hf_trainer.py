@@ -8,7 +8,6 @@ cosine schedule with warmup, gradient accumulation 2, epochs of an odd micro-bat
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import hangs
+import worlds
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -30,25 +30,18 @@ SCRIPT = Path(__file__).with_name("hf_gpt2_run.py")
 STEPS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(run_dir: Path, out: Path, *, world: int, kill_at: int = 0, settled: bool = False) -> list[int]:
     """Start ``world`` fresh processes (as torchrun would) and return their exit codes."""
-    port = _free_port()
+    store = worlds.agent_store() if world > 1 else None  # held until every rank has exited
     procs = []
     for rank in range(world):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        if world > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if store is not None:
+            env.update(worlds.launch_env(store, rank, world))
         cmd = [sys.executable, str(SCRIPT), "--run-dir", str(run_dir), "--out", str(out), "--steps", str(STEPS)]
         if kill_at:
             cmd += ["--kill-at", str(kill_at), *(["--kill-settled"] if settled else [])]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(hangs.popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     codes, outputs = [], []
     for p in procs:
         o, _ = hangs.communicate(p, bound_s=hangs.hang_s(24))
@@ -76,21 +69,41 @@ def _assert_identical(a: Path, b: Path, kill_at: int) -> None:
     assert ca["extra"]["positioned_steps"] == 0
 
 
+@pytest.fixture(scope="module")
+def straight() -> dict[int, Path]:
+    """The straight runs' outputs, by world size: one per worker process, so the cases of one
+    world size are in one pytest-xdist group (``hf-world-N``)."""
+    return {}
+
+
+def _straight(cache: dict[int, Path], tmp: pytest.TempPathFactory, world: int) -> Path:
+    if world not in cache:
+        d = tmp.mktemp(f"hf-straight-{world}")
+        _run(d / "run", d / "out", world=world)
+        cache[world] = d / "out"
+    return cache[world]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,kill_at", [(1, 8), (2, 8), (1, 10)])
-def test_hf_trainer_kill_and_resume_in_fresh_processes_is_bit_identical(tmp_path: Path, world: int, kill_at: int) -> None:
+@pytest.mark.parametrize("world,kill_at", [pytest.param(w, k, marks=pytest.mark.xdist_group(f"hf-world-{w}"))
+                                           for w, k in ((1, 8), (2, 8), (1, 10))])
+def test_hf_trainer_kill_and_resume_in_fresh_processes_is_bit_identical(straight: dict[int, Path],
+                                                                         tmp_path_factory: pytest.TempPathFactory,
+                                                                         tmp_path: Path, world: int,
+                                                                         kill_at: int) -> None:
     """Kill at 8: the resume starts an epoch (step 6: 11 micro-batches, one epoch, on one rank).
     Kill at 10 on one rank, once the save of 9 committed: step 9 is 6 micro-batches into
-    epoch 1, the mid-epoch resume that Trainer would skip batches for."""
+    epoch 1, the mid-epoch resume that Trainer would skip batches for. The straight run of a
+    world size is shared by its cases (it is the same run)."""
     if world > 1 and not torch.distributed.is_gloo_available():
         pytest.skip("gloo is not available")
-    _run(tmp_path / "straight", tmp_path / "out-a", world=world)
+    out_a = _straight(straight, tmp_path_factory, world)
     codes = _run(tmp_path / "crashed", tmp_path / "out-b", world=world, kill_at=kill_at, settled=kill_at == 10)
     assert codes == [-9] * world  # SIGKILL: no cleanup ran
     assert not (tmp_path / "out-b").exists()
     _run(tmp_path / "crashed", tmp_path / "out-b", world=world)
     for rank in range(world):
-        _assert_identical(tmp_path / "out-a" / f"rank-{rank}", tmp_path / "out-b" / f"rank-{rank}", kill_at)
+        _assert_identical(out_a / f"rank-{rank}", tmp_path / "out-b" / f"rank-{rank}", kill_at)
     if kill_at == 10:  # the resumed epoch's 3 optimizer steps (10-12) came from the positioned loader
         extra = ckpt.open(tmp_path / "out-b" / "rank-0").context()["extra"]
         assert (extra["resumed_from"], extra["positioned_steps"]) == (9, 3)

@@ -42,13 +42,16 @@ CASES = [(t, lo, *T.draw(random.Random(f"multiproc/{t}/{lo}"), STEPS)) for t, lo
 # 12, after the fourth epoch's last batch (under Lightning the next epoch's iterator is built
 # before it sets the samplers' epoch).
 EPOCH_STEPS = 14
-EPOCHS = [pytest.param(t, "stateful", k, w, s, id=f"{t}-stateful-{w}{k}-{label}")
+EPOCHS = [pytest.param(t, "stateful", k, w, s, id=f"{t}-stateful-{w}{k}-{label}",
+                       marks=pytest.mark.xdist_group(f"multiproc-{t}-stateful-{s}"))
           for t in ("lightning", "lightning-fsdp2", "accelerate")
           for k, w, s, label in ((9, "step", STEPS, "third-epoch"), (12, "save", EPOCH_STEPS, "epoch-end"))]
 
 
 @pytest.fixture(scope="module")
 def straight() -> dict[str, Path]:
+    """The straight 2-process runs, by trainer and loader: one per worker process, so the tests
+    that read one are in its pytest-xdist group (``multiproc-TRAINER-LOADER-STEPS``)."""
     return {}
 
 
@@ -71,7 +74,9 @@ def _newest_manifest(run: str, name: str | None = None) -> tuple[str, bytes]:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a hang bound for up to three 2-process jobs (tests/hangs.py), never a speed verdict
 @pytest.mark.parametrize(("trainer", "loader", "kill", "where", "steps"),
-                         [pytest.param(*c, STEPS, id=f"{c[0]}-{c[1]}-{c[3]}{c[2]}") for c in CASES] + EPOCHS)
+                         [pytest.param(*c, STEPS, id=f"{c[0]}-{c[1]}-{c[3]}{c[2]}",
+                                       marks=pytest.mark.xdist_group(f"multiproc-{c[0]}-{c[1]}-{STEPS}"))
+                          for c in CASES] + EPOCHS)
 def test_two_process_random_kill_resumes_bit_identically(straight: dict[str, Path],
                                                          tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
                                                          trainer: str, loader: str, kill: int, where: str,
@@ -101,12 +106,16 @@ def test_two_process_random_kill_resumes_bit_identically(straight: dict[str, Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a hang bound for up to three 2-process jobs (tests/hangs.py), never a speed verdict
-@pytest.mark.parametrize("trainer", ["lightning", "lightning-fsdp2", "accelerate"])
-def test_a_world_size_change_is_refused_not_called_exact(tmp_path: Path, trainer: str) -> None:
+@pytest.mark.parametrize("trainer", [pytest.param(t, marks=pytest.mark.xdist_group(f"multiproc-{t}-resumable-{STEPS}"))
+                                     for t in ("lightning", "lightning-fsdp2", "accelerate")])
+def test_a_world_size_change_is_refused_not_called_exact(straight: dict[str, Path],
+                                                         tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
+                                                         trainer: str) -> None:
     """A 2-process run resumed by 1 process stops with ``ResumeMismatchError`` naming both
-    world sizes before a step is taken; the run's checkpoints are untouched."""
-    run, out = str(tmp_path / "run"), str(tmp_path / "out")
-    M.launch(M.command(trainer, "resumable", run, out, STEPS, 5, "step"), expect_kill=True)
+    world sizes before a step is taken; the run's checkpoints are untouched. The run is the
+    straight 2-process run of the trials (its checkpoints are what a resume loads)."""
+    ref = _straight(straight, tmp_path_factory, trainer, "resumable", STEPS)
+    run, out = str(ref.parent / "run"), str(tmp_path / "out")
     before = sorted(os.listdir(run))
     with pytest.raises(RuntimeError) as e:
         M.launch(M.command(trainer, "resumable", run, out, STEPS, procs=1), expect_kill=False)

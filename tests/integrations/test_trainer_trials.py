@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,13 +70,17 @@ CASES += [("lightning", "stateful", 12, "save"), ("accelerate", "stateful", 12, 
               "after the restore (measured). WorkerRNG gives the augmentation its own streams: exact")))]
 
 
-def _case_id(case: object) -> str:
-    t, lo, kill, where = getattr(case, "values", case)  # type: ignore[misc]
-    return f"{t}-{lo}-{where}{kill}"
+def _case(case: object) -> Any:
+    """The case with its id, in the pytest-xdist group of its straight run: the trials of one
+    trainer and loader share that run (the ``straight`` cache is per worker process)."""
+    values, marks = (case.values, list(case.marks)) if hasattr(case, "values") else (case, [])
+    t, lo, kill, where = values  # type: ignore[misc]
+    group = pytest.mark.xdist_group(f"straight-{t}-{lo}")
+    return pytest.param(*values, id=f"{t}-{lo}-{where}{kill}", marks=[*marks, group])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("trainer", "loader", "kill", "where"), CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize(("trainer", "loader", "kill", "where"), [_case(c) for c in CASES])
 def test_random_kill_resumes_bit_identically(straight: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
                                              tmp_path: Path, trainer: str, loader: str, kill: int, where: str) -> None:
     _trial(straight, tmp_path_factory, tmp_path, trainer, loader, kill, where)

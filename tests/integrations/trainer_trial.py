@@ -266,12 +266,13 @@ def command(trainer: str, loader: str, run_dir: str, out: str, steps: int, kill:
     return cmd + (["--kill", str(kill), "--where", where] if kill else [])
 
 
-def launch(cmd: list[str], *, expect_kill: bool, hang_after: float = 900.0) -> str:
-    """Run one process; returns its stderr. A generous bound only detects a hang (never a
-    timing assertion)."""
-    import subprocess
+def launch(cmd: list[str], *, expect_kill: bool) -> str:
+    """Run one process (hang-bounded by tests/hangs.py: past the bound its stacks are
+    dumped and the test fails naming the hang; never a timing verdict); returns its stderr."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import hangs
 
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_after)
+    p = hangs.run(cmd, bound_s=hangs.hang_s(60.0, floor_s=600.0))
     if expect_kill and p.returncode == -signal.SIGKILL:
         return p.stderr
     if p.returncode != 0 or expect_kill:

@@ -10,11 +10,14 @@ from replay.errors import PeerDiedError
 __all__ = ["pump"]
 
 
-def pump(agents: Iterable[Any], handle: Any, timeout: float = 10.0) -> Any:
+def pump(agents: Iterable[Any], handle: Any, timeout: float | None = None) -> Any:
     """Poll every agent until the snapshot ``handle`` is done (a dead peer's error is the
-    snapshot's business, not the poller's); its outcome."""
+    snapshot's business, not the poller's); its outcome. ``timeout``: a hang bound
+    (default ``hangs.hang_s(1)``), never a speed verdict."""
+    from hangs import hang_s
+
     agents = list(agents)
-    end = time.monotonic() + timeout
+    end = time.monotonic() + (hang_s(1) if timeout is None else timeout)
     while not handle.done() and time.monotonic() < end:
         for ag in agents:
             try:

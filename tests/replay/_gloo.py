@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -18,12 +17,6 @@ from typing import Any, Callable
 import msgpack
 
 __all__ = ["spawn_world"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple) -> None:
@@ -36,7 +29,8 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
         beat("joining gloo")
         # bounds for a rendezvous and a collective: hang bounds (a loaded machine starts slowly)
         bound = datetime.timedelta(seconds=hang_bound(6.0))
-        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=bound)
+        # the store the parent serves (spawn_world): every rank is a client
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=bound)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=bound)
         beat("running the test's function")
         result = fn(rank, world, store, Path(out), *args)
@@ -54,9 +48,12 @@ def spawn_world(fn: Callable[..., Any], world: int, out: Path, *args: Any, timeo
     heartbeat, an exit) for a tenth of it, times the hang scale, is a hang."""
     from replay.errors import HangError
     from replay.watchdog import hang_bound
-    from runs.common.procs import Workers
+    from runs.common.procs import Workers, serve_store
 
-    port = _free_port()
+    # the world's rendezvous, served here on a port the OS assigned as it listens (a port
+    # found free, closed and bound later by rank 0 could be taken in between)
+    served = serve_store(timeout_s=hang_bound(6.0))
+    port = served.port
     with Workers(watch=Path(out) / "watchdog", stall_s=hang_bound(timeout / 10), name="test") as w:
         w.watchdog.progress = lambda: tuple(w.exitcodes().values())
         for r in range(world):
@@ -66,6 +63,7 @@ def spawn_world(fn: Callable[..., Any], world: int, out: Path, *args: Any, timeo
         except HangError as e:
             raise AssertionError(f"the gloo world hung: {e}\n{Path(e.report).read_text()}") from None
         procs = list(w)
+    del served  # every rank has exited
     results = []
     for r, p in enumerate(procs):
         if r in expect_killed:

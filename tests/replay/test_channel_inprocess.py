@@ -25,6 +25,9 @@ from replay.errors import (
     ReceiveTimeoutError,
     SnapshotError,
 )
+import hangs
+
+HANG = hangs.hang_s(3)  # a hang bound for a wait on peers or threads (tests/hangs.py), never a speed verdict
 
 
 def star(sched=None, sink=None, **kw):
@@ -40,7 +43,7 @@ def test_fifo_seq_clock_and_repeated_payloads_stay_distinct() -> None:
     for _ in range(3):
         ep["a"].send("c", {"same": True}, [t])
     t.add_(100)  # the sender reuses its buffer at once: messages have value semantics
-    got = [ep["c"].recv(timeout=1) for _ in range(3)]
+    got = [ep["c"].recv(timeout=HANG) for _ in range(3)]
     assert [m.seq for m in got] == [0, 1, 2]
     assert [m.clock for m in got] == [VectorClock.of(a=1), VectorClock.of(a=2), VectorClock.of(a=3)]
     assert all(torch.equal(m.tensors[0], torch.arange(4.0)) and m.meta == {"same": True} for m in got)
@@ -90,7 +93,7 @@ def test_forced_scheduler_waits_for_a_message_sent_by_another_thread() -> None:
     _, ep = star(sched=ForcedScheduler([("b", 0)]))
     ep["a"].send("c", {"x": "early"})
     threading.Timer(0.05, lambda: ep["b"].send("c", {"x": "late"})).start()
-    assert ep["c"].recv(timeout=5).meta["x"] == "late"
+    assert ep["c"].recv(timeout=HANG).meta["x"] == "late"
 
 
 def test_forced_scheduler_divergence_on_wrong_seq_and_blocking_none() -> None:

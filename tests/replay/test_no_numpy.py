@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import hangs
+import worlds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,14 +33,14 @@ sys.meta_path.insert(0, _NoNumpy())
 """
 
 SCRIPT = """
-import datetime, os, socket, sys, warnings
+import datetime, os, sys, warnings
 warnings.simplefilter("ignore")
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
-def child(rank, port, mode, q):
+def child(rank, init, bound_s, mode, q):
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=bound_s))
         from replay.channel import Endpoint, TorchDistTransport
         from replay.channel import torchdist
         if mode == "local-failure" and rank == 1:
@@ -54,7 +55,7 @@ def child(rank, port, mode, q):
         else:
             got = []
             for _ in range(3):
-                m = ep.recv(timeout=30)
+                m = ep.recv(timeout=bound_s)
                 got.append((m.meta["i"], m.tensors[0].tolist()))
             q.put(("b", got))
         ep.close() if hasattr(ep, "close") else None
@@ -64,12 +65,12 @@ def child(rank, port, mode, q):
         os._exit(3)
 
 if __name__ == "__main__":
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    init, bound_s = sys.argv[2], float(sys.argv[3])  # a file:// rendezvous, a hang bound
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ps = [ctx.Process(target=child, args=(r, port, sys.argv[1], q), daemon=True) for r in range(2)]
+    ps = [ctx.Process(target=child, args=(r, init, bound_s, sys.argv[1], q), daemon=True) for r in range(2)]
     for p in ps: p.start()
-    for p in ps: p.join(90)
+    for p in ps: p.join()  # on the exits: a rank left blocked is a hang, the test's bound dumps its stacks
     alive = [p.pid for p in ps if p.is_alive()]
     for p in ps:
         if p.is_alive(): p.kill()
@@ -88,8 +89,9 @@ def _run(tmp_path: Path, mode: str) -> str:
     (tmp_path / "sitecustomize.py").write_text(BLOCK)
     (tmp_path / "exchange.py").write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    p = hangs.run([sys.executable, str(tmp_path / "exchange.py"), mode], capture_output=True, text=True,
-                  env=env, cwd=ROOT, bound_s=hangs.hang_s(24))
+    init, bound_s = worlds.file_init(tmp_path), hangs.hang_s(24)
+    p = hangs.run([sys.executable, str(tmp_path / "exchange.py"), mode, init, str(bound_s)], capture_output=True,
+                  text=True, env=env, cwd=ROOT, bound_s=bound_s)
     assert p.returncode == 0, p.stderr[-3000:]
     return p.stdout
 

@@ -33,6 +33,9 @@ from replay.snapshot import (
     delivery_order,
 )
 from tests.replay._bank import INITIAL, Teller, finish_forced
+import hangs
+
+HANG = hangs.hang_s(3)  # a hang bound for a wait on peers or threads (tests/hangs.py), never a speed verdict
 
 
 @dataclass
@@ -83,7 +86,7 @@ def original_run(seed: int, n: int, extra: list[tuple[int, int]], steps: int,
         tellers[a].step(eps[a])
         tick += 1
         assert tick < 200_000, "simulation did not converge"
-    outcomes = {name: h.wait(10) for name, h in handles.items()}
+    outcomes = {name: h.wait(HANG) for name, h in handles.items()}
     for ag in agents.values():
         ag.close()
     return Run(names, edges, tellers, eps, sink, store, outcomes)

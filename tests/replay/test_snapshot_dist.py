@@ -24,6 +24,9 @@ import torch
 
 from tests.replay._bank import INITIAL, Teller
 from tests.replay._gloo import spawn_world as _spawn
+import hangs
+
+HANG = hangs.hang_s(3)  # a hang bound for a wait on peers or threads (tests/hangs.py), never a speed verdict
 
 WORLD = 4
 BANK_STEPS = 60
@@ -50,7 +53,7 @@ def _bank_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]
     teller = Teller(1234 + rank)
     ep = Endpoint(TorchDistTransport(names), sink=sink, step=lambda: teller.steps)
     agent = SnapshotAgent(ep, {"teller": teller}, store=CkptSnapshotStore(out / "snaps"),
-                          control=TorchStoreControl(store, "bank/"), participants=names, deadline_s=60)
+                          control=TorchStoreControl(store, "bank/"), participants=names, deadline_s=HANG)
     handles = {}
     while teller.steps < BANK_STEPS or agent.in_flight() or not all(agent.local_done(n) for n in SNAPS):
         for name, (who, at) in SNAPS.items():
@@ -60,14 +63,14 @@ def _bank_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]
         if rank % 2:
             time.sleep(0.001)  # uneven speeds: more interleavings than lockstep
         assert teller.steps < 20_000, "snapshots never completed"
-    res["outcomes"] = {n: {"committed": h.wait(60).committed, "reason": h.wait(60).reason}
+    res["outcomes"] = {n: {"committed": h.wait(HANG).committed, "reason": h.wait(HANG).reason}
                        for n, h in handles.items()}
     res["blocked_s"] = {n: agent.stats[n]["blocked_s"] for n in agent.stats}
     agent.close()
     dist.barrier()
     res["final"] = teller.final(ep)
     res["events"] = sink.to_list()
-    ep.close(30)
+    ep.close(HANG)
     return res
 
 
@@ -95,7 +98,7 @@ def _channel_checks(rank: int, names: list[str]) -> dict[str, Any]:
         ep.send("r1", {"what": "oversize"}, [torch.arange(2 * 1024 * 1024 // 8, dtype=torch.int64)])
         ep.send("r1", {"what": "after"}, [torch.tensor([7, 8, 9])])
     if rank == 1:
-        got = [ep.recv(timeout=30) for _ in samples]
+        got = [ep.recv(timeout=HANG) for _ in samples]
         exact = []
         for m, (meta, tensors) in zip(got, samples):
             exact.append(m.meta == meta and len(m.tensors) == len(tensors)
@@ -107,11 +110,11 @@ def _channel_checks(rank: int, names: list[str]) -> dict[str, Any]:
         out["exact"] = exact
         out["clocks"] = [m.clock.encode() for m in got]
         try:
-            ep.recv(timeout=30)
+            ep.recv(timeout=HANG)
         except MessageTooLargeError as exc:
             out["recv_too_large"] = str(exc)
             out["recv_too_large_seq"] = exc.seq
-        after = ep.recv(timeout=30)
+        after = ep.recv(timeout=HANG)
         out["after"] = [after.seq, after.meta["what"], after.tensors[0].tolist()]
     if rank == 2:
         t0 = time.monotonic()
@@ -120,7 +123,7 @@ def _channel_checks(rank: int, names: list[str]) -> dict[str, Any]:
         except ReceiveTimeoutError as exc:
             out["timeout"] = str(exc)
             out["timeout_waited"] = time.monotonic() - t0 >= 0.29
-    ep.close(30)
+    ep.close(HANG)
     return out
 
 
@@ -165,7 +168,7 @@ def _restore_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, A
         res.setdefault("remaining", {})[name] = order.remaining
         res.setdefault("final", {})[name] = teller.final(ep)
         dist.barrier()
-        ep.close(30)
+        ep.close(HANG)
         agent.close()
     return res
 
@@ -190,11 +193,11 @@ def _kill_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]
         tr._send_bytes(torch.frombuffer(bytearray(hdr), dtype=torch.uint8), "k0")
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
-    first = ep.recv(timeout=30)
+    first = ep.recv(timeout=HANG)
     res["first"] = [first.seq, first.meta]
     t0 = time.monotonic()
     try:
-        ep.recv(timeout=30)
+        ep.recv(timeout=HANG)
     except PeerDiedError as exc:
         res["died"] = str(exc)
         res["died_seq"] = exc.seq
@@ -207,7 +210,7 @@ def _kill_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]
         ep2 = Endpoint(TorchDistTransport(names, tag=20 + k), sink=sink)
         agent = SnapshotAgent(ep2, {"w": torch.full((8,), float(rank))}, store=CkptSnapshotStore(out / "snaps"),
                               control=TorchStoreControl(store, f"kill-{k}/"), participants=names,
-                              excludable=excludable, deadline_s=30, grace_s=2)
+                              excludable=excludable, deadline_s=HANG, grace_s=2)
         control = TorchStoreControl(store, f"kill-{k}/")
         if rank == 0:
             h = agent.initiate(name)
@@ -217,7 +220,7 @@ def _kill_worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]
             res[name] = {"committed": o.committed, "reason": o.reason, "parts": list(o.parts),
                          "excluded": list(o.excluded), "kinds": sorted({e.kind for e in sink.events})}
         else:
-            end = time.monotonic() + 30
+            end = time.monotonic() + HANG
             while control.get(f"snap/{name}/outcome") is None and time.monotonic() < end:
                 _poll(agent)
         agent.close()

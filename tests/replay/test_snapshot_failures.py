@@ -20,6 +20,9 @@ from replay.snapshot import (
     MemorySnapshotStore,
     SnapshotAgent,
 )
+import hangs
+
+HANG = hangs.hang_s(3)  # a hang bound for a wait on peers or threads (tests/hangs.py), never a speed verdict
 
 
 def job(store, names=("p0", "p1", "p2"), **kw):
@@ -112,7 +115,7 @@ def test_unreachable_participant_hits_the_deadline(store) -> None:
     eps = {a: Endpoint(net.transport(a)) for a in names}
     agents = {a: SnapshotAgent(eps[a], {}, store=store, control=ctl, participants=names, deadline_s=0.2)
               for a in names}
-    out = agents["p0"].initiate("s5").wait(5)
+    out = agents["p0"].initiate("s5").wait(HANG)
     assert not out.committed and "participants ['p1'] reported no part within 0.2 s" in out.reason
     assert store.pending_leftovers() == []
 

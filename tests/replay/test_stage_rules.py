@@ -21,6 +21,9 @@ from replay.snapshot import MemoryControl, MemorySnapshotStore, SnapshotAgent
 from replay.clock import VectorClock
 from replay.errors import ReceiveTimeoutError
 from replay.events import KIND_BY_NAME, Event
+import hangs
+
+HANG = hangs.hang_s(3)  # a hang bound for a wait on peers or threads (tests/hangs.py), never a speed verdict
 
 D1, D2, D3 = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
 
@@ -258,7 +261,7 @@ def test_restore_without_announcing_tapes_nothing(tmp_path: Path) -> None:
     while not h.done():
         agents["b"].poll()
         agents["a"].poll()
-    assert h.wait(5).committed
+    assert h.wait(HANG).committed
     rec.close()
     rec2, agents2, states2 = job(tmp_path / "2.tape")
     for x in "ab":

@@ -29,6 +29,9 @@ from replay.snapshot import CHANNELS_KEY, MemoryControl, MemorySnapshotStore, Sn
 from replay.tape import TapeReader, TapeWriter
 from replay.tape.reader import EVENT_HEAD
 from tests.replay._bank import INITIAL, Teller, finish_forced
+import hangs
+
+HANG = hangs.hang_s(3)  # a hang bound for a wait on peers or threads (tests/hangs.py), never a speed verdict
 
 SNAPS = [(40, "p0", "s-a"), (45, "p2", "s-b"), (200, "p3", "s-c")]  # (tick, initiator, name)
 
@@ -78,7 +81,7 @@ def taped(tmp_path_factory: pytest.TempPathFactory) -> Taped:
         tellers[a].step(eps[a])
         tick += 1
         assert tick < 20_000
-    outcomes = {n: h.wait(10) for n, h in handles.items()}
+    outcomes = {n: h.wait(HANG) for n, h in handles.items()}
     for ag in agents.values():
         ag.close()
     rec.close()

@@ -15,6 +15,9 @@ from click.testing import CliRunner
 
 from tests.replay._bank import INITIAL, Teller
 from tests.replay._gloo import spawn_world as _spawn
+import hangs
+
+HANG = hangs.hang_s(3)  # a hang bound for a wait on peers or threads (tests/hangs.py), never a speed verdict
 
 WORLD = 3
 STEPS = 50
@@ -38,7 +41,7 @@ def _worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]:
     ep = Endpoint(TorchDistTransport(NAMES, tag=31), sink=RecorderSink(rec, endpoint_steps=True),
                   step=lambda: teller.steps)
     agent = SnapshotAgent(ep, {"teller": teller}, store=CkptSnapshotStore(out / "snaps"),
-                          control=TorchStoreControl(store, "taping/"), participants=NAMES, deadline_s=60)
+                          control=TorchStoreControl(store, "taping/"), participants=NAMES, deadline_s=HANG)
     handles = {}
     while teller.steps < STEPS or agent.in_flight() or not all(agent.local_done(n) for n in SNAPS):
         for name, (who, at) in SNAPS.items():
@@ -48,10 +51,10 @@ def _worker(rank: int, world: int, store: Any, out: Path) -> dict[str, Any]:
         if rank % 2:
             time.sleep(0.001)  # uneven speeds: more interleavings than lockstep
         assert teller.steps < 20_000, "snapshots never completed"
-    outcomes = {n: h.wait(60) for n, h in handles.items()}
+    outcomes = {n: h.wait(HANG) for n, h in handles.items()}
     agent.close()
     dist.barrier()
-    ep.close(30)
+    ep.close(HANG)
     rec.close()  # after the agent: its coordinator thread tapes the outcome
     return {"outcomes": {n: [o.committed, o.reason] for n, o in outcomes.items()}, "balance": int(teller.balance)}
 

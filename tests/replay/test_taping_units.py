@@ -29,6 +29,9 @@ from replay.events import KIND_BY_NAME, Event
 from replay.snapshot import MemoryControl, MemorySnapshotStore, SnapshotAgent
 from replay.tape import TapeReader
 from tests.replay._agents import pump
+import hangs
+
+HANG = hangs.hang_s(3)  # a hang bound for a wait on peers or threads (tests/hangs.py), never a speed verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 D1 = b"\x01" * 16
@@ -80,7 +83,7 @@ def test_markers_tape_nothing_and_tick_nothing(tmp_path: Path) -> None:
         assert eps["b"].try_recv() is None  # the marker: cut (b:2), channel state (b:3), empty poll (b:4)
         assert eps["b"].clock == VectorClock.of(a=1, b=4) and eps["b"].next_recv["a"] == 1
         agents["a"].poll()  # b's marker closes a's recording
-        out = h.wait(10)
+        out = h.wait(HANG)
         assert out.committed, out.reason
         for ag in agents.values():
             ag.close()

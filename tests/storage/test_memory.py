@@ -25,6 +25,7 @@ from ckpt.errors import (
 from ckpt.storage import RenameCommit
 from ckpt.storage.memory import MemoryCommit, MemoryStorage
 from ckpt.writer import begin, commit, part_name_for_rank, recover, write_part
+import hangs
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -116,8 +117,8 @@ def test_run_lock_wait_takes_over_when_the_holder_releases() -> None:
     t.start()
     assert not got.wait(0.2)  # still held
     held.release()
-    assert got.wait(30)
-    t.join(30)
+    assert got.wait(hangs.hang_s(3))
+    t.join(hangs.hang_s(3))
     held.release()  # idempotent
 
 

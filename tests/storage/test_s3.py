@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from ckpt.errors import (
     UnsupportedSchemeError,
 )
 import hangs
+import worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HANG = hangs.hang_s(12)  # a subprocess that has not finished by then is stuck, not slow
@@ -511,8 +513,7 @@ def test_import_ckpt_does_not_import_the_s3_backend() -> None:
 # --- two gloo ranks saving to one s3:// checkpoint ---------------------------------------
 
 
-def _dist_worker(rank: int, port: int, url: str, env: dict, out: str) -> None:
-    import datetime
+def _dist_worker(rank: int, init: str, timeout: Any, url: str, env: dict, out: str) -> None:
     import traceback
 
     os.environ.update(env)  # the forkserver may predate this test's environment
@@ -523,8 +524,8 @@ def _dist_worker(rank: int, port: int, url: str, env: dict, out: str) -> None:
         from ckpt.distributed import DistributedCheckpointer
         from ckpt.manager import CheckpointManager, RetentionPolicy, list_checkpoints
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
+        worlds.arm(out, rank)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timeout)
         torch.set_num_threads(1)
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
@@ -555,24 +556,17 @@ def _dist_worker(rank: int, port: int, url: str, env: dict, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_two_ranks_save_one_checkpoint_and_run_a_manager_on_s3(s3, tmp_path) -> None:
-    import socket
-
     from ckpt.testing.resume_entry import _forkserver, _main_not_reimported
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     ctx = _forkserver()
     env = {k: v for k, v in s3.env.items() if k.startswith("AWS_")}
-    procs = [ctx.Process(target=_dist_worker, args=(r, port, s3.url("dist"), env, str(tmp_path))) for r in range(2)]
+    init, timeout = worlds.file_init(tmp_path), worlds.pg_timeout(10)
+    procs = [ctx.Process(target=_dist_worker, args=(r, init, timeout, s3.url("dist"), env, str(tmp_path)))
+             for r in range(2)]
     with _main_not_reimported():
         for p in procs:
             p.start()
-    for p in procs:
-        p.join(120)
-        if p.exitcode is None:
-            p.kill()
-            p.join()
+    worlds.join(procs, tmp_path, bound_s=hangs.hang_s(10))
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
     for res in results:
         assert "error" not in res, res["error"]
@@ -585,17 +579,14 @@ def test_two_ranks_save_one_checkpoint_and_run_a_manager_on_s3(s3, tmp_path) -> 
 
 
 _SHARDED = """
-import os, sys, datetime, socket
+import os, sys, datetime
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 import ckpt
 
-url = sys.argv[1]
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                        timeout=datetime.timedelta(seconds=60))
+url, init, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+dist.init_process_group("gloo", init_method=init, rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s))
 mesh = init_device_mesh("cpu", (1,))
 torch.manual_seed(0)
 full = torch.randn(8, 4)
@@ -612,9 +603,9 @@ print("ok", info.path)
 """
 
 
-def test_sharded_dtensor_state_through_dcp_to_s3(s3) -> None:
+def test_sharded_dtensor_state_through_dcp_to_s3(s3, tmp_path) -> None:
     url = s3.url("sharded/step-00000005")
-    p = _run(s3, _SHARDED, url)
+    p = _run(s3, _SHARDED, url, worlds.file_init(tmp_path), str(worlds.pg_timeout(10).total_seconds()))
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == f"ok {url}"
     ckpt.open(url).verify()

@@ -13,6 +13,7 @@ import torch
 
 from ckpt.data import QuarantinePolicy, ResumableLoader
 from ckpt_data_testkit import AugDataset, assert_streams_equal, take, via_msgpack
+import hangs
 
 N, B = 36, 6  # 6 steps per epoch
 STEPS = 12  # two epochs: persistent workers serve the second one without restarting
@@ -24,7 +25,7 @@ def _make(*, on_bad: str = "quarantine", **kw: Any) -> ResumableLoader:
     policy = QuarantinePolicy(fields=("x",), on_bad=on_bad)  # type: ignore[arg-type]
     return ResumableLoader(
         AugDataset(N, nan_at=frozenset({5, 20})), seed=17, global_batch_size=B, world_size=1,
-        quarantine=policy, timeout=60 if kw.get("num_workers") else 0, **kw,
+        quarantine=policy, timeout=hangs.hang_s(6) if kw.get("num_workers") else 0, **kw,
     )
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 
 from replay.errors import HangError  # noqa: E402
 from replay.watchdog import beat  # noqa: E402
-from runs.common.procs import Workers, free_port, join_gloo  # noqa: E402
+from runs.common.procs import Workers, join_gloo, serve_store  # noqa: E402
 
 WORLD = 3
 
@@ -40,7 +40,8 @@ def rank_main(rank: int, port: int) -> None:  # a child process
 
 def main() -> int:
     watch, fault, stall_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    port = free_port()
+    served = serve_store(timeout_s=3600)  # rank 0's too: this process serves the store, the ranks join it
+    port = served.port
     with Workers(watch=watch, stall_s=stall_s, name="orchestrator") as w:
         for r in range(WORLD):
             w.start(f"rank{r}", rank_main, r, port)

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from runs.common.procs import Threads, Workers, free_port, join_gloo, leave_gloo
+from replay.watchdog import hang_bound
+from runs.common.procs import Threads, Workers, join_gloo, leave_gloo, serve_store
 
 
 def _threads_then_exit(code: int) -> None:  # a child: exits ``code`` when it runs with one intra-op thread
@@ -25,11 +26,11 @@ def _wait_forever(ev: object) -> None:
     ev.wait()  # type: ignore[attr-defined]
 
 
-def _gloo_rank(rank: int, port: int) -> None:
+def _gloo_rank(rank: int, port: int, served: object = None) -> None:
     import torch
     import torch.distributed as dist
 
-    store = join_gloo(rank, 2, port, timeout_s=120)
+    store = join_gloo(rank, 2, port, timeout_s=hang_bound(12), store=served)
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     assert float(t) == 3.0
@@ -39,7 +40,8 @@ def _gloo_rank(rank: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_workers_report_exit_codes_join_one_gloo_world_and_kill_what_outlives_the_run() -> None:
-    port = free_port()
+    served = serve_store(timeout_s=hang_bound(12))
+    port = served.port
     with Workers() as w:
         gate = w.ctx.Event()
         w.start("r1", _gloo_rank, 1, port)
@@ -49,9 +51,10 @@ def test_workers_report_exit_codes_join_one_gloo_world_and_kill_what_outlives_th
         w.start("stuck", _wait_forever, gate)
         with pytest.raises(ValueError, match="already started"):
             w.start("done", _threads_then_exit, 0)
-        _gloo_rank(0, port)  # rank 0 here: the world forms over the store join_gloo returns
+        _gloo_rank(0, port, served)  # rank 0 here: the world forms over the store this process serves
         for name in ("r1", "done", "failed", "killed"):
-            w[name].join(120)
+            w[name].join(hang_bound(12))
+            assert w[name].exitcode is not None, f"HANG: worker {name} had not exited (a hang bound)"
         codes = w.exitcodes()
         assert codes == {"r1": 0, "done": 0, "failed": 3, "killed": -signal.SIGKILL, "stuck": None}
         assert sorted(w.failed()) == ["failed", "killed"] and not w.ended("stuck")
@@ -64,7 +67,7 @@ def test_threads_reraise_the_first_error_and_name_the_stuck_ones() -> None:
     t.start("ok", lambda: None)
     t.start("bad", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
-        t.join(60)
+        t.join(hang_bound(6))
     assert seen == ["bad"]
     gate = threading.Event()
     t = Threads()
@@ -72,4 +75,4 @@ def test_threads_reraise_the_first_error_and_name_the_stuck_ones() -> None:
     with pytest.raises(TimeoutError, match=r"learners did not finish: \['slow'\]"):
         t.join(0.01, what="learners")
     gate.set()
-    t.join(60)
+    t.join(hang_bound(6))

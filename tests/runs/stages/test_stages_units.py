@@ -27,6 +27,7 @@ from runs.stages.config import StagesConfig
 from runs.stages.model import Data, build_stage, flat_params, forward_without
 from runs.stages.run import open_recorder
 from runs.stages.worker import RecoveryError, Worker
+import hangs
 
 CFG = StagesConfig(replicas=2, steps=8, corpus_seqs=256, val_seqs=16, transport="threads", chaos=False)
 
@@ -67,7 +68,9 @@ class Job:
         for t in ts:
             t.start()
         for t in ts:
-            t.join(60)
+            t.join(hangs.hang_s(6))  # a hang bound: a thread still running is named below
+        stuck = [t.name for t in ts if t.is_alive()]
+        assert not stuck, f"HANG: stage threads {stuck} had not finished (a hang bound)"
         if errors:
             raise errors[0]
         return {n: self.eps["ctl"].recv_from(n).meta for n in sorted(plans) if plans[n]["role"] != "down"}
