@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import random
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,18 +62,9 @@ def test_the_inner_layers_take_the_record_not_the_keywords() -> None:
 
 
 def test_keywords_and_the_record_write_the_same_context(tmp_path: Path) -> None:
-    class Loader:
-        def __init__(self) -> None:
-            self.pos = 3
-
-        def state_dict(self) -> dict[str, int]:
-            return {"pos": self.pos}
-
-        def load_state_dict(self, sd: dict[str, int]) -> None:
-            self.pos = sd["pos"]
-
+    loader = types.SimpleNamespace(state_dict=lambda: {"pos": 3})  # all a save asks of data=
     state = {"w": torch.arange(6.0)}
-    fields: dict[str, Any] = dict(step=7, config={"lr": 0.1}, data=Loader(), rng=False, extra={"note": "x"},
+    fields: dict[str, Any] = dict(step=7, config={"lr": 0.1}, data=loader, rng=False, extra={"note": "x"},
                                   lineage={"run_id": "r1", "resumed_from": None})
     record = SaveContext(**fields)
     pending = ckpt.begin(tmp_path / "c")
