@@ -35,13 +35,14 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from .context.record import SaveContext
 from .errors import CkptError
 from ._partfiles import Reuse
 from .format.manifest import Manifest, part_record
 from .knobs import knobs
 from .save_options import SaveOptions, options_from
 from .storage import Storage, first_errno, resolve
-from .writer import PendingCheckpoint, Replicated, abort, begin, commit, part_name_for_rank, write_part
+from .writer import PendingCheckpoint, Replicated, abort, begin, commit, part_name_for_rank, write_part_with
 
 __all__ = ["DistributedCheckpointer", "DistributedSaveError", "is_distributed"]
 
@@ -142,6 +143,7 @@ class DistributedCheckpointer:
     ) -> Manifest | None:
         """Collective save. Returns the manifest on rank 0 and ``None`` elsewhere.
 
+        ``step`` ... ``code_dir``: this rank's part's context (``ckpt.context.record.SaveContext``).
         ``options`` (``ckpt.SaveOptions``, or the same as keywords): ``overwrite``;
         ``compress``, ``reuse`` (this rank's part of the previous checkpoint), ``dedup_from``
         (that checkpoint's directory) and ``dedup`` as for ``ckpt.write_part`` (format 2.0);
@@ -151,14 +153,31 @@ class DistributedCheckpointer:
         """
         opts = options_from(options, where="DistributedCheckpointer.save", path=os.fspath(path), overwrite=overwrite,
                             compress=compress, reuse=reuse, dedup=dedup, part_manifests=part_manifests)
-        opts.refuse_unsupported(DISTRIBUTED_SAVE_SUPPORTS, "DistributedCheckpointer.save",
-                                "every rank writes its own part of one checkpoint", path=os.fspath(path))
+        context = SaveContext(step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
+                              lineage=lineage, code_dir=code_dir)
+        return self.save_with(path, state, context, replicated=replicated, meta=meta, storage=storage, options=opts)
+
+    def save_with(
+        self,
+        path: str | os.PathLike[str],
+        state: Mapping[str, Any],
+        context: SaveContext,
+        *,
+        replicated: Sequence[str] = (),
+        meta: Mapping[str, Any] | None = None,
+        storage: Storage | None = None,
+        options: SaveOptions = SaveOptions(),
+    ) -> Manifest | None:
+        """:meth:`save` for a caller that has built the records already (the manager's
+        save thread): ``context`` and ``options`` are passed on unchanged."""
+        options.refuse_unsupported(DISTRIBUTED_SAVE_SUPPORTS, "DistributedCheckpointer.save",
+                                   "every rank writes its own part of one checkpoint", path=os.fspath(path))
         storage, final = resolve(path, storage)
-        overwrite = opts.overwrite
-        part_manifests = opts.part_manifests
+        overwrite = options.overwrite
+        part_manifests = options.part_manifests
         if part_manifests is None:
             part_manifests = self.world_size > knobs().inline_parts_max
-            opts = dataclasses.replace(opts, part_manifests=part_manifests)
+            options = dataclasses.replace(options, part_manifests=part_manifests)
         # 1. rank 0 creates the temporary directory
         if self.rank == 0:
             try:
@@ -185,21 +204,7 @@ class DistributedCheckpointer:
         try:
             if missing:
                 raise CkptError(f"replicated entries {missing} are not in the state", path=final)
-            part = write_part(
-                pending,
-                part_name_for_rank(self.rank),
-                my_state,
-                step=step,
-                config=config,
-                data=data,
-                generators=generators,
-                rng=rng,
-                extra=extra,
-                lineage=lineage,
-                code_dir=code_dir,
-                storage=storage,
-                options=opts,
-            )
+            part = write_part_with(pending, part_name_for_rank(self.rank), my_state, context, storage=storage, options=options)
             report = _pack({"part": part.to_dict()})
         except Exception as e:  # noqa: BLE001
             report = _pack(_error_record(e))
@@ -216,7 +221,7 @@ class DistributedCheckpointer:
             else:
                 try:
                     parts = [part_record(rep["part"]) for rep in reports]
-                    manifest = commit(pending, parts, step=step, meta=meta, storage=storage)
+                    manifest = commit(pending, parts, step=context.step, meta=meta, storage=storage)
                     outcome = _pack({"ok": manifest.id})
                 except Exception as e:  # noqa: BLE001
                     abort(pending, storage=storage)

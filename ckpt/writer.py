@@ -21,6 +21,7 @@ import msgpack
 from . import __version__
 from ._gc import paused as gc_paused
 from .context.config import canonical_config, config_hash
+from .context.record import SaveContext, lineage_of
 from .context.env import capture_env
 from .context.provenance import capture_commit
 from .context.rng import capture_rng, rng_kinds
@@ -60,6 +61,7 @@ __all__ = [
     "Replicated",
     "begin",
     "write_part",
+    "write_part_with",
     "commit",
     "abort",
     "save",
@@ -256,7 +258,6 @@ def _part_supports(opts: SaveOptions, pending: PendingCheckpoint) -> frozenset[s
     return frozenset(ok)
 
 
-@_holding_part_lock
 def write_part(
     pending: PendingCheckpoint,
     name: str,
@@ -278,6 +279,7 @@ def write_part(
 ) -> PartEntry:
     """Write one part (a process's share) into ``pending.tmp_dir``; durable on return.
 
+    ``step`` ... ``code_dir``: the part's context (``ckpt.context.record.SaveContext``).
     ``options`` (or the keywords ``compress``, ``reuse``, ``dedup``; ``ckpt.SaveOptions``):
     ``compress`` encodes tensors (BPZ1 byte planes + zstd, format 2.0): ``True`` for every
     float tensor of at least 64 KiB, a list of top-level entry names, or a callable
@@ -290,32 +292,37 @@ def write_part(
     and ``DistributedUsageError`` when the checkpoint was committed or aborted before the
     part could be written.
     """
-    part, _ = _write_part(
-        pending, name, state, step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
-        lineage=lineage, code_dir=code_dir, storage=storage, compress=compress, reuse=reuse, dedup=dedup,
-        options=options, defer_fsync=False,
-    )
-    return part  # type: ignore[return-value]
+    context = SaveContext(step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
+                          lineage=lineage, code_dir=code_dir)
+    opts = options_from(options, where="ckpt.write_part", path=pending.final, compress=compress, reuse=reuse, dedup=dedup)
+    return write_part_with(pending, name, state, context, storage=storage, options=opts)  # type: ignore[return-value]
+
+
+@_holding_part_lock
+def write_part_with(
+    pending: PendingCheckpoint,
+    name: str,
+    state: Mapping[str, Any],
+    context: SaveContext,
+    *,
+    storage: Storage | None = None,
+    options: SaveOptions = SaveOptions(),
+) -> PartEntry | PartRef:
+    """:func:`write_part` for a caller that has built the records already (the collective
+    save, the DCP writer, the manager's save thread): ``context`` and ``options`` are
+    passed on unchanged. A part reference when ``pending`` lists parts by reference."""
+    part, _ = _write_part(pending, name, state, context, storage=storage, options=options, defer_fsync=False)
+    return part
 
 
 def _write_part(
     pending: PendingCheckpoint,
     name: str,
     state: Mapping[str, Any],
+    context: SaveContext,
     *,
-    step: int | None = None,
-    config: Any = None,
-    data: Any = None,
-    generators: Mapping[str, Any] | None = None,
-    rng: bool | Mapping[str, Any] = True,
-    extra: Any = None,
-    lineage: Mapping[str, Any] | None = None,
-    code_dir: str | None = None,
-    storage: Storage | None = None,
-    compress: Compress = None,
-    reuse: Reuse | None = None,
-    dedup: bool = False,
-    options: SaveOptions | None = None,
+    storage: Storage | None,
+    options: SaveOptions,
     defer_fsync: bool,
 ) -> tuple[PartEntry | PartRef, list[Any]]:
     """``write_part``'s work. With ``defer_fsync`` (a fused commit, spec §10.7) the files
@@ -323,16 +330,15 @@ def _write_part(
     to close (fsync) together with MANIFEST's and the directory's fsyncs. Otherwise the
     list is empty and the part is durable on return."""
     storage, _ = resolve(pending.final, storage)
-    opts = options_from(options, where="ckpt.write_part", path=pending.final, compress=compress, reuse=reuse, dedup=dedup)
-    opts.refuse_unsupported(
-        _part_supports(opts, pending), "ckpt.write_part",
+    options.refuse_unsupported(
+        _part_supports(options, pending), "ckpt.write_part",
         "overwrite and part_manifests are the save's, given to ckpt.begin (this one's differ); reuse and "
         "dedup_from name one source, give one", path=pending.final)
-    compress = opts.compress
-    reuse = opts.reuse
-    if opts.dedup_from is not None:
-        reuse = reuse_from(opts.dedup_from, name, storage=storage)
-    dedup = opts.dedup or opts.dedup_from is not None
+    compress = options.compress
+    reuse = options.reuse
+    if options.dedup_from is not None:
+        reuse = reuse_from(options.dedup_from, name, storage=storage)
+    dedup = options.dedup or options.dedup_from is not None
     check_name(name, what="part")
     if not isinstance(state, Mapping):
         raise UnsupportedValueError("state must be a mapping of name -> Stateful or tree", key="<root>")
@@ -352,19 +358,22 @@ def _write_part(
                 entry_types[key] = "tree"
             wire_state[key] = to_wire(sd, collector, (key,))
         data_state = None
+        data = context.data
         if data is not None:
             if not callable(getattr(data, "state_dict", None)):
                 raise UnsupportedValueError("data must have state_dict()", key="@data")
             data_state = to_wire(data.state_dict(), collector, ("@data",))
+        config = context.config
         cfg_bytes = canonical_config(config) if config is not None else None
         # A Mapping is a state captured earlier by capture_rng: an async save snapshots the
         # RNG at the step boundary and writes it later, while the loop draws on.
-        rng_state = dict(rng) if isinstance(rng, Mapping) else (capture_rng(generators) if rng else None)
+        rng = context.rng
+        rng_state = dict(rng) if isinstance(rng, Mapping) else (capture_rng(context.generators) if rng else None)
         topo = capture_topology()
-        commit_info = capture_commit(code_dir)
+        commit_info = capture_commit(context.code_dir)
         env = capture_env()
-        context = {
-            "step": step,
+        recorded = {
+            "step": context.step,
             "rng": rng_state,
             "data": data_state,
             "data_type": _type_name(data) if data is not None else None,
@@ -372,8 +381,8 @@ def _write_part(
             "topology": topo,
             "commit": commit_info,
             "env": env,
-            "lineage": dict(lineage or {}),
-            "extra": to_wire(extra, collector, ("@extra",)) if extra is not None else None,
+            "lineage": dict(context.lineage or {}),
+            "extra": to_wire(context.extra, collector, ("@extra",)) if context.extra is not None else None,
             "entry_types": entry_types,
         }
     k = knobs()
@@ -434,7 +443,7 @@ def _write_part(
             placed.extend((packed[0].name, e) for e in packed[1])
         # the layout holds staging copies alive until here; drop them now.
         del layout, plain
-        raw = packb({"state": wire_state, "context": context})
+        raw = packb({"state": wire_state, "context": recorded})
         if len(raw) > k.max_state_raw_bytes:
             raise UnsupportedValueError(f"structure of part {name!r} is {len(raw)} bytes, above the limit", key="<root>")
         comp = zstd_compress(raw)
@@ -481,15 +490,15 @@ def _write_part(
     index = {f.name: i for i, f in enumerate(files)}
     tensors = [e if e.file == index[fn] else dataclasses.replace(e, file=index[fn]) for fn, e in placed]
     summary = {
-        "step": step,
+        "step": context.step,
         "entries": {key: _entry_summary(state[key], entry_types[key], collector.counts.get(key, [0, 0])) for key in wire_state},
         "rng": rng_kinds(rng_state) if rng_state else [],
-        "data": None if data is None else {"type": context["data_type"], "state": _preview(data_state)},
-        "config_hash": context["config"]["hash"] if context["config"] else None,
+        "data": None if data is None else {"type": recorded["data_type"], "state": _preview(data_state)},
+        "config_hash": recorded["config"]["hash"] if recorded["config"] else None,
         "commit": commit_info,
         "topology": topo,
         "env": {key: env.get(key) for key in ("python", "torch", "cuda", "cudnn", "deterministic_algorithms", "num_threads", "ckpt_replay")},
-        "lineage": context["lineage"],
+        "lineage": recorded["lineage"],
     }
     part = PartEntry(name, tuple(files), tuple(tensors), summary)
     if pending.part_manifests:
@@ -721,26 +730,15 @@ def save(
                             "the files of an earlier checkpoint with dedup_from=", path=os.fspath(path))
     if not opts.this_rank_only:
         _refuse_under_process_group(path)
+    context = SaveContext(step=step, config=config, data=data, generators=generators, extra=extra,
+                          lineage=lineage_of(run_id, resumed_from), code_dir=code_dir)
     storage, path = resolve(path, storage)
     pending = begin(path, overwrite=opts.overwrite, storage=storage)
     unsynced: list[Any] = []
     try:
         # One part, written and committed in one call: a small one commits fused (§10.7).
-        part, unsynced = _write_part_locked(
-            pending,
-            part_name_for_rank(0),
-            state,
-            options=opts,
-            step=step,
-            config=config,
-            data=data,
-            generators=generators,
-            extra=extra,
-            lineage={"run_id": run_id, "resumed_from": resumed_from},
-            code_dir=code_dir,
-            storage=storage,
-            defer_fsync=True,
-        )
+        part, unsynced = _write_part_locked(pending, part_name_for_rank(0), state, context, storage=storage,
+                                            options=opts, defer_fsync=True)
         manifest = _commit(pending, [part], step=step, meta=meta, storage=storage, unsynced=unsynced)
     except BaseException:
         for u in unsynced:

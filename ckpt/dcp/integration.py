@@ -26,6 +26,7 @@ from typing import Any, Mapping, NoReturn
 import torch
 import torch.distributed as dist
 
+from ..context.record import SaveContext, lineage_of
 from ..errors import CkptError, StateMismatchError
 from ..reader import CheckpointReader
 from ..save_options import SaveOptions, options_from
@@ -34,7 +35,7 @@ from ..writer import CheckpointInfo, abort, part_name_for_rank
 from .integration_probe import holds_dtensor
 from ..format.sharded import decode_layout
 
-__all__ = ["holds_dtensor", "save_sharded", "load_sharded", "new_rank_seed", "dcp_load", "restore_rank_rng", "raise_failed_save", "unwrap_checkpoint_error"]
+__all__ = ["holds_dtensor", "save_sharded", "save_sharded_with", "load_sharded", "new_rank_seed", "dcp_load", "restore_rank_rng", "raise_failed_save", "unwrap_checkpoint_error"]
 
 
 def _rank() -> int:
@@ -121,10 +122,23 @@ def save_sharded(
     """
     opts = options_from(options, where="the sharded save (DTensor state)", path=os.fspath(path), overwrite=overwrite,
                         this_rank_only=this_rank_only, compress=compress, dedup_from=dedup_from, dedup=dedup)
-    refuse_sharded_options(opts, os.fspath(path))
-    overwrite = opts.overwrite
-    if lineage is None:
-        lineage = {"run_id": run_id, "resumed_from": resumed_from}
+    context = SaveContext(step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
+                          lineage=lineage_of(run_id, resumed_from) if lineage is None else lineage, code_dir=code_dir)
+    return save_sharded_with(path, state, context, meta=meta, storage=storage, options=opts)
+
+
+def save_sharded_with(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any],
+    context: SaveContext,
+    *,
+    meta: Mapping[str, Any] | None = None,
+    storage: Storage | None = None,
+    options: SaveOptions = SaveOptions(),
+) -> CheckpointInfo:
+    """:func:`save_sharded` for a caller that has built the records already (the manager):
+    ``context`` and ``options`` are passed on unchanged."""
+    refuse_sharded_options(options, os.fspath(path))
     import torch.distributed.checkpoint as dcp
 
     from .planner import SavePlanner
@@ -132,10 +146,7 @@ def save_sharded(
 
     storage, path = resolve(path, storage)
     sd, _ = _dcp_state(state)
-    writer = StorageWriter(
-        path, step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
-        lineage=lineage, meta=meta, overwrite=overwrite, code_dir=code_dir, storage=storage,
-    )
+    writer = StorageWriter.with_context(path, context, meta=meta, overwrite=options.overwrite, storage=storage)
     try:
         dcp.save(sd, storage_writer=writer, planner=SavePlanner())
     except BaseException as e:

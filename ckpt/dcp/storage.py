@@ -34,13 +34,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..context import prime as prime_context
-from ..context.rng import capture_rng
+from ..context.record import SaveContext
 from ..errors import CkptError, FormatError, StateMismatchError
 from ..format import dtypes
 from ..format.manifest import PartEntry
 from ..reader import CheckpointReader
 from ..storage import Storage, resolve
-from ..writer import PendingCheckpoint, begin, commit, part_name_for_rank, tensor_memoryview, tensor_view_key, write_part
+from ..writer import PendingCheckpoint, begin, commit, part_name_for_rank, tensor_memoryview, tensor_view_key, write_part_with
 from ..format.sharded import Chunk, ShardedLayout, TensorRecord, ValueRecord, box_name, decode_layout
 from .planner import set_value
 
@@ -105,7 +105,8 @@ class StorageWriter(_DcpWriter):
     """A DCP storage writer that writes one ckpt checkpoint at ``path``.
 
     The keyword options are the context fields of ``ckpt.save`` (each rank passes its own
-    ``data``, ``generators``, ``extra``; ``rng`` as there). With ``rng=True`` the streams
+    ``data``, ``generators``, ``extra``; ``rng`` as there; one record,
+    ``ckpt.context.record.SaveContext``, for :meth:`with_context`). With ``rng=True`` the streams
     are captured when the save is requested (the writer is made, or DCP resets it for the
     next checkpoint on the requesting thread), not when the part is written: ``async_save``
     writes on a thread of its own while training draws on.
@@ -128,17 +129,39 @@ class StorageWriter(_DcpWriter):
         storage: Storage | None = None,
     ) -> None:
         super().__init__()
+        self._start(path, SaveContext(step=step, config=config, data=data, generators=generators, rng=rng, extra=extra,
+                                      lineage=lineage, code_dir=code_dir), meta=meta, overwrite=overwrite, storage=storage)
+
+    @classmethod
+    def with_context(
+        cls,
+        path: str | os.PathLike[str],
+        context: SaveContext,
+        *,
+        meta: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        storage: Storage | None = None,
+    ) -> StorageWriter:
+        """A writer for a caller that has built the context already (the sharded save):
+        ``context`` is passed on unchanged (its RNG captured now when it asks for that)."""
+        writer = cls.__new__(cls)  # the keywords of __init__ are this record's fields
+        _DcpWriter.__init__(writer)
+        writer._start(path, context, meta=meta, overwrite=overwrite, storage=storage)
+        return writer
+
+    def _start(self, path: str | os.PathLike[str], context: SaveContext, *, meta: Mapping[str, Any] | None,
+               overwrite: bool, storage: Storage | None) -> None:
         self._explicit_storage = storage
         self._storage, self.path = resolve(path, storage)
-        self._opts = dict(step=step, config=config, data=data, generators=generators, rng=rng, extra=extra, lineage=lineage, code_dir=code_dir)
-        self._rng_wanted = rng is True
+        self._asked = context  # rng=True: captured again for each save this writer is reused for
+        self._context = context
         self._requester = threading.get_ident()
         self._snapshot_rng()
         self._meta = dict(meta or {})
         self._overwrite = overwrite
         # DCP's async_save writes on a thread of its own: git runs here, on the caller's
         # thread, not there (ckpt.context.provenance).
-        prime_context(code_dir)
+        prime_context(context.code_dir)
         self.is_coordinator = False
         self.rank = 0
         self.pending: PendingCheckpoint | None = None  # set on the coordinator once planning opened it
@@ -154,8 +177,7 @@ class StorageWriter(_DcpWriter):
         return self._storage
 
     def _snapshot_rng(self) -> None:
-        if self._rng_wanted:
-            self._opts["rng"] = capture_rng(self._opts["generators"])
+        self._context = self._asked.with_rng_now()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -219,21 +241,8 @@ class StorageWriter(_DcpWriter):
             key = "/".join(_escape(s) for s in ("shards", fqn, box))
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=Location(assign.part, key)))
         pending = PendingCheckpoint(final=self.path, tmp_dir=assign.tmp_dir, tag=assign.tag)
-        o = self._opts
-        part = write_part(
-            pending,
-            assign.part,
-            {"shards": shards, "values": values},
-            step=o["step"],
-            config=o["config"],
-            data=o["data"],
-            generators=o["generators"],
-            rng=o["rng"],
-            extra=o["extra"],
-            lineage=o["lineage"],
-            code_dir=o["code_dir"],
-            storage=self._storage,
-        )
+        part = write_part_with(pending, assign.part, {"shards": shards, "values": values}, self._context,
+                               storage=self._storage)
         mesh, placements = _layout_of(getattr(planner, "state_dict", {}) or {})
         results.append(WriteResult(index=MetadataIndex(_PART_INDEX), size_in_bytes=0, storage_data=_PartDone(part.to_dict(), mesh, placements)))
         fut: Future[list[WriteResult]] = Future()
@@ -259,7 +268,7 @@ class StorageWriter(_DcpWriter):
             raise CkptError(f"{len(results)} ranks wrote, {len(parts)} part records arrived", path=self.path)
         layout = _layout_from_dcp(metadata, locations, len(results), mesh, placements, self.path)
         meta = {**self._meta, "sharded": layout.to_wire()}
-        self.manifest = commit(self.pending, parts, step=self._opts["step"], meta=meta, storage=self._storage)
+        self.manifest = commit(self.pending, parts, step=self._context.step, meta=meta, storage=self._storage)
 
 
 def _escape(seg: str) -> str:

@@ -12,6 +12,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..context.record import SaveContext
 from ..knobs import knobs
 from ..save_options import SaveOptions
 from ..storage import Storage
@@ -40,11 +41,10 @@ class SaveJob:
     step: int
     path: str
     state: dict[str, Any]
-    data: Any
-    rng: dict[str, Any]
-    extra: Any
+    #: the part's context: step, config, the frozen loader state, the RNG captured at the
+    #: step, extra, lineage, code_dir (written as it is, on the save thread)
+    context: SaveContext
     meta: dict[str, Any]
-    lineage: dict[str, Any]
     stall_s: float
     nbytes: int
     asynchronous: bool
@@ -132,22 +132,18 @@ def _lower_thread_priority(nice: int) -> None:
         pass
 
 
-def write(job: SaveJob, *, dist: Any, storage: Storage, config: Any, code_dir: str | None,
-          options: SaveOptions) -> None:
+def write(job: SaveJob, *, dist: Any, storage: Storage, options: SaveOptions) -> None:
     """Write and commit ``job``'s checkpoint: through ``dist`` (``ckpt.distributed``: every
     rank writes its part, rank 0 commits) or as this process's one part, aborted (its
     temporary directory removed) if anything fails before the commit."""
-    from ..writer import abort, begin, commit, write_part
+    from ..writer import abort, begin, commit, write_part_with
 
-    # what the distributed save and this process's one part are both given
-    common: dict[str, Any] = dict(step=job.step, config=config, data=job.data, rng=job.rng, extra=job.extra,
-                                  lineage=job.lineage, code_dir=code_dir, storage=storage, options=options)
     if dist is not None:
-        dist.save(job.path, job.state, meta=job.meta, **common)
+        dist.save_with(job.path, job.state, job.context, meta=job.meta, storage=storage, options=options)
         return
     pending = begin(job.path, overwrite=options.overwrite, storage=storage)
     try:
-        part = write_part(pending, "rank-00000", job.state, **common)
+        part = write_part_with(pending, "rank-00000", job.state, job.context, storage=storage, options=options)
         commit(pending, [part], step=job.step, meta=job.meta, storage=storage)
     except BaseException:
         abort(pending, storage=storage)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..context import prime as prime_context
+from ..context.record import SaveContext
 from ..errors import (
     BackgroundSaveError,
     CheckpointExistsError,
@@ -629,11 +630,9 @@ class CheckpointManager:
             step=step,
             path=os.path.join(self.run_dir, checkpoint_name(step)),
             state=state,
-            data=data_obj,
-            rng=rng,
-            extra=extra,
+            context=SaveContext(step=step, config=self.config, data=data_obj, rng=rng, extra=extra,
+                                lineage=self._lineage(), code_dir=self.code_dir),
             meta=self._meta(step, metrics),
-            lineage=self._lineage(),
             stall_s=0.0,
             nbytes=nbytes,
             asynchronous=not block,
@@ -665,8 +664,7 @@ class CheckpointManager:
                 # The disk filled up before: retention after a commit can never run
                 # again if no commit fits, so delete now what the commit would delete.
                 freed = self._apply_retention(upcoming=job.step)
-            write(job, dist=self._dist, storage=self._storage, config=self.config, code_dir=self.code_dir,
-                  options=options)
+            write(job, dist=self._dist, storage=self._storage, options=options)
             if self.dedup:
                 self._dedup.source = job.path  # the newest commit: retention never deletes it
             deleted = freed + (self._apply_retention() if self.rank == 0 else ())
@@ -681,24 +679,22 @@ class CheckpointManager:
         finally:
             # Drop references to staged tensors and frozen trees as soon as possible.
             job.state = {}
-            job.data = None
+            job.context = dataclasses.replace(job.context, data=None, extra=None)
             job.done.set()
 
     def _save_sharded(self, step: int, metrics: Mapping[str, Any] | None, extra: Any, t0: float) -> None:
         """Sharded hook (ckpt.dcp): a collective DCP save on this thread, every rank
         together. It blocks (DCP's collectives run on the default group, which the
         training loop also uses; a background thread would interleave with it)."""
-        from ..dcp.integration import save_sharded
+        from ..dcp.integration import save_sharded_with
 
         path = os.path.join(self.run_dir, checkpoint_name(step))
         meta = self._meta(step, metrics)
-        lineage = self._lineage()
+        context = SaveContext(step=step, config=self.config, data=self.data, generators=self.generators or None,
+                              extra=extra, lineage=self._lineage(), code_dir=self.code_dir)
         self._cadence.mark(step)
-        info = save_sharded(
-            path, self.state, config=self.config, data=self.data, step=step, generators=self.generators or None,
-            extra=extra, lineage=lineage, code_dir=self.code_dir, meta=meta, storage=self._storage,
-            options=self.save_options,
-        )
+        info = save_sharded_with(path, self.state, context, meta=meta, storage=self._storage,
+                                 options=self.save_options)
         deleted = self._apply_retention() if self.rank == 0 else ()
         stall = time.perf_counter() - t0
         self.reports.append(SaveReport(step, path, False, stall, stall, info.bytes, deleted))

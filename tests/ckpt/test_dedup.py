@@ -156,29 +156,20 @@ def test_verify_names_a_shared_file_damaged_underneath_every_checkpoint_that_lin
 
 _CHILD = textwrap.dedent(
     """
-    import os, signal, sys
+    import sys
     import torch
     import ckpt
     from ckpt.storage import LocalStorage
+    from tests.sim.faultfs import FaultPlan, FaultRule, FaultyStorage
 
     run, kill_at = sys.argv[1], int(sys.argv[2])
 
-    class Dying(LocalStorage):
-        ops = 0
-        def _tick(self):
-            Dying.ops += 1
-            if Dying.ops == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-    for name in ("create", "link", "mkdir", "rename_dir", "rename_noreplace", "exchange", "remove_tree", "fsync_dir"):
-        def wrap(name=name):
-            base = getattr(LocalStorage, name)
-            def op(self, *a, **k):
-                self._tick()
-                out = base(self, *a, **k)
-                self._tick()  # after the op too: a kill between two ops
-                return out
-            return op
-        setattr(Dying, name, wrap())
+    # The operations that change the tree, each with an instant before it and one after it
+    # (a kill between two of them): an odd kill_at is the instant before one, an even the
+    # one after it; 0 never kills.
+    changes = ("create", "link", "mkdir", "rename", "exchange", "remove_tree", "fsync_dir")
+    kill = [FaultRule("sigkill", changes, skip=(kill_at - 1) // 2, after=kill_at % 2 == 0)] if kill_at else []
+    dying = FaultyStorage(LocalStorage(), FaultPlan(rules=kill))
 
     def state_at(step):
         return {"base": {"w": torch.arange(60000, dtype=torch.float32)},  # frozen: never changes
@@ -187,7 +178,7 @@ _CHILD = textwrap.dedent(
 
     holder = {k: {"w": v["w"].clone()} for k, v in state_at(0).items()}
     mgr = ckpt.CheckpointManager(run, holder, dedup=True, compress=["ema"], signals=(), ledger=False,
-                                 retention=ckpt.RetentionPolicy(keep_last=2), storage=Dying())
+                                 retention=ckpt.RetentionPolicy(keep_last=2), storage=dying)
     res = mgr.resume(exactness="off")
     start = res.step if res is not None else 0
     for k, v in state_at(start).items():  # what was resumed is what that step saved

@@ -288,39 +288,25 @@ def test_two_processes_racing_overwrite_false_exactly_one_wins(tmp_path, rename2
 # --- 11. the overwrite crash window ------------------------------------------------------
 
 CRASH = """
-import os, signal, sys
+import os, sys
 import torch
 import ckpt
 from ckpt.storage import LocalStorage
+from tests.sim.faultfs import FaultPlan, FaultRule, FaultyStorage
 path, kill_at, use_rename2, overwrite, value = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1", float(sys.argv[5])
 
-class KillAt(LocalStorage):
-    # Counts the storage calls of the commit after MANIFEST is written; SIGKILLs the
-    # process before call number kill_at (or after the last one): every instant
-    # between two steps of the commit sequence.
-    armed, n = False, 0
-    def _step(self):
-        if self.armed:
-            if self.n == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-            self.n += 1
-    def create(self, p, chunk_size, *, durable=True):
-        sink = super().create(p, chunk_size, durable=durable)
-        if os.path.basename(p) == "MANIFEST":
-            type(self).armed = True
-        return sink
-    def fsync_dir(self, p): self._step(); super().fsync_dir(p)
-    def rename_dir(self, a, b): self._step(); super().rename_dir(a, b)
-    def rename_noreplace(self, a, b): self._step(); super().rename_noreplace(a, b)
-    def exchange(self, a, b):
-        self._step()
-        return super().exchange(a, b)
-    def remove_tree(self, p): self._step(); super().remove_tree(p)
+# SIGKILL before step number kill_at of the commit once MANIFEST is created (its directory
+# fsyncs, renames, the exchange, removals): every instant between two steps of the commit
+# sequence. Past the last step the save completes, and says how many steps it took.
+steps = FaultRule("sigkill", ("fsync_dir", "rename", "exchange", "remove_tree"), skip=kill_at, armed=False)
 
-st = KillAt(renameat2=use_rename2)
+def arm(i, name, p):
+    if name == "create" and os.path.basename(p) == "MANIFEST":
+        steps.armed = True
+
+st = FaultyStorage(LocalStorage(renameat2=use_rename2), FaultPlan(rules=[steps]), on_op=arm)
 ckpt.save(path, {"w": torch.full((64,), value)}, step=5, overwrite=overwrite, storage=st)
-st._step()          # kill_at == number of calls: killed after the last one
-print("DONE", st.n)
+print("DONE", steps.seen)
 """
 
 
@@ -340,11 +326,13 @@ def test_a_kill_at_any_step_of_the_commit_leaves_a_complete_copy_that_cleanup_ke
         if overwrite:
             ckpt.save(path, {"w": torch.full((64,), 1.0)}, step=5)
         p = _py(CRASH, str(path), str(k), "1" if rename2 else "0", "1" if overwrite else "0", "2.0")
-        if p.returncode == 0:
-            assert p.stdout.split() == ["DONE", str(k)], p.stdout  # k calls: none left to kill at
-            break
-        assert p.returncode == -signal.SIGKILL, p.stderr
-        killed_at.append(k)
+        done = p.returncode == 0
+        if done:
+            # k steps: none left to kill at; what follows checks the instant after the last one
+            assert p.stdout.split() == ["DONE", str(k)], p.stdout
+        else:
+            assert p.returncode == -signal.SIGKILL, p.stderr
+            killed_at.append(k)
         # At least one complete copy, whatever its name; then the manager's cleanup
         # (it runs at start, under the lock) must put one under the final name. (The
         # leftovers are aged: a young one might be a live lock-less writer's, and stays.)
@@ -357,6 +345,8 @@ def test_a_kill_at_any_step_of_the_commit_leaves_a_complete_copy_that_cleanup_ke
         assert not [n for n in os.listdir(run) if n.startswith(".tmp-")], (k, os.listdir(run))
         mgr.close()
         ckpt.open(path).verify()
+        if done:
+            break
     else:
         pytest.fail("the save never completed")
     assert killed_at == list(range(len(killed_at))) and len(killed_at) >= 2

@@ -16,8 +16,11 @@ operation:
   backend without the capability; on any other operation it is a plan error.
 
 The plan names operations by index (``kinds``), or by what they are (``rules``: the
-operation's name and the end of its path, e.g. the first ``close`` of a ``.safetensors``
-file); a rule can be switched on and off while the test runs.
+operation's name, or one of several names, and the end of its path, e.g. the first
+``close`` of a ``.safetensors`` file); a rule can be switched on and off while the test
+runs. A ``crash`` or ``sigkill`` rule with ``after=True`` lets its operation complete and
+kills the process before the next operation begins (from any thread): the instant just
+after the operation, as far as anything reaching the storage can tell.
 
 After a crash, :meth:`FaultyStorage.power_loss` turns the directory tree into one that a
 machine could show after losing power at that moment (the POSIX model of spec §10.7):
@@ -63,21 +66,29 @@ class SimCrash(BaseException):
 
 @dataclass
 class FaultRule:
-    """``kind`` at the operations named ``op`` (any, when empty) on a path ending with
-    ``suffix``, after skipping ``skip`` of them, at most ``times`` times (None: every one
-    after that), while ``armed``."""
+    """``kind`` at the operations named ``op`` (a name, several, or any when empty) on a
+    path ending with ``suffix``, after skipping ``skip`` of them, at most ``times`` times
+    (None: every one after that), while ``armed``. ``after``: the operation is done and
+    the process dies before the next one (``crash`` and ``sigkill`` only)."""
 
     kind: FaultKind
-    op: str = ""
+    op: str | tuple[str, ...] = ""
     suffix: str = ""
     skip: int = 0
     times: int | None = 1
     armed: bool = True
+    after: bool = False
     seen: int = 0
     fired: int = 0
 
+    def __post_init__(self) -> None:
+        if self.after and self.kind not in ("crash", "sigkill"):
+            raise ValueError(f"after=True is a death after the operation: crash or sigkill, not {self.kind}")
+
     def fires(self, name: str, path: str) -> bool:
-        if not self.armed or (self.op and name != self.op) or not path.endswith(self.suffix):
+        if not self.armed or not path.endswith(self.suffix):
+            return False
+        if self.op and name not in ((self.op,) if isinstance(self.op, str) else self.op):
             return False
         self.seen += 1
         if self.seen <= self.skip or (self.times is not None and self.fired >= self.times):
@@ -104,10 +115,12 @@ class FaultPlan:
         """One rule (see :class:`FaultRule`): ``FaultPlan.on("enospc", "create", ".safetensors")``."""
         return cls(rules=[FaultRule(kind, op, suffix, **rule)])
 
-    def fault(self, i: int, name: str, path: str) -> FaultKind | None:
+    def fault(self, i: int, name: str, path: str) -> tuple[FaultKind | None, FaultRule | None]:
+        """The fault at this operation, and the rule that chose it (None for an index)."""
         if i in self.kinds:
-            return self.kinds[i]
-        return next((r.kind for r in self.rules if r.fires(name, path)), None)
+            return self.kinds[i], None
+        rule = next((r for r in self.rules if r.fires(name, path)), None)
+        return (rule.kind, rule) if rule is not None else (None, None)
 
 
 @dataclass
@@ -214,6 +227,7 @@ class FaultyStorage:
         self._trash = trash
         self._trash_n = 0
         self._on_op = on_op
+        self._dies_next: tuple[FaultKind, str] | None = None  # an after=True death, due at the next operation
 
     # -- the fault point -------------------------------------------------------------
     def _die(self, why: str) -> None:
@@ -226,12 +240,22 @@ class FaultyStorage:
         with self._lock:
             if self.crashed:
                 raise SimCrash(f"the process is dead ({self.crash_reason}); {name} {path}")
+            due, self._dies_next = self._dies_next, None
+        if due is not None:
+            # the death an after=True rule chose at the operation before this one
+            if due[0] == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            self._die(due[1])
+        with self._lock:
             i = self.ops
             self.ops += 1
             self.log.append((i, name, path))
-            kind = self.plan.fault(i, name, path)
+            kind, rule = self.plan.fault(i, name, path)
             if kind is not None:
                 self.injected.append((i, kind, name, path))
+            if rule is not None and rule.after:
+                self._dies_next = (kind, f"crash after operation {i} ({name} {path})")
+                kind = None
         if self._on_op is not None:
             self._on_op(i, name, path)
         if kind == "crash":

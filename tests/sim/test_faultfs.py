@@ -147,3 +147,21 @@ def test_rules_fire_by_operation_and_path_and_can_be_switched(tmp_path) -> None:
     assert fs.link(str(tmp_path / "a.bin"), str(tmp_path / "l2")) is True
     with pytest.raises(ValueError, match="cannot be refused"):
         FaultyStorage(LocalStorage(), FaultPlan.on("refuse", "mkdir")).mkdir(str(tmp_path / "m"))
+
+
+def test_a_rule_may_name_several_operations_and_kill_after_its_operation(tmp_path) -> None:
+    names = ("mkdir", "fsync_dir")
+    fs = FaultyStorage(LocalStorage(), FaultPlan(rules=[FaultRule("crash", names, skip=2, after=True)]))
+    fs.mkdir(str(tmp_path / "a"))  # named: seen 1
+    _write(fs, str(tmp_path / "a" / "f"), b"x")  # create, write, close: not named
+    fs.fsync_dir(str(tmp_path / "a"))  # named: seen 2
+    fs.mkdir(str(tmp_path / "b"))  # named: seen 3, fires after it is done
+    assert os.path.isdir(tmp_path / "b") and not fs.crashed
+    with pytest.raises(SimCrash, match=r"after operation \d+ \(mkdir"):
+        fs.create(str(tmp_path / "b" / "g"), 4096)  # the next operation, whatever it is, never starts
+    assert not os.path.exists(tmp_path / "b" / "g") and fs.crashed
+    with pytest.raises(SimCrash):
+        fs.mkdir(str(tmp_path / "c"))
+    assert [(kind, name) for _, kind, name, _ in fs.injected] == [("crash", "mkdir")]
+    with pytest.raises(ValueError, match="crash or sigkill"):
+        FaultRule("eio", "mkdir", after=True)

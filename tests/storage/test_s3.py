@@ -152,31 +152,22 @@ def test_in_place_load_downloads_each_byte_once(s3) -> None:
 # --- crash safety: SIGKILL of the writer -----------------------------------------------
 
 _KILLED_WRITER = """
-import os, signal, sys
+import sys
 import torch
 import ckpt
 from ckpt.storage.s3 import S3Storage
+from tests.sim.faultfs import FaultPlan, FaultRule, FaultyStorage
 
 url, where, overwrite = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-
-class Killing(S3Storage):
-    def create(self, path, chunk_size, *, durable=True):
-        sink = super().create(path, chunk_size, durable=durable)
-        if where == "mid-upload" and path.endswith(".safetensors"):
-            real = sink.write
-            def write(data):
-                real(data)
-                if sink._q is not None:          # a multipart upload is in flight
-                    os.kill(os.getpid(), signal.SIGKILL)
-            sink.write = write
-        return sink
-    def publish(self, pending, manifest):
-        if where == "before-manifest":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().publish(pending, manifest)
-
-st = Killing(url.split("/")[2])
-ckpt.save(url, {"w": torch.full((12 << 20,), 7.0)}, step=2, overwrite=overwrite, storage=st)
+# mid-upload: SIGKILL right after the tensor bytes (the tensor file's second write, after
+# its header) were handed to the sink, whose multipart upload is then in flight;
+# before-manifest: SIGKILL when the commit would put MANIFEST
+rule = (FaultRule("sigkill", "write", ".safetensors", skip=1, after=True) if where == "mid-upload"
+        else FaultRule("sigkill", "publish"))
+st = FaultyStorage(S3Storage(url.split("/")[2]), FaultPlan(rules=[rule]))
+w = torch.full((12 << 20,), 7.0)
+assert w.numel() * w.element_size() > st.inner.part_size  # a multipart upload (S3Sink)
+ckpt.save(url, {"w": w}, step=2, overwrite=overwrite, storage=st)
 print("not killed")
 """
 
