@@ -19,10 +19,9 @@ import os
 import threading
 from typing import Any, Callable, Sequence
 
-__all__ = ["NAME", "Pending", "run", "share", "together", "wait_idle"]
+from . import _forksafe
 
-#: idle helpers kept for reuse; more than this many idle at once exit
-_KEEP_IDLE = 4
+__all__ = ["NAME", "Pending", "run", "share", "together", "wait_idle"]
 
 
 class Pending:
@@ -53,7 +52,7 @@ class _Helper:
         self._wake = threading.Lock()
         self._wake.acquire()
         self._job: tuple[Pending, Callable[..., Any], tuple[Any, ...]] | None = None
-        threading.Thread(target=self._loop, name=NAME, daemon=True).start()
+        _forksafe.start(threading.Thread(target=self._loop, name=NAME, daemon=True))
 
     def give(self, pending: Pending, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self._job = (pending, fn, args)
@@ -72,11 +71,9 @@ class _Helper:
             del fn, args, job  # drop references to the caller's buffers before idling
             # Back on the idle list before the caller is told: a caller that submits
             # again right after join() finds this helper instead of starting another.
-            keep = _park(self)
+            _park(self)
             pending._done.release()
             del pending
-            if not keep:
-                return
 
 
 _lock = threading.Lock()
@@ -90,16 +87,15 @@ _quiet = threading.Condition(_lock)
 NAME = "ckpt-helper"
 
 
-def _park(helper: _Helper) -> bool:
+def _park(helper: _Helper) -> None:
+    # Helpers never exit: a thread ending beside a fork can hang the child (ckpt._forksafe),
+    # and there are never more than the most calls ever in flight at once (a few).
     global _busy
     with _lock:
         _busy -= 1
         if not _busy:
             _quiet.notify_all()
-        if len(_idle) >= _KEEP_IDLE:
-            return False
         _idle.append(helper)
-        return True
 
 
 def run(fn: Callable[..., Any], *args: Any) -> Pending:

@@ -11,6 +11,8 @@ import queue
 import threading
 from typing import Any, Callable
 
+from . import _forksafe
+
 __all__ = ["OrderedFeeder"]
 
 
@@ -19,13 +21,17 @@ class OrderedFeeder:
         self._fn = fn
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._err: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        # the thread ends only when let (no fork may begin meanwhile: ckpt._forksafe)
+        self._drained = threading.Event()
+        self._exit = _forksafe.Exit()
+        self._thread = _forksafe.start(threading.Thread(target=self._run, name=name, daemon=True))
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
+                self._drained.set()
+                self._exit.wait()
                 return
             if self._err is None:
                 try:
@@ -40,13 +46,17 @@ class OrderedFeeder:
 
     def finish(self) -> None:
         """Wait until every item is processed; re-raise the first failure."""
-        self._q.put(None)
-        # Unbounded on purpose: the thread only runs ``fn`` on items already handed to it
-        # (hashing, local reads), takes no lock and waits on no other process.
-        self._thread.join()
+        self._end()
         if self._err is not None:
             raise self._err
 
     def abort(self) -> None:
+        self._end()
+
+    def _end(self) -> None:
         self._q.put(None)
-        self._thread.join()
+        # Unbounded on purpose: the thread only runs ``fn`` on items already handed to it
+        # (hashing, local reads), takes no lock and waits on no other process.
+        if self._thread.is_alive():  # not in a forked child, where the thread does not exist
+            self._drained.wait()
+        self._exit.join_thread(self._thread)

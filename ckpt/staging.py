@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import _forksafe
 from .writer import tensor_view_key
 
 __all__ = ["Staging", "SnapshotStats", "frozen_stateful"]
@@ -159,12 +160,19 @@ def _copy_all(jobs: list[tuple[int, int, int]]) -> None:
             left = 0
         else:
             second.append((dst, src, n))
-    helper = threading.Thread(target=_memmove_all, args=(second,), name="ckpt-stage", daemon=True)
-    helper.start()
+    exit_ = _forksafe.Exit()  # it ends only when let: no fork may begin meanwhile
+
+    def copy_second() -> None:
+        try:
+            _memmove_all(second)
+        finally:
+            exit_.wait()
+
+    helper = _forksafe.start(threading.Thread(target=copy_second, name="ckpt-stage", daemon=True))
     try:
         _memmove_all(first)
     finally:
-        helper.join()  # a memmove of known bytes: nothing it could wait on
+        exit_.join_thread(helper)  # a memmove of known bytes: nothing it could wait on
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -50,15 +50,55 @@ def communicate(p: subprocess.Popen, *, bound_s: float, input: Any = None) -> tu
     except subprocess.TimeoutExpired:
         pass
     own_group = _pgid(p.pid) == p.pid
+    # Every process under it, found before any dies (an orphan is reparented and lost):
+    # a launcher such as torchrun starts each rank in a session of its own, out of reach of
+    # its group's signal, and an orphaned rank holding the pipes would keep the reads below
+    # waiting for ever.
+    tree = _tree(p.pid)
     _signal(p, signal.SIGABRT, own_group)  # the command (and its workers) dump their stacks
+    _kill_all(tree, signal.SIGABRT)
     try:
         out, err = p.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         _signal(p, signal.SIGKILL, own_group)
-        out, err = p.communicate()
+        _kill_all(tree, signal.SIGKILL)
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # a process outside the tree still holds a pipe
+            for f in (p.stdin, p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+            out = err = "(the output could not be read: a process outside its tree holds the pipes)"
     pytest.fail(f"HANG: {p.args!r} had not exited after {bound_s:.0f} s (a hang bound: 10x its quiet time "
                 f"times CKPT_TIMEOUT_SCALE={scale():g}); its processes' stacks follow its output.\n"
                 f"--- stdout ---\n{out}\n--- stderr (stacks at the end) ---\n{err}", pytrace=False)
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every process descended from it now (from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        q = todo.pop()
+        out.append(q)
+        todo += children.get(q, [])
+    return out
+
+
+def _kill_all(pids: list[int], sig: int) -> None:
+    for q in pids:
+        try:
+            os.kill(q, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _pgid(pid: int) -> int | None:

@@ -38,8 +38,8 @@ class Layer:
 # Bottom first. A unit may import its own layer and every layer below it, never above.
 LAYERS: tuple[Layer, ...] = (
     Layer("foundation", "no other unit of ckpt: the error tree, the tunables, small helpers",
-          ("ckpt.errors", "ckpt.knobs", "ckpt.stateful", "ckpt._gc", "ckpt._helpers", "ckpt._pipeline",
-           "ckpt._tensorbytes", "ckpt._locks")),
+          ("ckpt.errors", "ckpt.knobs", "ckpt.stateful", "ckpt._gc", "ckpt._forksafe", "ckpt._helpers",
+           "ckpt._pipeline", "ckpt._tensorbytes", "ckpt._locks")),
     Layer("format", "pure bytes <-> values: the checkpoint, tape and meta.sharded codecs, the save options",
           ("ckpt.format", "ckpt.tape", "ckpt.save_options")),
     Layer("state", "what a checkpoint holds beside the tensors: RNG, topology, config, env, the loader",

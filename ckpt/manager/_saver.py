@@ -12,6 +12,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import _forksafe
 from ..context.record import SaveContext
 from ..knobs import knobs
 from ..save_options import SaveOptions
@@ -73,8 +74,8 @@ class SaveWorker:
 
     def _start(self) -> None:
         self._jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, args=(self._jobs,), name="ckpt-save", daemon=False)
-        self._thread.start()
+        self._thread = _forksafe.start(threading.Thread(target=self._loop, args=(self._jobs,), name="ckpt-save",
+                                                        daemon=False))
 
     def _loop(self, jobs: "queue.SimpleQueue[Any]") -> None:
         _lower_thread_priority(knobs().save_thread_nice)

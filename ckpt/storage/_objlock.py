@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 
+from .. import _forksafe
 from ..errors import LeaseLostError, RunDirLockedError, StorageError
 
 __all__ = ["ObjectLock", "LeaseClock", "SystemClock", "CLOCK", "LOCK_NAME"]
@@ -164,7 +165,7 @@ class ObjectLock:
         t = threading.Thread(target=lease.beat, name="ckpt-lease", daemon=True)
         # A lock dropped without release() stops renewing (and expires, like a dead holder's).
         self._finalizer = weakref.finalize(self, lease.stop.set)
-        t.start()
+        _forksafe.start(t)
         self._thread = t
         _held.add(self)
 

@@ -33,6 +33,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 from obstore.store import S3Store
 
+from .. import _forksafe
 from ..errors import CheckpointExistsError, CkptError, FormatError, SaveConflictError, StorageError, UnsafePathError
 from ..format.digest import ChunkHasher
 from ..format.manifest import MANIFEST_NAME, TMP_PREFIX, decode_manifest, manifest_file_limit
@@ -773,8 +774,7 @@ class S3Sink:
                 while self._q.get() not in (_END, _ABORT):
                     pass
 
-        self._thread = threading.Thread(target=run, name="ckpt-s3-upload", daemon=True)
-        self._thread.start()
+        self._thread = _forksafe.start(threading.Thread(target=run, name="ckpt-s3-upload", daemon=True))
 
     def close(self) -> tuple[int, bytes]:
         if self._q is None:
