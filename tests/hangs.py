@@ -21,6 +21,8 @@ import pytest
 
 from replay.watchdog import hang_bound
 
+import proctree
+
 
 def scale() -> float:
     from ckpt.knobs import knobs
@@ -54,7 +56,7 @@ def communicate(p: subprocess.Popen, *, bound_s: float, input: Any = None) -> tu
     # a launcher such as torchrun starts each rank in a session of its own, out of reach of
     # its group's signal, and an orphaned rank holding the pipes would keep the reads below
     # waiting for ever.
-    tree = _tree(p.pid)
+    tree = proctree.tree(p.pid)
     _signal(p, signal.SIGABRT, own_group)  # the command (and its workers) dump their stacks
     _kill_all(tree, signal.SIGABRT)
     try:
@@ -72,25 +74,6 @@ def communicate(p: subprocess.Popen, *, bound_s: float, input: Any = None) -> tu
     pytest.fail(f"HANG: {p.args!r} had not exited after {bound_s:.0f} s (a hang bound: 10x its quiet time "
                 f"times CKPT_TIMEOUT_SCALE={scale():g}); its processes' stacks follow its output.\n"
                 f"--- stdout ---\n{out}\n--- stderr (stacks at the end) ---\n{err}", pytrace=False)
-
-
-def _tree(root: int) -> list[int]:
-    """``root`` and every process descended from it now (from /proc), parents first."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        q = todo.pop()
-        out.append(q)
-        todo += children.get(q, [])
-    return out
 
 
 def _kill_all(pids: list[int], sig: int) -> None:

@@ -24,9 +24,11 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: proctree
 
 import torch  # noqa: E402
 
+import proctree  # noqa: E402
 import trainer_trial as T  # noqa: E402
 
 import ckpt  # noqa: E402
@@ -38,25 +40,14 @@ ROOT_ENV = "CKPT_TRIAL_ROOT"  # pid of the launcher: the kill takes down every p
 def kill_job() -> None:
     """SIGKILL every process group under the launcher (torchrun starts each rank in a
     session of its own), this process's last."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    todo, groups = [int(os.environ[ROOT_ENV])], []
-    while todo:
-        p = todo.pop()
+    groups: list[int] = []
+    for p in proctree.tree(int(os.environ[ROOT_ENV])):  # the launcher first
         try:
             g = os.getpgid(p)
         except ProcessLookupError:
             continue
         if g not in groups:
             groups.append(g)
-        todo += children.get(p, [])
     # The launcher's group goes first. Both ranks reach the kill point at about the same
     # time and each kills the other: were a rank to die before the launcher, torchrun would
     # see a child die and exit 1 instead of dying by SIGKILL with the job. With the
