@@ -6,7 +6,7 @@ while another thread holds it leaves the child blocked for ever. Starting a thre
 ending one both take it. A save in flight runs on background threads, and the training
 loop forks DataLoader workers at every epoch start: a hashing thread started or ended by
 the save at that instant hung a worker (seen in a 2-process Accelerate run: the worker
-waiting in ``_PyThreadState_DeleteExcept`` under ``os.fork``).
+waiting in ``_PyThreadState_DeleteExcept``, still inside the fork call).
 
 So every thread of ckpt starts under :data:`LIFECYCLE` (:func:`start`), and one that ends
 before its process does ends under it too (:class:`Exit`); ``os.register_at_fork`` takes
