@@ -172,6 +172,10 @@ class Workers:
             if bound is not None and now >= bound:
                 raise HangError(f"workers still running after the hang bound: {self.running()}")
             wait(alive, timeout=1.0 if deadline is None else max(0.0, min(1.0, deadline - now)))
+        # A watchdog that fired while we waited killed the workers itself: their exits are
+        # its kills, and the run hung. Without this check the last deaths could end the loop
+        # before it looked, and a hang would read as workers that failed.
+        self.check()
         return self.exitcodes()
 
     def running(self) -> list[str]:
