@@ -16,6 +16,7 @@ each one after every data message sent before it (spec/snapshot-protocol.md §9a
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Mapping, Sequence
@@ -131,9 +132,11 @@ class Inbox:
             self._take(msg)
             n += 1
 
-    def wait(self, pred: Callable[[], bool], what: str, *, tick: float = 0.5) -> None:
-        """Block until ``pred()`` holds, taking in messages meanwhile."""
-        deadline = time.monotonic() + self.timeout_s
+    def wait(self, pred: Callable[[], bool], what: str, *, tick: float = 0.5, bounded: bool = True) -> None:
+        """Block until ``pred()`` holds, taking in messages meanwhile. ``bounded=False``:
+        no clock, for a wait that legitimately lasts as long as the run (the run's own
+        watchdog catches a hang there, and a closed transport ends it)."""
+        deadline = time.monotonic() + self.timeout_s if bounded else math.inf
         while not pred():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -145,17 +148,24 @@ class Inbox:
         self.wait(lambda: ref in self.box, f"message {ref}")
         return self.box[ref]
 
-    def first_from(self, src: str, kinds: Sequence[str]) -> Message:
-        """The oldest boxed message from ``src`` of one of ``kinds`` (waits for it)."""
+    def first_from(self, src: str, kinds: Sequence[str], *, bounded: bool = True) -> Message:
+        """The oldest boxed message from ``src`` of one of ``kinds`` (waits for it; see
+        :meth:`wait` for ``bounded``). Raises PeerDiedError once ``src`` is gone without
+        having sent one (its death is reported after everything it sent)."""
         def find() -> Message | None:
             for m in self.box.values():
                 if m.src == src and m.meta.get("kind") in kinds:
                     return m
             return None
 
-        self.wait(lambda: find() is not None, f"{kinds} from {src}")
+        def gone() -> bool:
+            return src in self.ep.dead and not self.ep.buffered(src)
+
+        self.wait(lambda: find() is not None or gone(), f"{kinds} from {src}", bounded=bounded)
         m = find()
-        assert m is not None
+        if m is None:
+            raise PeerDiedError(f"{self.name} waited for {kinds} from {src}, which is gone",
+                                channel=f"{src}->{self.name}")
         return m
 
     def pop(self, ref: MsgRef) -> Message:

@@ -36,6 +36,7 @@ class InProcessNetwork:
         self._inbox: dict[str, deque[Message | PeerGone]] = {a: deque() for a in self.actors}
         self._dead: set[str] = set()
         self._transports: dict[str, InProcessTransport] = {}
+        self._shut: str | None = None  # shutdown()'s detail
 
     @classmethod
     def complete(cls, actors: Iterable[str]) -> "InProcessNetwork":
@@ -68,6 +69,17 @@ class InProcessNetwork:
                     self._inbox[d].append(PeerGone(actor, detail))
             self._cond.notify_all()
 
+    def shutdown(self, detail: str) -> None:
+        """The whole run failed: every actor is killed (as by :meth:`kill`) and from now on a
+        receive on any of its transports raises ChannelError at once, so that no thread is
+        left blocked on an endpoint nobody will ever send to (a wait without a clock, such as
+        a hot spare's, would otherwise never end)."""
+        for a in self.actors:
+            self.kill(a, detail)
+        with self._cond:
+            self._shut = detail
+            self._cond.notify_all()
+
     def in_flight(self) -> list[Message]:
         """Messages sent and not yet taken by their receiver's endpoint (for tests)."""
         with self._cond:
@@ -88,11 +100,13 @@ class InProcessNetwork:
             q = self._inbox[actor]
             if not q and timeout != 0:
                 deadline = None if timeout is None else time.monotonic() + timeout
-                while not q:
+                while not q and self._shut is None:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         break
                     self._cond.wait(left)
+            if self._shut is not None:
+                raise ChannelError(f"{actor}: the network was shut down ({self._shut})", channel=f"*->{actor}")
             return q.popleft() if q else None
 
 

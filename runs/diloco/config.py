@@ -139,6 +139,12 @@ class DiLoCoConfig(Record):
         contribution of an early fragment would leave the round's later steps out)."""
         return self.steps - 1
 
+    def send_step(self, p: int, rnd: int) -> int:
+        """The inner step after which a learner sends fragment p of round ``rnd``."""
+        if rnd >= self.rounds - 1:
+            return self.last_send(p)
+        return rnd * self.inner_h + self.send_offset(p)
+
     def fragments_due(self, t: int) -> list[int]:
         """The fragments a learner sends after inner step t (staggered; all at the end)."""
         if t >= self.steps - self.inner_h:  # the last round

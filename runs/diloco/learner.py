@@ -376,7 +376,11 @@ class Learner:
             # that on activation only the peer's state is loaded: built after the state had
             # arrived, it cost a replacement process seconds, while its peer ran on.
             core = self.core = self._new_core()
-            act = link.first_from(SYNCER, ("activate", "stop"))
+            # A spare idles for as long as the run lasts until it is needed: a wait on the
+            # event, with no clock (a fixed deadline failed legitimate long runs, 60 s in
+            # the tests). A hang is the run's watchdog's to catch (Threads.join, Workers),
+            # and a failed or gone syncer ends the wait (shutdown, PeerDiedError).
+            act = link.first_from(SYNCER, ("activate", "stop"), bounded=False)
             t_act = time.monotonic()
             link.pop(ref_of(act))
             if act.meta["kind"] == "stop":

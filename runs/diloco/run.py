@@ -111,8 +111,9 @@ def run_actors(hub: TapeHub, cfg: DiLoCoConfig, *, step_delay_s: float = 0.0,
                                   endpoint_gone=lambda e: _wait(done[e], hang_bound(cfg.io_timeout_s), e),
                                   restore=restore))
     except BaseException:
-        for e in endpoints:
-            net.kill(e, "syncer failed")
+        # every learner thread's receive fails at once: none stays blocked (a hot spare's
+        # wait for its activation has no clock of its own)
+        net.shutdown("syncer failed")
         raise
     threads.join(what="learner threads")
     outcomes.sort(key=lambda o: (int(o.actor.rsplit("-", 1)[1]), o.incarnation))

@@ -424,7 +424,13 @@ class Syncer:
             dead_now = {actor_of(e) for e in self.detected if b.active.get(actor_of(e)) == e}
             # Near the end a learner may have sent its last contribution for p already
             # (a recovered learner skips the rounds its peer had done): it cannot count.
-            able = [a for a in b.active if a not in b.recovering and a not in dead_now and a not in b.exhausted[p]]
+            # Nor can a replacement that adopted its peer's step after this round's send
+            # of p: it never sends it, and its next one (a later round) waits for this
+            # very merge (bounded staleness), so counting it deadlocked the step whenever
+            # the others alive were fewer than the quorum (its peer served it late).
+            sends_at = cfg.send_step(p, s // cfg.fragments)
+            able = [a for a in b.active if a not in b.recovering and a not in dead_now and a not in b.exhausted[p]
+                    and (b.joined.get(a, 0) <= sends_at or a in fresh)]
             need = max(1, min(cfg.quorum, len(able)))
             if final:
                 # The last round is a barrier, not a race: it waits for every live learner,

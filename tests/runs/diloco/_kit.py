@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Callable, Sequence
 
+from replay.channel import InProcessNetwork, Message
 from runs.diloco import DiLoCoConfig
 from replay.events import KIND_BY_NAME
 from replay.tape import TapeReader, TapeWriter
@@ -49,3 +51,51 @@ def copy_with_duplicate_merge(src: str | Path, dst: str | Path) -> None:
     body = EVENT_HEAD.pack(step, aid, len(entries)) + b"".join(CLOCK_ENTRY.pack(i, c) for i, c in entries) + payload
     w.append(merge_code, body)
     w.close()
+
+
+class Gate:
+    """Holds a channel back from the message ``hold`` picks on (that message and every later
+    one on its channel, so FIFO stays intact) until ``until`` picks a posted message (held
+    or not) or ``until_killed`` is killed: an interleaving forced by events, not by sleeps."""
+
+    def __init__(self, hold: Callable[[Message], bool], until: Callable[[Message], bool] = lambda m: False,
+                 until_killed: str | None = None) -> None:
+        self.hold, self.until, self.until_killed = hold, until, until_killed
+        self.open = False
+        self.channels: set[tuple[str, str]] = set()
+        self.held: list[Message] = []
+
+
+def gated_network(gates: Sequence[Gate]) -> type[InProcessNetwork]:
+    """An ``InProcessNetwork`` class whose deliveries the ``gates`` hold back (for
+    ``monkeypatch.setattr(runs.diloco.run, "InProcessNetwork", ...)``)."""
+
+    class Gated(InProcessNetwork):
+        def _post(self, msg: Message) -> None:
+            with self._cond:  # reentrant: releases post from inside
+                opened = [g for g in gates if not g.open and g.until(msg)]
+                g_hold = next((g for g in gates if not g.open and
+                               ((msg.src, msg.dst) in g.channels or g.hold(msg))), None)
+                if g_hold is not None:
+                    g_hold.channels.add((msg.src, msg.dst))
+                    g_hold.held.append(msg)
+                else:
+                    super()._post(msg)
+                for g in opened:
+                    self._release(g)
+
+        def kill(self, actor: str, detail: str = "killed") -> None:
+            with self._cond:
+                super().kill(actor, detail)
+                for g in gates:
+                    if not g.open and g.until_killed == actor:
+                        self._release(g)
+
+        def _release(self, g: Gate) -> None:
+            g.open = True
+            for m in g.held:
+                if m.dst not in self._dead and m.src not in self._dead:
+                    self._post(m)
+            g.held.clear()
+
+    return Gated
