@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from runs.common.procs import join_gloo, serve_store  # noqa: E402
 from runs.replicas import ReplicaConfig, record  # noqa: E402
 from runs.replicas.data import share  # noqa: E402
 from runs.replicas.timing import StepClock  # noqa: E402
@@ -61,19 +61,12 @@ TARGET_FT = 0.05
 TARGET_SDC = 0.02
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _ddp_rank(r: int, world: int, cfg_d: dict, port: int, out: "mp.Queue") -> None:  # pragma: no cover - child
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     cfg = ReplicaConfig.from_dict(cfg_d)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=r == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=r, world_size=world, timeout=timedelta(seconds=120))
+    join_gloo(r, world, port, timeout_s=120)  # the store ddp_run serves
     st = build_state(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(st.model)
     model = st.model
@@ -169,9 +162,15 @@ def ddp_run(cfg: ReplicaConfig, warmup: int, name: str = "ddp") -> float:
     ctx = mp.get_context("spawn")
     world = len(cfg.groups)
     out = ctx.Queue()
-    port = _free_port()
-    ps = [ctx.Process(target=_ddp_rank, args=(r, world, cfg.to_dict(), port, out), daemon=True) for r in range(world)]
-    return _collect(ps, out, warmup, name)
+    # the rendezvous, served here on the port the OS gave it as it listened (held until the
+    # ranks are done): a port found free and handed over could be taken in between
+    served = serve_store(timeout_s=120)
+    ps = [ctx.Process(target=_ddp_rank, args=(r, world, cfg.to_dict(), served.port, out), daemon=True)
+          for r in range(world)]
+    try:
+        return _collect(ps, out, warmup, name)
+    finally:
+        del served
 
 
 def bare_run(cfg: ReplicaConfig, warmup: int, name: str = "ftbare") -> float:

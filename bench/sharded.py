@@ -20,11 +20,9 @@ Usage: python bench/sharded.py [--state-mib 256] [--rounds 5] [--dir DIR]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,12 +33,6 @@ sys.path.insert(0, ROOT)
 
 MiB = 1 << 20
 WIDTH = 1024  # one layer: WIDTH x WIDTH float32 = 4 MiB
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(world: int, state_mib: int) -> tuple:
@@ -87,7 +79,9 @@ def _save_job(rank: int, world: int, port: int, args: argparse.Namespace, q) -> 
     import ckpt
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    from runs.common.procs import join_gloo
+
+    join_gloo(rank, world, port, timeout_s=1800)  # the store _run serves
     m, opt = _build(world, args.state_mib)
     rows = []
     for r in range(args.rounds):
@@ -124,7 +118,9 @@ def _load_job(rank: int, world: int, port: int, args: argparse.Namespace, q) -> 
     import ckpt
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    from runs.common.procs import join_gloo
+
+    join_gloo(rank, world, port, timeout_s=1800)  # the store _run serves
     # Same global shapes as the saving job (sized for 4 ranks), sharded over 2.
     m, opt = _build(world, args.state_mib)
     last = args.rounds - 1
@@ -158,7 +154,12 @@ def _run(target, world: int, args: argparse.Namespace) -> dict:
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    # the rendezvous, served here on the port the OS gave it as it listened (held until the
+    # ranks are done): a port found free and handed over could be taken in between
+    from runs.common.procs import serve_store
+
+    served = serve_store(timeout_s=1800)
+    port = served.port
     procs = [ctx.Process(target=target, args=(r, world, port, args, q)) for r in range(world)]
     for p in procs:
         p.start()

@@ -14,10 +14,8 @@ Run:  python bench/snapshot.py [--mib 64] [--snapshots 3] [--procs 4]
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -30,11 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from runs.common.procs import serve_store  # noqa: E402
 
 
 class Model:
@@ -63,8 +57,9 @@ def _worker(rank: int, world: int, port: int, out: str, mib: int, n_snaps: int, 
     from replay.snapshot import CkptSnapshotStore, SnapshotAgent, TorchStoreControl
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    from runs.common.procs import join_gloo
+
+    store = join_gloo(rank, world, port, timeout_s=300, store_timeout_s=120)  # the store main() serves
     names = [f"r{i}" for i in range(world)]
     model = Model(mib, rank)
     ep = Endpoint(TorchDistTransport(names))
@@ -167,7 +162,10 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="bench-snapshot-")
     try:
         ctx = torch.multiprocessing.get_context("spawn")
-        port = _free_port()
+        # the rendezvous, served here on the port the OS gave it as it listened: a port
+        # found free and handed over could be taken in between
+        served = serve_store(timeout_s=300)
+        port = served.port
         procs = [ctx.Process(target=_worker, args=(r, args.procs, port, out, args.mib, args.snapshots, not args.no_prewarm))
                  for r in range(args.procs)]
         for p in procs:

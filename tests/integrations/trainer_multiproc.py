@@ -185,9 +185,23 @@ def launch(cmd: list[str], *, expect_kill: bool) -> str:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import hangs
 
+    import worlds
+
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE",
-                                                             "LOCAL_RANK")}
-    p = hangs.run(cmd, bound_s=hangs.hang_s(60.0, floor_s=600.0), env=env)
+                                                             "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
+    store = None
+    if "torch.distributed.run" not in cmd:
+        # Lightning's launcher, left alone, picks a port it found free and closed: another
+        # job (pytest-xdist runs three) could take it before rank 0 listens. This process
+        # serves the rendezvous on a port the OS assigned as it listened, and both ranks
+        # join it as clients, as under torchrun's agent; Lightning uses a MASTER_PORT it is
+        # given. (torchrun --standalone holds the port it binds itself.)
+        store = worlds.agent_store()
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    try:
+        p = hangs.run(cmd, bound_s=hangs.hang_s(60.0, floor_s=600.0), env=env)
+    finally:
+        del store  # the job has exited: its rendezvous goes with it
     if expect_kill and p.returncode == -signal.SIGKILL:
         return p.stderr
     if p.returncode != 0 or expect_kill:
