@@ -57,7 +57,8 @@ def test_a_replacement_that_skipped_a_fragment_is_not_waited_for(tmp_path: Path,
     sy = res.syncer
     assert [(j["endpoint"], j["started"]) for j in sy.joins if j["endpoint"] == "learner-2~1"] == [("learner-2~1", 11)]
     step4 = sy.plans[4]  # round 2, fragment 0: merged without the replacement that skipped it
-    assert step4["members"] == ["learner-0"] and step4["minimum"] == 1
+    # (a contribution of round 1 that came after its merge may join learner-0's as stale)
+    assert "learner-0" in step4["members"] and "learner-2" not in step4["members"] and step4["minimum"] == 1
     assert sy.steps == cfg.syncer_steps and [o.final_t for o in res.learners if o.state] == [cfg.steps] * 4
     monkeypatch.undo()
     rr = replay(res.tape, mode="force")
@@ -71,7 +72,7 @@ def test_a_failed_syncer_ends_every_learner_thread(tmp_path: Path, monkeypatch: 
     # must still end every learner thread at once, not leave them blocked.
     runs: list[Any] = []
 
-    class Recorded(diloco_run.Threads):  # type: ignore[name-defined]
+    class Recorded(diloco_run.Threads):
         def __init__(self, **kw: Any) -> None:
             super().__init__(**kw)
             runs.append(self)
