@@ -31,6 +31,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from runs.common.procs import join_gloo, serve_store  # noqa: E402  (torch-free)
+
 MiB = 1 << 20
 WIDTH = 1024  # one layer: WIDTH x WIDTH float32 = 4 MiB
 
@@ -79,8 +81,6 @@ def _save_job(rank: int, world: int, port: int, args: argparse.Namespace, q) -> 
     import ckpt
 
     torch.set_num_threads(1)
-    from runs.common.procs import join_gloo
-
     join_gloo(rank, world, port, timeout_s=1800)  # the store _run serves
     m, opt = _build(world, args.state_mib)
     rows = []
@@ -118,8 +118,6 @@ def _load_job(rank: int, world: int, port: int, args: argparse.Namespace, q) -> 
     import ckpt
 
     torch.set_num_threads(1)
-    from runs.common.procs import join_gloo
-
     join_gloo(rank, world, port, timeout_s=1800)  # the store _run serves
     # Same global shapes as the saving job (sized for 4 ranks), sharded over 2.
     m, opt = _build(world, args.state_mib)
@@ -156,8 +154,6 @@ def _run(target, world: int, args: argparse.Namespace) -> dict:
     q = ctx.Queue()
     # the rendezvous, served here on the port the OS gave it as it listened (held until the
     # ranks are done): a port found free and handed over could be taken in between
-    from runs.common.procs import serve_store
-
     served = serve_store(timeout_s=1800)
     port = served.port
     procs = [ctx.Process(target=target, args=(r, world, port, args, q)) for r in range(world)]
