@@ -12,7 +12,9 @@ import torch
 from click.testing import CliRunner
 
 import ckpt
+import runs.diloco.run as diloco_run
 from ckpt_cli.main import cli
+from replay.channel import Message, MessageKind, actor_of
 from replay.check import check_tape
 from runs.diloco import record
 from runs.diloco.restore import read_snapshot, restore_run
@@ -21,7 +23,7 @@ from replay.errors import SnapshotError
 from replay.replayer import replay
 from replay.tape import TapeReader
 
-from tests.runs.diloco._kit import tiny
+from tests.runs.diloco._kit import Gate, gated_network, tiny
 
 
 def _cfg(**kw: object):
@@ -279,18 +281,28 @@ def test_syncer_crash_continues_live_from_the_newest_snapshot(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_a_partial_snapshot_continues_live_and_the_left_out_learners_rejoin(tmp_path: Path) -> None:
+def test_a_partial_snapshot_continues_live_and_the_left_out_learners_rejoin(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """After a syncer fault the run continues from a snapshot that left a learner out while
     it was still recovering: the syncer and the included learners start from their parts,
     the left-out one starts afresh and recovers from a healthy peer as it does live; the
     new tape checks clean and a forced replay of it reproduces the continued run."""
     from runs.diloco.restore import continue_run
 
-    # The healthy peer (learner-0, which never dies) is slow: a replacement activated at a
-    # syncer step waits for it at least one of its steps (0.1 s), while the syncer cuts
-    # the next snapshot right away, so that snapshot leaves the replacement out.
-    res = record(tmp_path / "run1" / "tape", tiny(snapshot_every=1, snapshot_keep=50, snapshot_wait=True),
-                 delay_of=lambda actor, inc: 0.1 if actor == "learner-0" else 0.0)
+    # Forced by events, not by a slow peer (a 0.1 s delay once lost the race at load 14):
+    # a replacement's "joined" (and all it sends the syncer after it) is held until the
+    # syncer has sent a marker of a cut that has neither the replacement nor the learner it
+    # replaces inside, that is a cut taken while it was recovering.
+    def left_out(m: Message) -> bool:
+        parts = [actor_of(str(e)) for e in m.meta.get("participants", ())]
+        return bool(gate.held) and m.kind == MessageKind.MARKER and m.src == "syncer" and \
+            all(actor_of(h.src) not in parts for h in gate.held)
+
+    gate = Gate(lambda m: m.dst == "syncer" and m.meta.get("kind") == "joined", until=left_out)
+    monkeypatch.setattr(diloco_run, "InProcessNetwork", gated_network([gate]))
+    res = record(tmp_path / "run1" / "tape", tiny(snapshot_every=1, snapshot_keep=50, snapshot_wait=True))
+    assert gate.open and not gate.held
+    monkeypatch.undo()
     partial = [k for k in list_snapshots(tmp_path / "run1" / "checkpoints") if "recovering" in _policy(k).values()]
     assert partial, "a replacement is still recovering at the cut right after its activation"
     snap = partial[0]
