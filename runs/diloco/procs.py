@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 
 from replay.channel import Endpoint
+from replay.watchdog import hang_bound
 from runs.diloco.chaos import Schedule, learner_names
 from runs.diloco.config import DiLoCoConfig
 from runs.diloco.learner import LearnerCtx, run_learner, sigkill_self
@@ -35,8 +36,10 @@ __all__ = ["run_processes"]
 
 def _timeout_s(cfg: DiLoCoConfig) -> float:
     # A receiver thread waits on gloo with the group's timeout; spares and learner<->learner
-    # channels idle for the whole run, so the timeout must exceed the run.
-    return max(600.0, 20 * cfg.io_timeout_s)
+    # channels idle for the whole run, so the timeout must exceed the run: a hang bound
+    # (20 min at the demo's 60 s I/O timeout, 10x and more its quiet length), which a
+    # loaded machine widens with CKPT_TIMEOUT_SCALE like every other bound.
+    return hang_bound(max(60.0, 2 * cfg.io_timeout_s))
 
 
 def _join(cfg: DiLoCoConfig, rank: int, world: int, port: int, store: Any = None) -> Any:
