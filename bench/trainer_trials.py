@@ -62,8 +62,11 @@ def main() -> None:
             launch(command(trainer, loader, os.path.join(base, "straight-run"), straight, a.steps), expect_kill=False)
             same = 0
             t0 = time.perf_counter()
-            for i in range(a.trials):
-                kill, where = T.draw(rng, a.steps)
+            # 2 processes, stateful loader: the suite's fixed epoch points (resume in the third
+            # epoch; a save after an epoch's last batch) on every trainer, then the random ones
+            fixed = [(k, w) for k, w, _ in M.EPOCH_POINTS] if a.multiproc and loader == "stateful" else []
+            for i in range(len(fixed) + a.trials):
+                kill, where = fixed[i] if i < len(fixed) else T.draw(rng, a.steps)
                 run, out = os.path.join(base, f"t{i}-run"), os.path.join(base, f"t{i}-out")
                 try:
                     launch(command(trainer, loader, run, out, a.steps, kill, where), expect_kill=True)
@@ -74,7 +77,7 @@ def main() -> None:
                 same += not diff
                 print(f"  {mode} kill {where}@{kill}: {'identical' if not diff else 'DIFFERENT: ' + '; '.join(diff[:4])}",
                       flush=True)
-            rows.append((mode, a.trials, same, time.perf_counter() - t0))
+            rows.append((mode, len(fixed) + a.trials, same, time.perf_counter() - t0))
     print(f"\n{'trainer/loader':24} {'trials':>6} {'identical':>9}")
     for mode, n, same, _ in rows:
         print(f"{mode:24} {n:>6} {same:>9}")

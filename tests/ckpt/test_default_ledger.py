@@ -298,26 +298,26 @@ def _check(cwd, *command, work):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("work", ["relative", "absolute"])
-def test_check_resume_runs_the_script_where_it_lives_with_its_own_output_per_run(tmp_path, work):
+def test_check_resume_runs_the_script_where_it_lives_with_its_own_output_per_run(tmp_path):
     """The script reads data/input.txt relative to its working directory and resumes only
-    when told (--init_from=resume): {run} and {resume} need no wrapper."""
+    when told (--init_from=resume): {run} and {resume} need no wrapper. The first check's
+    work directory is relative (to where the check runs), the second's absolute (elsewhere):
+    where it lies changes nothing but where the runs go."""
     _data(tmp_path)
-    w = "chk" if work == "relative" else str(tmp_path / "elsewhere" / "chk")
-    res = _check(tmp_path, "--out_dir={run}", "--init_from={resume}", "--port=guided", work=w)
+    res = _check(tmp_path, "--out_dir={run}", "--init_from={resume}", "--port=guided", work="chk")
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.rstrip().endswith("IDENTICAL")
     assert "checkpoint ckpt: identical (tensors and used RNG streams, bit for bit)" in res.stdout
     assert "resumed process said: resume verified exact over steps 9..10" in res.stdout
-    root = tmp_path / "chk" if work == "relative" else tmp_path / "elsewhere" / "chk"
-    assert (root / "straight" / "ckpt").is_dir() and (root / "resumed" / "ledger").is_dir()
-    assert sorted(os.listdir(tmp_path)) == (["chk", "data"] if work == "relative" else ["data", "elsewhere"])
-    if work == "absolute":
-        return  # where the work directory lies changes nothing below: one run shows it
-    swap = _check(tmp_path, "--out_dir={run}", "--init_from={resume}", "--port=swap", work=w + "2")
+    assert (tmp_path / "chk" / "straight" / "ckpt").is_dir() and (tmp_path / "chk" / "resumed" / "ledger").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["chk", "data"]
+    elsewhere = tmp_path / "elsewhere" / "chk"
+    swap = _check(tmp_path, "--out_dir={run}", "--init_from={resume}", "--port=swap", work=str(elsewhere))
     assert swap.returncode == 6 and swap.stdout.rstrip().endswith("DIFFERENT"), swap.stdout + swap.stderr
+    assert (elsewhere / "straight" / "ckpt").is_dir() and (elsewhere / "resumed" / "ledger").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["chk", "data", "elsewhere"]
     assert "resumed process said: resume diverged at step 9 (first compared step 9): RNG stream torch_cpu differs " \
-           "before the optimizer step" in swap.stdout
+        "before the optimizer step" in swap.stdout
     # the runs' out_dir and init_from differ by design: said apart, never a difference of the state
     (state_line,) = [ln for ln in swap.stdout.splitlines() if ln.startswith("checkpoint ckpt: differs in ")]
     assert "rng" in state_line and "config" not in state_line

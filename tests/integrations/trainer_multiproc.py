@@ -33,6 +33,10 @@ import trainer_trial as T  # noqa: E402
 
 import ckpt  # noqa: E402
 
+# The fixed kill points of the stateful-loader trials (48 samples, 2 ranks, batch 4,
+# accumulation 2: 3 steps an epoch): killed at step 9, resumed from the save of step 8 in
+# the third epoch; killed right after the save of step 12, after an epoch's last batch.
+EPOCH_POINTS = ((9, "step", "third-epoch"), (12, "save", "epoch-end"))
 PROCS = 2
 ROOT_ENV = "CKPT_TRIAL_ROOT"  # pid of the launcher: the kill takes down every process under it
 
