@@ -30,7 +30,7 @@ demo: venv
 # Independent tests run side by side (pytest-xdist): many wait on subprocesses, so more
 # workers than cores pays; `--dist loadgroup` keeps each shared run's readers on one worker.
 # TEST_WORKERS=0 runs them in this one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: venv
 	$(BIN)/python -m pytest -q -m "not cuda" $(XDIST)
