@@ -193,6 +193,16 @@ def main() -> None:
     ap.add_argument("--cap-mbps", type=float, default=0.0,
                     help="put a bandwidth-capped proxy (bench/throttle.py, MB/s each way) between every client and the server")
     args = ap.parse_args()
+    import importlib.util
+
+    if importlib.util.find_spec("s3fs") is None:
+        # The references (s3fs, and DCP's fsspec writer on it) are not in the environment
+        # `make venv` builds: s3fs's aiobotocore pins botocore below the boto3 that moto
+        # needs, so installing it there breaks the S3 tests' server. Said, not hidden.
+        print("bench/object_store.py: not run: s3fs is not installed (it would downgrade botocore below "
+              "boto3's pin); run it in a separate environment: python -m venv /tmp/v && /tmp/v/bin/pip install "
+              "torch==2.13.0 -e '.[test,s3]' s3fs")
+        return
     from s3server import start
 
     server = start()
