@@ -687,8 +687,8 @@ class SnapshotAgent:
                 return
             self.control.set(f"{key}/part/{self.actor}", _pack({"record": record, "summary": summary}))
         finally:
+            # (the data state, small, stays out of the pool here: close() may still release it)
             self.pool.release({k: v for k, v in tree.items() if k != CHANNELS_KEY})
-            self.pool.release(s.data)
             self.stats.setdefault(s.name, {})["write_s"] = time.perf_counter() - t0
             s.write_done.set()
 
