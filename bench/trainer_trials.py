@@ -64,7 +64,7 @@ def main() -> None:
             t0 = time.perf_counter()
             # 2 processes, stateful loader: the suite's fixed epoch points (resume in the third
             # epoch; a save after an epoch's last batch) on every trainer, then the random ones
-            fixed = [(k, w) for k, w, _ in M.EPOCH_POINTS] if a.multiproc and loader == "stateful" else []
+            fixed = [(k, w) for k, w, _ in M.EPOCH_POINTS if k < a.steps] if a.multiproc and loader == "stateful" else []
             for i in range(len(fixed) + a.trials):
                 kill, where = fixed[i] if i < len(fixed) else T.draw(rng, a.steps)
                 run, out = os.path.join(base, f"t{i}-run"), os.path.join(base, f"t{i}-out")
