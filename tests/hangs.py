@@ -6,6 +6,9 @@
   meanwhile): ``subprocess.run`` whose bound, when it expires, makes the child's whole
   process group dump its Python stacks (``PYTHONFAULTHANDLER`` + SIGABRT) and then fails
   the test naming the hang, with everything the command printed;
+- with ``py-spy`` installed (the ``test`` extra), a hang also records every process's native
+  and Python stacks, all threads (the gloo collective a rank waits in, a thread stuck in a
+  C call, which ``faulthandler`` cannot show), before the SIGABRT;
 - tests/conftest.py scales every pytest-timeout bound (the ini default and each
   ``@pytest.mark.timeout``) by the same knob.
 """
@@ -13,8 +16,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import pytest
@@ -57,6 +63,7 @@ def communicate(p: subprocess.Popen, *, bound_s: float, input: Any = None) -> tu
     # its group's signal, and an orphaned rank holding the pipes would keep the reads below
     # waiting for ever.
     tree = proctree.tree(p.pid)
+    native = native_stacks(tree)
     _signal(p, signal.SIGABRT, own_group)  # the command (and its workers) dump their stacks
     _kill_all(tree, signal.SIGABRT)
     try:
@@ -73,7 +80,29 @@ def communicate(p: subprocess.Popen, *, bound_s: float, input: Any = None) -> tu
             out = err = "(the output could not be read: a process outside its tree holds the pipes)"
     pytest.fail(f"HANG: {p.args!r} had not exited after {bound_s:.0f} s (a hang bound: 10x its quiet time "
                 f"times CKPT_TIMEOUT_SCALE={scale():g}); its processes' stacks follow its output.\n"
-                f"--- stdout ---\n{out}\n--- stderr (stacks at the end) ---\n{err}", pytrace=False)
+                f"--- stdout ---\n{out}\n--- stderr (stacks at the end) ---\n{err}\n"
+                f"--- native stacks (py-spy dump --native, before the SIGABRT) ---\n{native}", pytrace=False)
+
+
+def native_stacks(pids: Sequence[int]) -> str:
+    """``py-spy dump --native`` of each process (every thread's C and Python frames), or why not."""
+    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if spy is None:
+        return "(py-spy is not installed: only faulthandler's Python stacks)"
+    out = []
+    for q in pids:
+        try:
+            cmdline = Path(f"/proc/{q}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+        except OSError:
+            continue
+        try:
+            r = subprocess.run([spy, "dump", "--native", "--pid", str(q)], capture_output=True, text=True,
+                               timeout=60)  # a bound on the dump itself; the hang is already called
+            dump = r.stdout + r.stderr
+        except subprocess.TimeoutExpired:
+            dump = "(py-spy did not finish in 60 s)"
+        out.append(f"==== pid {q}: {cmdline}\n{dump}")
+    return "\n".join(out)
 
 
 def _kill_all(pids: list[int], sig: int) -> None:

@@ -30,6 +30,10 @@ def test_a_hung_command_with_a_worker_in_its_own_session_fails_naming_the_hang()
     with pytest.raises(_pytest.outcomes.Failed, match="HANG") as e:
         hangs.run([sys.executable, "-c", _LAUNCHER], bound_s=3.0)
     assert "launcher up" in str(e.value)
+    # with py-spy installed (the test extra), both processes' native stacks are in the report
+    native = str(e.value).split("--- native stacks")[1]
+    if "py-spy is not installed" not in native:
+        assert native.count("==== pid ") == 2 and native.count("sleep") >= 2, native
     # the worker is gone too: nothing of the command is left running
     assert not [line for line in os.popen("ps -eo args").read().splitlines() if "worker up" in line]
     assert time.monotonic() - t0 < hangs.hang_s(60.0)  # a hang bound of its own, not a speed verdict
