@@ -20,7 +20,6 @@ os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 def pytest_collection_modifyitems(config, items):
     result = yield  # after every plugin's own (the -m selection, pytest-xdist's)
     _xdist_groups(config, items)
-    _slow_first(config, items)
     _scale_timeouts(config, items)
     try:
         import torch
@@ -57,16 +56,6 @@ def _xdist_groups(config, items) -> None:
             item._id = NodeId.parse(grouped)
         else:
             item._nodeid = grouped
-
-
-def _slow_first(config, items) -> None:
-    """``--dist loadgroup`` hands out the groups of several tests first (largest first), then
-    single tests in collection order, one at a time as workers free up: a multi-process test
-    collected late ran alone at the end while the other workers sat idle. The ``slow`` tests
-    go first (a stable sort: their own order, and every worker's collection, stays the same),
-    so the short ones fill the gaps at the end."""
-    if getattr(config.option, "loadgroup", False):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 _TORCH_THREADS: list[int] = []
